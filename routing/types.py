@@ -1,0 +1,40 @@
+"""Small value types shared by the routing core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Tier(StrEnum):
+    """Where a KV block lives."""
+
+    HBM = "hbm"  # GPU memory of one replica: free to reuse
+    CPU = "cpu"  # CPU RAM of one replica (offload tier): swap-in over PCIe
+    REMOTE = "remote"  # a shared remote KV tier: a network fetch
+
+
+class TenantClass(StrEnum):
+    CRITICAL = "critical"
+    STANDARD = "standard"
+    BATCH = "batch"
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """One place that can hold KV blocks: a replica's HBM or CPU tier, or a named remote tier."""
+
+    holder: str  # replica name, or remote tier name for Tier.REMOTE
+    tier: Tier
+
+    def key(self) -> str:
+        return f"{self.tier.value}:{self.holder}"
+
+    @classmethod
+    def parse(cls, key: str) -> Location:
+        tier, _, holder = key.partition(":")
+        return cls(holder=holder, tier=Tier(tier))
+
+
+BlockHits = list[frozenset[Location]]
+"""Per block of a prompt, in order, the locations that hold it; ends before the first block no one holds."""
