@@ -19,6 +19,7 @@ label (a metric label, a response header, and what tests assert on).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -178,15 +179,16 @@ def _prefix_hash(
     request: RouteRequest, candidates: Sequence[Candidate], scores: tuple[Score, ...]
 ) -> Decision:
     hashes = request.hashes
+    # a prompt shorter than one block has no hash; its length is the only key left
     key = hashes[min(PREFIX_KEY_BLOCKS, len(hashes)) - 1] if hashes else request.prompt_tokens
     key_bytes = key.to_bytes(8, "little")
     by_weight = sorted(
         candidates,
-        key=lambda c: xxhash.xxh3_64_intdigest(key_bytes, seed=xxhash.xxh3_64_intdigest(c.name)),
+        key=lambda c: xxhash.xxh3_64_intdigest(key_bytes, seed=xxhash.xxh3_64_intdigest(c.name.encode())),
         reverse=True,
     )
-    total = sum(c.load.in_flight for c in candidates) + 1
-    bound = max(1, -(-int(LOAD_BOUND * total * 1000) // (1000 * len(candidates))))
+    total = sum(c.load.in_flight for c in candidates) + 1  # counting this request
+    bound = math.ceil(LOAD_BOUND * total / len(candidates))
     within = [c for c in by_weight if c.load.in_flight + 1 <= bound]
     order = within + [c for c in by_weight if c not in within]
     reason = Reason.PREFIX_HASH if order[0] is by_weight[0] else Reason.PREFIX_HASH_SPILL

@@ -1,0 +1,1 @@
+"""cachelane's HTTP edge: OpenAI endpoints, streaming proxy, replica registry, metrics, CLI."""

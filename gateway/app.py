@@ -1,0 +1,334 @@
+"""The FastAPI app: OpenAI endpoints in front of the replicas, plus health, readiness, metrics
+and /debug/route. Built by `create_app(config)`; the lifespan owns every long-lived resource."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError, bad_request
+from gateway.metrics import Metrics
+from gateway.planner import Plan, Planner
+from gateway.proxy import Proxy
+from gateway.registry import HealthChecker, Registry, Replica
+from routing.index import Index, MemoryIndex
+from routing.types import Location, Tier
+
+log = logging.getLogger("cachelane.app")
+
+
+def build_index(config: GatewayConfig, registry: Registry) -> Index:
+    """The configured index, bounded by each location's capacity (HBM spills to the CPU tier)."""
+    block = config.routing.block_size_tokens
+    pools = {name: r.pool for name, r in registry.replicas.items()}
+    remote_caps = {t.name: t.capacity_tokens // block for t in config.remote_tiers}
+
+    def capacity_blocks(loc: Location) -> int | None:
+        if loc.tier is Tier.REMOTE:
+            return remote_caps.get(loc.holder)
+        pool = pools.get(loc.holder)
+        if pool is None:
+            return None
+        tokens = pool.hbm_capacity_tokens if loc.tier is Tier.HBM else pool.cpu_capacity_tokens
+        return tokens // block
+
+    def spill_to(loc: Location) -> Location | None:
+        pool = pools.get(loc.holder)
+        if loc.tier is Tier.HBM and pool is not None and pool.cpu_capacity_tokens:
+            return Location(loc.holder, Tier.CPU)
+        return None
+
+    if config.index.backend == "redis":
+        from routing.index_redis import RedisIndex
+
+        return RedisIndex.from_url(
+            config.index.redis_url,
+            cluster=config.index.redis_cluster,
+            ttl_s=config.index.ttl_s,
+            capacity_blocks=capacity_blocks,
+            spill_to=spill_to,
+        )
+    return MemoryIndex(ttl_s=config.index.ttl_s, capacity_blocks=capacity_blocks, spill_to=spill_to)
+
+
+def _key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class Gateway:
+    """Everything one running gateway owns; created in the lifespan, read by the handlers."""
+
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.registry = Registry(config)
+        self.index = build_index(config, self.registry)
+        self.planner = Planner(config, self.registry, self.index, self.metrics)
+        self.proxy = Proxy(
+            client, self.registry, self.planner, self.metrics, retries=config.upstream.retries
+        )
+        self.health = HealthChecker(
+            self.registry,
+            client,
+            interval_s=config.health.interval_s,
+            timeout_s=config.health.timeout_s,
+            on_change=self._replica_changed,
+        )
+        self._key_digests = [_key_digest(k) for k in config.auth.api_keys]
+
+    async def _replica_changed(self, replica: Replica, healthy: bool) -> None:
+        self.metrics.replica_healthy.labels(replica.name).set(1 if healthy else 0)
+        if not healthy:
+            # Its cache may be gone (restart) or unreachable; stale entries would route to it.
+            try:
+                await self.index.drop_replica(replica.name)
+            except Exception as err:
+                self.metrics.index_errors.labels("drop_replica").inc()
+                log.warning("could not drop %s from the index: %r", replica.name, err)
+
+    def authenticate(self, request: Request) -> None:
+        if not self._key_digests:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        digest = _key_digest(key.strip()) if scheme.lower() == "bearer" else b""
+        # compare against every key, so timing does not reveal which one nearly matched
+        matched = False
+        for known in self._key_digests:
+            matched |= hmac.compare_digest(digest, known)
+        if not matched:
+            raise ApiError(
+                401,
+                "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        up = config.upstream
+        limits = httpx.Limits(
+            max_connections=up.max_connections,
+            max_keepalive_connections=up.max_connections,
+            keepalive_expiry=60.0,
+        )
+        timeout = httpx.Timeout(
+            connect=up.connect_timeout_s, read=up.read_timeout_s, write=30.0,
+            pool=up.connect_timeout_s,
+        )
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            gw = Gateway(config, client)
+            app.state.gw = gw
+            for replica in gw.registry.replicas.values():
+                gw.metrics.replica_healthy.labels(replica.name).set(0)
+            await gw.health.check_all()
+            checker = asyncio.create_task(gw.health.run(), name="health-checks")
+            try:
+                yield
+            finally:
+                checker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checker
+                await gw.index.close()
+
+    app = FastAPI(title="cachelane", version="0.1.0", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(request, "completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gw: Gateway = request.app.state.gw
+        gw.authenticate(request)
+        names = sorted(gw.registry.known_models())
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "cachelane"} for m in names
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        gw: Gateway = request.app.state.gw
+        replicas = {
+            r.name: {
+                "healthy": r.healthy,
+                "pool": r.pool.name,
+                "models": sorted(r.models),
+                "in_flight": r.in_flight,
+                "last_error": r.last_error,
+            }
+            for r in gw.registry.replicas.values()
+        }
+        ok = any(r.healthy for r in gw.registry.replicas.values())
+        body = {
+            "ready": ok,
+            "index": {"backend": config.index.backend, "ok": True},
+            "replicas": replicas,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        gw: Gateway = request.app.state.gw
+        for r in gw.registry.replicas.values():
+            gw.metrics.replica_in_flight.labels(r.name).set(r.in_flight)
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/debug/route")
+    async def debug_route(request: Request) -> dict[str, Any]:
+        gw: Gateway = request.app.state.gw
+        gw.authenticate(request)
+        body = await _read_json(request, gw.config.max_body_bytes)
+        endpoint = "chat" if "messages" in body else "completions"
+        plan = await gw.planner.plan(endpoint, body)
+        return explain(plan)
+
+    return app
+
+
+def explain(plan: Plan) -> dict[str, Any]:
+    d = plan.decision
+    return {
+        "policy": d.policy.value,
+        "replica": d.replica,
+        "reason": d.reason.value,
+        "ranking": list(d.ranking),
+        "prompt_tokens": plan.prompt_tokens,
+        "blocks": len(plan.hashes),
+        "est_ttft_ms": round(d.est_ttft_s * 1000, 3),
+        "expected_cached_tokens": d.expected_cached_tokens,
+        "decision_ms": round(plan.decision_s * 1000, 3),
+        "candidates": [
+            {
+                "replica": s.replica,
+                "overlap": asdict(s.overlap),
+                "estimate_ms": {
+                    k: round(v * 1000, 3) for k, v in asdict(s.estimate).items()
+                    if isinstance(v, float)
+                }
+                | {"ttft": round(s.estimate.ttft_s * 1000, 3)},
+                "remote_fetch": s.estimate.remote_fetch,
+                "expected_cached_tokens": s.expected_cached_tokens,
+            }
+            for s in d.scores
+        ],
+    }
+
+
+async def _read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    request.state.raw_body = raw
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad_request(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(
+        413, f"the request body is larger than {max_bytes} bytes", code="request_too_large"
+    )
+
+
+async def _serve(request: Request, endpoint: str) -> Response:
+    gw: Gateway = request.app.state.gw
+    status = 500
+    try:
+        gw.authenticate(request)
+        body = await _read_json(request, gw.config.max_body_bytes)
+        plan = await gw.planner.plan(endpoint, body)
+        _count_decision(gw, plan)
+        response = await gw.proxy.forward(
+            endpoint, request.state.raw_body, plan, stream=bool(body.get("stream"))
+        )
+        status = response.status_code
+        return response
+    except ApiError as err:
+        status = err.status
+        raise
+    finally:
+        gw.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def _count_decision(gw: Gateway, plan: Plan) -> None:
+    d = plan.decision
+    gw.metrics.decisions.labels(d.policy.value, d.reason.value, d.replica).inc()
+    gw.metrics.decision_seconds.observe(plan.decision_s)
+    gw.metrics.expected_cached_tokens.inc(d.expected_cached_tokens)
+    gw.metrics.prompt_tokens.inc(plan.prompt_tokens)
+    log.debug(
+        "route %s -> %s (%s) est %.1f ms cached %d",
+        plan.model, d.replica, d.reason.value, d.est_ttft_s * 1000, d.expected_cached_tokens,
+    )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def metrics_of(request: Request) -> Metrics | None:
+        gw = getattr(request.app.state, "gw", None)
+        return gw.metrics if gw is not None else None
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        m = metrics_of(request)
+        if m is not None:
+            m.errors.labels(err.code).inc()
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        return await api_error(request, ApiError(err.status_code, str(err.detail), code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        return await api_error(request, bad_request(str(err.errors()), code="invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        return await api_error(
+            request,
+            ApiError(500, "internal gateway error", code="internal_error", type="server_error"),
+        )

@@ -1,0 +1,177 @@
+"""`cachelane`: serve the gateway, run simulated replicas, run the demo, explain a decision."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import httpx
+
+from gateway.config import ConfigError, GatewayConfig, load_config, quick_config
+from routing.decide import Policy
+
+EPILOG = """\
+examples:
+  cachelane demo                                   # the whole story in under 2 minutes
+  cachelane sim --replicas 4 --port 9001           # 4 simulated GPU replicas on 9001..9004
+  cachelane serve --replicas http://127.0.0.1:9001,http://127.0.0.1:9002
+  cachelane serve --config deploy/examples/sim-fleet.yaml
+  cachelane route-explain --prompt "You are a helpful assistant..." --model sim-llama-8b
+"""
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    try:
+        config = _serve_config(args)
+    except ConfigError as err:
+        print(f"cachelane: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.listen.host,
+        port=config.listen.port,
+        log_level=args.log_level,
+        access_log=False,
+    )
+    return 0
+
+
+def _serve_config(args: argparse.Namespace) -> GatewayConfig:
+    if args.config and args.replicas:
+        raise ConfigError("give either --config or --replicas, not both")
+    if args.config:
+        config = load_config(args.config)
+        listen = config.listen.model_copy(
+            update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        )
+        routing = config.routing
+        if args.policy:
+            routing = routing.model_copy(update={"policy": Policy(args.policy)})
+        return config.model_copy(update={"listen": listen, "routing": routing})
+    if not args.replicas:
+        raise ConfigError("give --config FILE or --replicas URL[,URL...]")
+    urls = [u.strip() for u in args.replicas.split(",") if u.strip()]
+    return quick_config(
+        urls,
+        policy=Policy(args.policy or Policy.CACHE_AWARE.value),
+        host=args.host or "127.0.0.1",
+        port=args.port if args.port is not None else 8000,
+    )
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from loadtest.sim.fleet import run
+
+    return run(args) or 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from loadtest.demo import run_demo
+
+    return run_demo(args)
+
+
+def _route_explain(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    if args.file:
+        body = json.loads(Path(args.file).read_text())
+    else:
+        body = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}]}
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = httpx.post(f"{args.gateway}/debug/route", json=body, headers=headers, timeout=10)
+    except httpx.HTTPError as err:
+        print(f"cachelane: cannot reach the gateway at {args.gateway}: {err}", file=sys.stderr)
+        return 1
+    data = resp.json()
+    if resp.status_code != 200:
+        print(f"cachelane: {resp.status_code}: {data.get('error', data)}", file=sys.stderr)
+        return 1
+    console = Console()
+    console.print(
+        f"[bold]{data['policy']}[/] -> [bold green]{data['replica']}[/] "
+        f"because [bold]{data['reason']}[/]; ~{data['prompt_tokens']} prompt tokens, "
+        f"est. TTFT {data['est_ttft_ms']} ms, {data['expected_cached_tokens']} cached tokens "
+        f"expected (decided in {data['decision_ms']} ms)"
+    )
+    table = Table("replica", "hbm", "cpu", "remote", "queue ms", "swap ms", "remote ms",
+                  "prefill ms", "est TTFT ms")
+    for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
+        o, e = c["overlap"], c["estimate_ms"]
+        table.add_row(
+            c["replica"], str(o["hbm_tokens"]), str(o["cpu_tokens"]), str(o["remote_tokens"]),
+            f"{e['queue_s']:.2f}", f"{e['swap_s']:.2f}", f"{e['remote_s']:.2f}",
+            f"{e['prefill_s']:.2f}", f"{e['ttft']:.2f}",
+        )
+    console.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachelane",
+        description="OpenAI-compatible gateway that routes LLM requests by where their KV cache "
+        "lives.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the gateway in front of OpenAI-compatible replicas")
+    serve.add_argument("--config", help="YAML config file (see deploy/examples/)")
+    serve.add_argument("--replicas", help="quick start without a file: comma-separated URLs")
+    serve.add_argument("--policy", choices=[p.value for p in Policy],
+                       help="routing policy (default: cache_aware, or the config's)")
+    serve.add_argument("--host", help="listen address (default 127.0.0.1, or the config's)")
+    serve.add_argument("--port", type=int, help="listen port (default 8000, or the config's)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+
+    from loadtest.sim.fleet import build_parser as sim_parser
+
+    sub.add_parser(
+        "sim", parents=[sim_parser(add_help=False)], help="run simulated GPU replicas",
+        description="Run simulated GPU replicas (OpenAI-compatible servers with HBM/CPU/remote "
+        "KV tiers and real sleeps).",
+    ).set_defaults(func=_sim)
+
+    from loadtest.demo import add_demo_arguments
+
+    demo = sub.add_parser(
+        "demo", help="run the demo: round_robin vs cache_aware on a simulated fleet"
+    )
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_demo)
+
+    explain = sub.add_parser(
+        "route-explain", help="show the routing decision a running gateway would make"
+    )
+    explain.add_argument("--gateway", default="http://127.0.0.1:8000", help="gateway base URL")
+    explain.add_argument("--file", help="a JSON request body (chat or completions)")
+    explain.add_argument("--prompt", default="Hello", help="a user message, when no --file")
+    explain.add_argument("--model", default="sim-llama-8b", help="model, when no --file")
+    explain.add_argument("--api-key", help="API key, if the gateway requires one")
+    explain.set_defaults(func=_route_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The replicas behind the gateway: health, discovered models and the load the gateway put on them.
+
+Load is tracked per request with a Reservation: in-flight count and uncached prefill tokens go up
+when a request is sent; prefill tokens (and the CPU swap-in slot) come back at the first byte, the
+in-flight slot at the end. Release is synchronous and idempotent, so a `finally` can always call
+it, even while the task is being cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.config import GatewayConfig, PoolConfig
+from routing.cost import Load, PoolCosts
+from routing.decide import Candidate
+
+log = logging.getLogger("cachelane.registry")
+
+
+@dataclass
+class Replica:
+    name: str  # host:port, also the index's holder name
+    url: str  # base URL without trailing slash
+    pool: PoolConfig
+    costs: PoolCosts
+    healthy: bool = False
+    consecutive_failures: int = 0
+    models: frozenset[str] = frozenset()
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    swaps_in_flight: int = 0
+    last_error: str | None = None
+    correction: float = 1.0
+
+    def candidate(self) -> Candidate:
+        return Candidate(
+            name=self.name,
+            load=Load(self.in_flight, self.pending_prefill_tokens, self.swaps_in_flight),
+            costs=self.costs,
+            remote_tier=self.pool.remote_tier,
+            correction=self.correction,
+        )
+
+
+@dataclass
+class Reservation:
+    replica: Replica
+    prefill_tokens: int
+    swaps: int
+    started_s: float = field(default_factory=time.perf_counter)
+    first_byte_s: float | None = None
+    done: bool = False
+
+    def first_byte(self) -> float:
+        """Mark the first byte from the replica; returns the observed TTFT in seconds."""
+        if self.first_byte_s is None:
+            self.first_byte_s = time.perf_counter()
+            self.replica.pending_prefill_tokens -= self.prefill_tokens
+            self.replica.swaps_in_flight -= self.swaps
+        return self.first_byte_s - self.started_s
+
+    def release(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.first_byte_s is None:
+            self.replica.pending_prefill_tokens -= self.prefill_tokens
+            self.replica.swaps_in_flight -= self.swaps
+            self.first_byte_s = -1.0
+        self.replica.in_flight -= 1
+
+
+def replica_name(url: str) -> str:
+    return httpx.URL(url).netloc.decode()
+
+
+class Registry:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.replicas: dict[str, Replica] = {}
+        self._fail_after = config.health.fail_after
+        for pool in config.pools:
+            costs = pool.costs.to_pool_costs()
+            for raw in pool.replicas:
+                url = str(raw).rstrip("/")
+                name = replica_name(url)
+                self.replicas[name] = Replica(
+                    name, url, pool, costs, models=frozenset(pool.models)
+                )
+
+    def reserve(self, replica: Replica, *, prefill_tokens: int, swaps: int) -> Reservation:
+        replica.in_flight += 1
+        replica.pending_prefill_tokens += prefill_tokens
+        replica.swaps_in_flight += swaps
+        return Reservation(replica, prefill_tokens, swaps)
+
+    def known_models(self) -> set[str]:
+        return {m for r in self.replicas.values() for m in r.models}
+
+    def healthy_for(self, model: str) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy and model in r.models]
+
+    def pool_of_model(self, model: str) -> PoolConfig | None:
+        return next((r.pool for r in self.replicas.values() if model in r.models), None)
+
+    def mark_failed(self, replica: Replica, error: str, *, eject: bool) -> bool:
+        """Count a failure; returns True when this failure ejected a healthy replica."""
+        replica.consecutive_failures += 1
+        replica.last_error = error
+        fail_after = 1 if eject else self._fail_after
+        if replica.healthy and replica.consecutive_failures >= fail_after:
+            replica.healthy = False
+            log.warning("replica %s ejected: %s", replica.name, error)
+            return True
+        return False
+
+    def mark_ok(self, replica: Replica, models: frozenset[str]) -> bool:
+        """Record a passed check; returns True when the replica was (re)admitted."""
+        replica.consecutive_failures = 0
+        replica.last_error = None
+        if not replica.pool.models:
+            replica.models = models
+        admitted = not replica.healthy
+        replica.healthy = True
+        if admitted:
+            log.info("replica %s admitted, models %s", replica.name, sorted(replica.models))
+        return admitted
+
+
+async def probe(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> frozenset[str]:
+    """One active health check: GET /v1/models (any OpenAI-compatible server answers it)."""
+    resp = await client.get(f"{replica.url}/v1/models", timeout=timeout_s)
+    resp.raise_for_status()
+    data = resp.json().get("data", [])
+    return frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+
+
+class HealthChecker:
+    """Checks every replica on an interval; ejects after `fail_after` failures, re-admits on one pass."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        on_change: Callable[[Replica, bool], Awaitable[None]],
+    ) -> None:
+        self._registry = registry
+        self._client = client
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._on_change = on_change
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in self._registry.replicas.values()))
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            models = await probe(self._client, replica, self._timeout_s)
+        except (httpx.HTTPError, ValueError) as err:
+            if self._registry.mark_failed(replica, f"health check: {err!r}", eject=False):
+                await self._on_change(replica, False)
+            return
+        if self._registry.mark_ok(replica, models):
+            await self._on_change(replica, True)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.check_all()

@@ -1,0 +1,10 @@
+"""A simulated GPU replica: OpenAI-compatible, with an HBM / CPU / remote KV cache and real sleeps.
+
+config.py (specs and their sourced defaults), tiers.py (block LRU), engine.py (cache and timing
+model), remote.py (the shared remote tier service and its client), protocol.py (OpenAI wire
+shapes), server.py (the replica's HTTP app), fleet.py (many replicas in one process, and the CLI).
+"""
+
+from loadtest.sim.config import RemoteTierSpec, SimReplicaSpec
+
+__all__ = ["RemoteTierSpec", "SimReplicaSpec"]

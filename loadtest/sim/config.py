@@ -1,0 +1,85 @@
+"""What a simulated replica and the shared remote tier are: names, ports, capacities, speeds.
+
+The cost constants are routing.cost's defaults (PoolCosts()), so the simulator charges exactly what
+the gateway's cost model expects unless a test or a demo says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from routing.cost import KV_BYTES_PER_TOKEN, PoolCosts
+from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
+
+SIM_MODEL = "sim-llama-8b"
+
+HBM_CAPACITY_TOKENS = 800_000
+# Llama-3.1-8B BF16 on one H200: 141 GB HBM (NVIDIA H200 datasheet) * 0.9 (vLLM's default
+# gpu_memory_utilization) - 16.1 GB of weights (8.03e9 parameters * 2 bytes) - ~5 GB for the
+# profiled activation peak and CUDA graphs (an estimate) = ~105 GB, / 128 KiB per token = ~0.8M.
+
+ITL_S = 0.010
+# Decode is memory-bound: every step reads the weights plus the batch's KV from HBM. At a moderate
+# batch of 32 requests with 8k-token contexts that is 16.1 GB + 32 * 8192 * 128 KiB = 50 GB per
+# step, / 4.8 TB/s (H200 HBM3e bandwidth, NVIDIA datasheet) = ~10 ms per output token.
+
+MAX_MODEL_LEN_TOKENS = 131_072
+# Llama-3.1's context window (meta-llama/Llama-3.1-8B config.json: max_position_embeddings=131072).
+
+REMOTE_CAPACITY_TOKENS = (1 << 40) // KV_BYTES_PER_TOKEN
+# An assumed 1 TiB remote KV store (the RAM of one LMCache / Mooncake storage node): ~8.4M tokens
+# of Llama-3.1-8B KV. A sizing assumption, not a measurement.
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimReplicaSpec:
+    name: str
+    port: int
+    host: str = "127.0.0.1"
+    model: str = SIM_MODEL
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
+    hbm_capacity_tokens: int = HBM_CAPACITY_TOKENS
+    cpu_capacity_tokens: int = 0  # 0 = no CPU offload tier
+    remote_url: str | None = None  # base URL of the shared remote tier service, None = no remote
+    costs: PoolCosts = field(default_factory=PoolCosts)
+    itl_s: float = ITL_S
+    time_factor: float = 1.0  # every modelled sleep is multiplied by it (0 = no sleeps)
+    max_model_len_tokens: int = MAX_MODEL_LEN_TOKENS
+
+    def __post_init__(self) -> None:
+        _require(self.block_size_tokens > 0, "block_size_tokens must be > 0")
+        _require(
+            self.hbm_capacity_tokens >= self.block_size_tokens,
+            "hbm_capacity_tokens must hold at least one block",
+        )
+        _require(self.cpu_capacity_tokens >= 0, "cpu_capacity_tokens must be >= 0")
+        _require(self.itl_s >= 0, "itl_s must be >= 0")
+        _require(self.time_factor >= 0, "time_factor must be >= 0")
+        _require(self.max_model_len_tokens > 0, "max_model_len_tokens must be > 0")
+        _require(self.costs.prefill_tokens_per_s > 0, "costs.prefill_tokens_per_s must be > 0")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteTierSpec:
+    name: str
+    port: int
+    host: str = "127.0.0.1"
+    capacity_tokens: int = REMOTE_CAPACITY_TOKENS
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
+
+    def __post_init__(self) -> None:
+        _require(self.block_size_tokens > 0, "block_size_tokens must be > 0")
+        _require(self.capacity_tokens >= 0, "capacity_tokens must be >= 0")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,35 @@
+"""Shared fixtures: throwaway real Redis servers on loopback (never the shared one on 6379)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.helpers.redis_server import RedisClusterProcs, RedisMissing, RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A standalone redis-server for the session; tests isolate themselves by key_prefix."""
+    try:
+        server = RedisServer().start()
+    except RedisMissing as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A 3-master Redis Cluster for the session; any node's URL bootstraps the client."""
+    try:
+        cluster = RedisClusterProcs().start()
+    except RedisMissing as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()

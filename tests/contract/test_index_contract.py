@@ -1,0 +1,275 @@
+"""The Index contract, run against every backend: memory, Redis, Redis Cluster (real servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from redis.asyncio import Connection, ConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+
+from routing.index import Index, MemoryIndex
+from routing.index_redis import IndexUnavailable, RedisIndex
+from routing.types import Location, Tier
+from tests.helpers.redis_server import RedisServer
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+A_HBM = Location("a", Tier.HBM)
+A_CPU = Location("a", Tier.CPU)
+B_HBM = Location("b", Tier.HBM)
+B_CPU = Location("b", Tier.CPU)
+REMOTE = Location("a", Tier.REMOTE)  # a remote tier that happens to share replica a's name
+TTL_S = 0.3  # short enough to sleep past; long enough that a loaded CI box reads before expiry
+
+IndexFactory = Callable[..., Index]
+
+
+def to_cpu(location: Location) -> Location | None:
+    return Location(location.holder, Tier.CPU) if location.tier is Tier.HBM else None
+
+
+def hbm_capacity(blocks: int) -> Callable[[Location], int | None]:
+    return lambda loc: blocks if loc.tier is Tier.HBM else None
+
+
+@pytest.fixture(params=["memory", "redis", "redis_cluster"])
+async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[IndexFactory]:
+    created: list[Index] = []
+    prefix = f"t{uuid.uuid4().hex[:12]}"  # a fresh key space per test on the shared server
+
+    def make(**options: Any) -> Index:
+        index: Index
+        if request.param == "memory":
+            index = MemoryIndex(**options)
+        else:
+            cluster = request.param == "redis_cluster"
+            url = request.getfixturevalue("redis_cluster_url" if cluster else "redis_url")
+            index = RedisIndex.from_url(url, cluster=cluster, key_prefix=prefix, **options)
+        created.append(index)
+        return index
+
+    yield make
+    for index in created:
+        await index.close()
+
+
+@pytest.fixture
+def index(make_index: IndexFactory) -> Index:
+    return make_index()
+
+
+async def test_empty_index_holds_nothing(index: Index) -> None:
+    assert await index.lookup(MODEL, []) == []
+    assert await index.lookup(MODEL, [1, 2, 3]) == []
+
+
+@dataclass(frozen=True)
+class Case:
+    records: list[tuple[list[int], Location]]
+    query: list[int]
+    expected: list[set[Location]]
+
+
+LOOKUP_CASES = {
+    "one location, whole prefix": Case([([1, 2, 3], A_HBM)], [1, 2, 3, 4], [{A_HBM}] * 3),
+    "stops at first miss": Case(
+        [([1, 2], A_HBM), ([4, 5], A_HBM)], [1, 2, 3, 4, 5], [{A_HBM}, {A_HBM}]
+    ),
+    "first block missing": Case([([2, 3], A_HBM)], [1, 2, 3], []),
+    "two locations, different lengths": Case(
+        [([1, 2, 3], A_HBM), ([1], B_HBM)], [1, 2, 3], [{A_HBM, B_HBM}, {A_HBM}, {A_HBM}]
+    ),
+    "shorter holder ends, longer continues": Case(
+        [([1], A_HBM), ([1, 2], B_CPU), ([1, 2, 3], REMOTE)],
+        [1, 2, 3],
+        [{A_HBM, B_CPU, REMOTE}, {B_CPU, REMOTE}, {REMOTE}],
+    ),
+    "extreme hash values": Case([([0, 2**64 - 1], A_HBM)], [0, 2**64 - 1], [{A_HBM}] * 2),
+}
+
+
+@pytest.mark.parametrize("case", LOOKUP_CASES.values(), ids=LOOKUP_CASES.keys())
+async def test_lookup_returns_leading_blocks_per_location(index: Index, case: Case) -> None:
+    for hashes, location in case.records:
+        await index.record(MODEL, hashes, location)
+    assert await index.lookup(MODEL, case.query) == [frozenset(s) for s in case.expected]
+
+
+async def test_entries_expire_after_ttl_unless_refreshed(make_index: IndexFactory) -> None:
+    index = make_index(ttl_s=TTL_S)
+    await index.record(MODEL, [1, 2], A_HBM)
+    await index.record(MODEL, [1], B_HBM)
+    assert await index.lookup(MODEL, [1, 2]) == [{A_HBM, B_HBM}, {A_HBM}]
+    await asyncio.sleep(TTL_S * 0.6)
+    await index.record(MODEL, [1], B_HBM)  # refreshes B's entry only
+    await asyncio.sleep(TTL_S * 0.6)
+    assert await index.lookup(MODEL, [1, 2]) == [{B_HBM}]
+    await asyncio.sleep(TTL_S * 0.6)
+    assert await index.lookup(MODEL, [1, 2]) == []
+
+
+async def test_capacity_pushes_out_least_recently_recorded_to_cpu(
+    make_index: IndexFactory,
+) -> None:
+    index = make_index(capacity_blocks=hbm_capacity(3), spill_to=to_cpu)
+    await index.record(MODEL, [1, 2, 3], A_HBM)
+    await index.record(MODEL, [1], A_HBM)  # 1 becomes most recent; 2 is now the oldest
+    await index.record(MODEL, [4], A_HBM)
+    assert await index.lookup(MODEL, [1, 2, 3, 4]) == [{A_HBM}, {A_CPU}, {A_HBM}, {A_HBM}]
+
+
+async def test_one_record_larger_than_capacity_keeps_its_tail(make_index: IndexFactory) -> None:
+    index = make_index(capacity_blocks=hbm_capacity(3), spill_to=to_cpu)
+    await index.record(MODEL, [1, 2, 3, 4, 5], A_HBM)
+    assert await index.lookup(MODEL, [1, 2, 3, 4, 5]) == [{A_CPU}] * 2 + [{A_HBM}] * 3
+
+
+async def test_spill_cascades_and_ends_where_nothing_takes_it(make_index: IndexFactory) -> None:
+    index = make_index(capacity_blocks=lambda _: 2, spill_to=to_cpu)
+    await index.record(MODEL, [1, 2, 3, 4, 5, 6], A_HBM)
+    assert await index.lookup(MODEL, [1]) == []
+    assert await index.lookup(MODEL, [3, 4, 5, 6]) == [{A_CPU}] * 2 + [{A_HBM}] * 2
+
+
+async def test_capacity_counts_blocks_of_every_model(make_index: IndexFactory) -> None:
+    index = make_index(capacity_blocks=hbm_capacity(2), spill_to=to_cpu)
+    await index.record("m1", [1, 2], A_HBM)
+    await index.record("m2", [1], A_HBM)
+    assert await index.lookup("m1", [1, 2]) == [{A_CPU}, {A_HBM}]
+    assert await index.lookup("m2", [1]) == [{A_HBM}]
+
+
+async def test_evict_removes_one_location_and_frees_capacity(make_index: IndexFactory) -> None:
+    index = make_index(capacity_blocks=hbm_capacity(3), spill_to=to_cpu)
+    await index.record(MODEL, [1, 2, 3], A_HBM)
+    await index.record(MODEL, [1, 2, 3], B_HBM)
+    await index.evict(MODEL, [2], A_HBM)
+    assert await index.lookup(MODEL, [1, 2, 3]) == [{A_HBM, B_HBM}, {B_HBM}, {A_HBM, B_HBM}]
+    await index.record(MODEL, [4], A_HBM)  # fits in the freed slot: nothing spills
+    assert await index.lookup(MODEL, [1, 3, 4]) == [{A_HBM, B_HBM}, {A_HBM, B_HBM}, {A_HBM}]
+    await index.evict(MODEL, [9], A_HBM)  # evicting what is not held is a no-op
+
+
+async def test_drop_location_forgets_it_and_frees_capacity(make_index: IndexFactory) -> None:
+    index = make_index(capacity_blocks=hbm_capacity(2), spill_to=to_cpu)
+    await index.record(MODEL, [1, 2], A_HBM)
+    await index.record(MODEL, [1], B_HBM)
+    await index.drop_location(A_HBM)
+    assert await index.lookup(MODEL, [1, 2]) == [{B_HBM}]
+    await index.record(MODEL, [3, 4], A_HBM)
+    assert await index.lookup(MODEL, [3, 4]) == [{A_HBM}, {A_HBM}]
+    await index.drop_location(Location("never-seen", Tier.HBM))
+
+
+async def test_drop_replica_forgets_its_hbm_and_cpu_only(index: Index) -> None:
+    for location in (A_HBM, A_CPU, B_HBM, REMOTE):
+        await index.record(MODEL, [1, 2], location)
+    await index.drop_replica("a")
+    assert await index.lookup(MODEL, [1, 2]) == [{B_HBM, REMOTE}] * 2
+
+
+MODEL_PAIRS = {
+    "different names": ("m1", "m2"),
+    "separator in name": ("m", "m:1"),
+    "hash tag in name": ("{m}", "m"),
+    "case": ("Llama", "llama"),
+    "unicode": ("modèle", "modele"),
+}
+
+
+@pytest.mark.parametrize("pair", MODEL_PAIRS.values(), ids=MODEL_PAIRS.keys())
+async def test_models_are_isolated(index: Index, pair: tuple[str, str]) -> None:
+    first, second = pair
+    await index.record(first, [1, 2], A_HBM)
+    assert await index.lookup(second, [1, 2]) == []
+    await index.record(second, [1], B_HBM)  # the same hash under another model
+    assert await index.lookup(first, [1, 2]) == [{A_HBM}, {A_HBM}]
+    assert await index.lookup(second, [1, 2]) == [{B_HBM}]
+    await index.evict(second, [1], A_HBM)  # A holds 1 only under `first`
+    assert await index.lookup(first, [1]) == [{A_HBM}]
+
+
+# Redis only
+
+
+class CountingConnection(Connection):
+    """A real connection that counts its writes: one pipelined round trip is one write."""
+
+    writes = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.writes += 1
+        await super().send_packed_command(command, check_health)
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["redis", "redis_cluster"])
+async def test_lookup_is_one_round_trip(request: pytest.FixtureRequest, cluster: bool) -> None:
+    client: Redis | RedisCluster
+    if cluster:
+        url = request.getfixturevalue("redis_cluster_url")
+        client = RedisCluster.from_url(url, connection_class=CountingConnection)
+        nodes = 3  # a cluster pipeline writes once to each node it needs, concurrently
+    else:
+        url = request.getfixturevalue("redis_url")
+        client = Redis(
+            connection_pool=ConnectionPool.from_url(url, connection_class=CountingConnection)
+        )
+        nodes = 1
+    index = RedisIndex(client, key_prefix=f"t{uuid.uuid4().hex[:12]}")
+    hashes = list(range(512))
+    await index.record(MODEL, hashes[:300], A_HBM)
+    await index.lookup(MODEL, hashes)  # warm up: connections, cluster slot map
+    CountingConnection.writes = 0
+    hits = await index.lookup(MODEL, hashes)
+    assert len(hits) == 300
+    assert 1 <= CountingConnection.writes <= nodes
+    await index.close()
+
+
+async def test_stopped_redis_raises_index_unavailable_quickly() -> None:
+    server = RedisServer().start()
+    index = RedisIndex.from_url(server.url, socket_timeout_s=0.25)
+    try:
+        await index.record(MODEL, [1], A_HBM)
+        server.stop()
+        calls = [
+            index.lookup(MODEL, [1]),
+            index.record(MODEL, [1], A_HBM),
+            index.evict(MODEL, [1], A_HBM),
+            index.drop_replica("a"),
+        ]
+        for call in calls:
+            started_s = time.monotonic()
+            with pytest.raises(IndexUnavailable):
+                await call
+            assert time.monotonic() - started_s < 1.0
+    finally:
+        server.stop()
+        await index.close()
+
+
+async def test_stalled_redis_times_out_as_index_unavailable(redis_url: str) -> None:
+    index = RedisIndex.from_url(redis_url, socket_timeout_s=0.1, key_prefix=uuid.uuid4().hex)
+    admin = Redis.from_url(redis_url)
+    try:
+        await index.record(MODEL, [1], A_HBM)
+        await admin.client_pause(500, all=True)  # the server stops answering for 0.5 s
+        started_s = time.monotonic()
+        with pytest.raises(IndexUnavailable):
+            await index.lookup(MODEL, [1])
+        assert time.monotonic() - started_s < 0.4
+        await asyncio.sleep(0.5)
+        assert await index.lookup(MODEL, [1]) == [{A_HBM}]  # reconnects once Redis answers
+    finally:
+        await admin.aclose()
+        await index.close()
+
+
+def test_key_prefix_must_not_carry_a_hash_tag() -> None:
+    with pytest.raises(ValueError, match="hash tag"):
+        RedisIndex(Redis(), key_prefix="{cl}")

@@ -1,0 +1,168 @@
+import random
+
+import pytest
+
+from routing.cost import Load, Overlap
+from routing.decide import (
+    Candidate,
+    NoCandidates,
+    Policy,
+    Reason,
+    RouteRequest,
+    decide,
+    overlap_of,
+)
+from routing.types import BlockHits, Location, Tier
+
+B = 16  # block size in tokens
+
+
+def hbm(r: str) -> Location:
+    return Location(r, Tier.HBM)
+
+
+def cpu(r: str) -> Location:
+    return Location(r, Tier.CPU)
+
+
+REMOTE = Location("kv", Tier.REMOTE)
+
+
+def hits(*blocks: set[Location]) -> BlockHits:
+    return [frozenset(b) for b in blocks]
+
+
+def request(blocks: int, extra_tokens: int = 0, *, hbm_only: bool = False) -> RouteRequest:
+    return RouteRequest(list(range(blocks)), blocks * B + extra_tokens, B, hbm_only=hbm_only)
+
+
+@pytest.mark.parametrize(
+    ("block_hits", "hbm_only", "expected"),
+    [
+        (hits(), False, (0, 0, 0)),
+        (hits({hbm("a")}, {hbm("a")}), False, (32, 0, 0)),
+        (hits({hbm("a")}, {cpu("a")}, {cpu("a")}), False, (16, 32, 0)),
+        (hits({hbm("a")}, {cpu("a")}, {REMOTE}, {REMOTE}), False, (16, 16, 32)),
+        (hits({cpu("a")}, {hbm("a")}), False, (0, 32, 0)),
+        (hits({hbm("b")}, {hbm("a")}), False, (0, 0, 0)),
+        (hits({REMOTE}, {hbm("a")}), False, (0, 0, 32)),
+        (hits({hbm("a")}, {cpu("a")}, {REMOTE}), True, (16, 0, 0)),
+    ],
+    ids=[
+        "nothing", "hbm-prefix", "hbm-then-cpu", "hbm-cpu-remote", "cpu-first-block",
+        "other-replica-only", "remote-then-hbm", "critical-counts-hbm-only",
+    ],
+)
+def test_overlap_of(block_hits: BlockHits, hbm_only: bool, expected: tuple[int, int, int]) -> None:
+    cand = Candidate("a", remote_tier="kv")
+    ov = overlap_of(cand, block_hits, request(4, 7, hbm_only=hbm_only))
+    assert (ov.hbm_tokens, ov.cpu_tokens, ov.remote_tokens) == expected
+
+
+def test_overlap_is_capped_by_prompt() -> None:
+    ov = overlap_of(Candidate("a"), hits({hbm("a")}, {hbm("a")}), RouteRequest([1, 2], 20, B))
+    assert ov == Overlap(20, hbm_tokens=20)
+
+
+def choose(
+    policy: Policy, candidates: list[Candidate], block_hits: BlockHits, req: RouteRequest,
+    seq: int = 0,
+) -> tuple[str, Reason]:
+    d = decide(req, candidates, block_hits, policy, seq=seq, rng=random.Random(0))
+    return d.replica, d.reason
+
+
+CACHE_AWARE_CASES = [
+    ("cold-idle-fleet-takes-least-loaded",
+     [Candidate("a", Load(2)), Candidate("b", Load(0))], hits(), ("b", Reason.COLD)),
+    ("hbm-hit-wins",
+     [Candidate("a"), Candidate("b")], hits(*[{hbm("b")}] * 100), ("b", Reason.HBM_HIT)),
+    ("cpu-hit-beats-recompute",
+     [Candidate("a"), Candidate("b")], hits(*[{cpu("b")}] * 100), ("b", Reason.CPU_HIT)),
+    ("remote-hit-beats-recompute",
+     [Candidate("a"), Candidate("b", remote_tier="kv")], hits(*[{REMOTE}] * 200),
+     ("b", Reason.REMOTE_HIT)),
+    ("queue-beats-cache",
+     [Candidate("a", Load(8, 200_000)), Candidate("b")], hits(*[{hbm("a")}] * 100),
+     ("b", Reason.QUEUE)),
+    ("small-queue-still-loses-to-cache",
+     [Candidate("a", Load(1, 500)), Candidate("b")], hits(*[{hbm("a")}] * 100),
+     ("a", Reason.HBM_HIT)),
+]
+
+
+@pytest.mark.parametrize(
+    ("candidates", "block_hits", "expected"),
+    [c[1:] for c in CACHE_AWARE_CASES],
+    ids=[c[0] for c in CACHE_AWARE_CASES],
+)
+def test_cache_aware(
+    candidates: list[Candidate], block_hits: BlockHits, expected: tuple[str, Reason]
+) -> None:
+    n = max(len(block_hits), 1)
+    assert choose(Policy.CACHE_AWARE, candidates, block_hits, request(n)) == expected
+
+
+def test_round_robin_cycles() -> None:
+    cands = [Candidate("a"), Candidate("b"), Candidate("c")]
+    got = [choose(Policy.ROUND_ROBIN, cands, hits(), request(1), seq=i)[0] for i in range(4)]
+    assert got == ["a", "b", "c", "a"]
+
+
+def test_least_loaded() -> None:
+    cands = [Candidate("a", Load(3)), Candidate("b", Load(1)), Candidate("c", Load(1, 100))]
+    assert choose(Policy.LEAST_LOADED, cands, hits(), request(1)) == ("b", Reason.LEAST_LOADED)
+
+
+def test_prefix_hash_is_sticky_and_bounded() -> None:
+    cands = [Candidate(n) for n in "abcd"]
+    req = request(8)
+    first, reason = choose(Policy.PREFIX_HASH, cands, hits(), req)
+    assert reason is Reason.PREFIX_HASH
+    assert choose(Policy.PREFIX_HASH, cands, hits(), req)[0] == first
+    loaded = [Candidate(c.name, Load(10 if c.name == first else 0)) for c in cands]
+    spilled, reason = choose(Policy.PREFIX_HASH, loaded, hits(), req)
+    assert spilled != first and reason is Reason.PREFIX_HASH_SPILL
+
+
+def test_decision_is_deterministic_for_a_seed() -> None:
+    cands = [Candidate(n) for n in "abcd"]
+    a = [decide(request(2), cands, hits(), Policy.CACHE_AWARE, seq=0, rng=random.Random(7))
+         for _ in range(3)]
+    assert len({d.ranking for d in a}) == 1
+
+
+def test_no_candidates() -> None:
+    with pytest.raises(NoCandidates):
+        decide(request(1), [], hits(), Policy.CACHE_AWARE, seq=0, rng=random.Random(0))
+
+
+def test_shared_system_prompt_does_not_pile_onto_one_replica() -> None:
+    """Every request shares one 2,000-token system prompt. Longest-prefix routers send all of
+    them to the replica that first cached it; the queueing term spreads them once that
+    replica's prefill queue costs more than recomputing the prompt elsewhere."""
+    names = ["r0", "r1", "r2", "r3"]
+    load = {n: Load() for n in names}
+    holders: set[str] = set()
+    system_blocks = 125  # 2,000 tokens
+    rng = random.Random(1)
+    chosen: list[str] = []
+    reasons: set[Reason] = set()
+    for seq in range(64):
+        block_hits = hits(*[{hbm(h) for h in holders}] * system_blocks) if holders else hits()
+        cands = [Candidate(n, load[n]) for n in names]
+        req = RouteRequest(list(range(system_blocks + 8)), (system_blocks + 8) * B, B)
+        d = decide(req, cands, block_hits, Policy.CACHE_AWARE, seq=seq, rng=rng)
+        s = d.score()
+        # nobody finishes in this burst: every request stays queued on its replica
+        load[d.replica] = Load(
+            load[d.replica].in_flight + 1,
+            load[d.replica].pending_prefill_tokens + s.overlap.uncached_tokens,
+        )
+        holders.add(d.replica)
+        chosen.append(d.replica)
+        reasons.add(d.reason)
+    counts = {n: chosen.count(n) for n in names}
+    assert min(counts.values()) > 0, counts
+    assert max(counts.values()) <= 1.5 * len(chosen) / len(names), counts
+    assert Reason.QUEUE in reasons, "the queueing term is what spread the load"
