@@ -9,7 +9,6 @@ import hashlib
 import hmac
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -27,6 +26,7 @@ from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.proxy import Proxy
 from gateway.registry import HealthChecker, Registry, Replica
+from gateway.scraper import Scraper
 from routing.index import Index, MemoryIndex
 from routing.types import Location, Tier
 
@@ -77,7 +77,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.registry = Registry(config)
+        self.registry = Registry(config, on_change=self._replica_changed)
         self.index = build_index(config, self.registry)
         self.planner = Planner(config, self.registry, self.index, self.metrics)
         self.proxy = Proxy(
@@ -88,7 +88,14 @@ class Gateway:
             client,
             interval_s=config.health.interval_s,
             timeout_s=config.health.timeout_s,
-            on_change=self._replica_changed,
+        )
+        em = config.engine_metrics
+        self.scraper = Scraper(
+            client,
+            self.registry.replicas.values(),
+            interval_s=em.interval_s,
+            timeout_s=em.timeout_s,
+            stale_after_s=em.stale_after_s,
         )
         self._key_digests = [_key_digest(k) for k in config.auth.api_keys]
 
@@ -130,22 +137,27 @@ def create_app(config: GatewayConfig) -> FastAPI:
             keepalive_expiry=60.0,
         )
         timeout = httpx.Timeout(
-            connect=up.connect_timeout_s, read=up.read_timeout_s, write=30.0,
+            connect=up.connect_timeout_s,
+            read=up.read_timeout_s,
+            write=30.0,
             pool=up.connect_timeout_s,
         )
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        # trust_env=False: replica traffic never goes through an HTTP(S)_PROXY from the environment
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
             gw = Gateway(config, client)
             app.state.gw = gw
             for replica in gw.registry.replicas.values():
                 gw.metrics.replica_healthy.labels(replica.name).set(0)
             await gw.health.check_all()
-            checker = asyncio.create_task(gw.health.run(), name="health-checks")
+            tasks = [asyncio.create_task(gw.health.run(), name="health-checks")]
+            if config.engine_metrics.enabled:
+                tasks.append(asyncio.create_task(gw.scraper.run(), name="engine-metrics"))
             try:
                 yield
             finally:
-                checker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await checker
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 await gw.index.close()
 
     app = FastAPI(title="cachelane", version="0.1.0", lifespan=lifespan)
@@ -232,7 +244,8 @@ def explain(plan: Plan) -> dict[str, Any]:
                 "replica": s.replica,
                 "overlap": asdict(s.overlap),
                 "estimate_ms": {
-                    k: round(v * 1000, 3) for k, v in asdict(s.estimate).items()
+                    k: round(v * 1000, 3)
+                    for k, v in asdict(s.estimate).items()
                     if isinstance(v, float)
                 }
                 | {"ttft": round(s.estimate.ttft_s * 1000, 3)},
@@ -260,7 +273,9 @@ async def _read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad_request(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+        raise bad_request(
+            f"the request body is not valid JSON: {err}", code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return body
@@ -300,7 +315,11 @@ def _count_decision(gw: Gateway, plan: Plan) -> None:
     gw.metrics.prompt_tokens.inc(plan.prompt_tokens)
     log.debug(
         "route %s -> %s (%s) est %.1f ms cached %d",
-        plan.model, d.replica, d.reason.value, d.est_ttft_s * 1000, d.expected_cached_tokens,
+        plan.model,
+        d.replica,
+        d.reason.value,
+        d.est_ttft_s * 1000,
+        d.expected_cached_tokens,
     )
 
 

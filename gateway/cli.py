@@ -72,7 +72,7 @@ def _serve_config(args: argparse.Namespace) -> GatewayConfig:
 def _sim(args: argparse.Namespace) -> int:
     from loadtest.sim.fleet import run
 
-    return run(args) or 0
+    return int(run(args) or 0)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -106,14 +106,29 @@ def _route_explain(args: argparse.Namespace) -> int:
         f"est. TTFT {data['est_ttft_ms']} ms, {data['expected_cached_tokens']} cached tokens "
         f"expected (decided in {data['decision_ms']} ms)"
     )
-    table = Table("replica", "hbm", "cpu", "remote", "queue ms", "swap ms", "remote ms",
-                  "prefill ms", "est TTFT ms")
+    table = Table(
+        "replica",
+        "hbm",
+        "cpu",
+        "remote",
+        "queue ms",
+        "swap ms",
+        "remote ms",
+        "prefill ms",
+        "est TTFT ms",
+    )
     for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
         o, e = c["overlap"], c["estimate_ms"]
         table.add_row(
-            c["replica"], str(o["hbm_tokens"]), str(o["cpu_tokens"]), str(o["remote_tokens"]),
-            f"{e['queue_s']:.2f}", f"{e['swap_s']:.2f}", f"{e['remote_s']:.2f}",
-            f"{e['prefill_s']:.2f}", f"{e['ttft']:.2f}",
+            c["replica"],
+            str(o["hbm_tokens"]),
+            str(o["cpu_tokens"]),
+            str(o["remote_tokens"]),
+            f"{e['queue_s']:.2f}",
+            f"{e['swap_s']:.2f}",
+            f"{e['remote_s']:.2f}",
+            f"{e['prefill_s']:.2f}",
+            f"{e['ttft']:.2f}",
         )
     console.print(table)
     return 0
@@ -132,18 +147,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the gateway in front of OpenAI-compatible replicas")
     serve.add_argument("--config", help="YAML config file (see deploy/examples/)")
     serve.add_argument("--replicas", help="quick start without a file: comma-separated URLs")
-    serve.add_argument("--policy", choices=[p.value for p in Policy],
-                       help="routing policy (default: cache_aware, or the config's)")
+    serve.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        help="routing policy (default: cache_aware, or the config's)",
+    )
     serve.add_argument("--host", help="listen address (default 127.0.0.1, or the config's)")
     serve.add_argument("--port", type=int, help="listen port (default 8000, or the config's)")
-    serve.add_argument("--log-level", default="info",
-                       choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 
     from loadtest.sim.fleet import build_parser as sim_parser
 
     sub.add_parser(
-        "sim", parents=[sim_parser(add_help=False)], help="run simulated GPU replicas",
+        "sim",
+        parents=[sim_parser(add_help=False)],
+        help="run simulated GPU replicas",
         description="Run simulated GPU replicas (OpenAI-compatible servers with HBM/CPU/remote "
         "KV tiers and real sleeps).",
     ).set_defaults(func=_sim)

@@ -97,6 +97,15 @@ class HealthConfig(Strict):
     fail_after: PositiveInt = 2  # consecutive failed checks before a replica is ejected
 
 
+class EngineMetricsConfig(Strict):
+    """Scraping each replica's /metrics (vLLM or SGLang names) for load from other gateways."""
+
+    enabled: bool = True
+    interval_s: PositiveFloat = 1.0  # vLLM updates its scheduler gauges every engine step
+    timeout_s: PositiveFloat = 0.5
+    stale_after_s: PositiveFloat = 5.0  # older scrapes are ignored: own counts only
+
+
 class UpstreamConfig(Strict):
     connect_timeout_s: PositiveFloat = 2.0
     read_timeout_s: PositiveFloat = 600.0  # a long generation may stream for minutes
@@ -118,6 +127,7 @@ class GatewayConfig(Strict):
     routing: RoutingConfig = RoutingConfig()
     index: IndexConfig = IndexConfig()
     health: HealthConfig = HealthConfig()
+    engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     auth: AuthConfig = AuthConfig()
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES

@@ -47,7 +47,9 @@ class ApiError(Exception):
         return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers)
 
 
-def bad_request(message: str, *, code: str = "invalid_request", param: str | None = None) -> ApiError:
+def bad_request(
+    message: str, *, code: str = "invalid_request", param: str | None = None
+) -> ApiError:
     return ApiError(400, message, code=code, param=param)
 
 

@@ -95,10 +95,11 @@ class Planner:
         if not replicas:
             raise no_replica(model)
         hits = await self._lookup(model, hashes)
+        now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
         request = RouteRequest(hashes, prompt_tokens, self._block_size)
         decision = decide(
             request,
-            [r.candidate() for r in replicas],
+            [r.candidate(now_s, stale_s) for r in replicas],
             hits,
             self._policy,
             seq=self._seq,

@@ -66,7 +66,12 @@ class Proxy:
         self._retries = retries
 
     async def forward(
-        self, endpoint: str, raw_body: bytes, plan: Plan, *, stream: bool,
+        self,
+        endpoint: str,
+        raw_body: bytes,
+        plan: Plan,
+        *,
+        stream: bool,
         extra_headers: Mapping[str, str] | None = None,
     ) -> Response:
         path = ENDPOINT_PATHS[endpoint]
@@ -90,7 +95,7 @@ class Proxy:
                 resp = await self._client.send(request, stream=True)
             except _RETRYABLE as err:
                 reservation.release()
-                self._registry.mark_failed(replica, repr(err), eject=isinstance(err, _EJECTING))
+                await self._registry.mark_failed(replica, repr(err), eject=isinstance(err, _EJECTING))
                 self._metrics.retries.labels(replica.name).inc()
                 log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
                 last_error = err

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.config import GatewayConfig, PoolConfig
+from gateway.scraper import EngineLoad
 from routing.cost import Load, PoolCosts
 from routing.decide import Candidate
 
 log = logging.getLogger("cachelane.registry")
+
+PREFILL_EWMA_WEIGHT = 0.1  # ~the last 10 requests: follows a workload shift within seconds
 
 
 @dataclass
@@ -35,13 +38,28 @@ class Replica:
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     swaps_in_flight: int = 0
+    awaiting_first_byte: int = 0
     last_error: str | None = None
     correction: float = 1.0
+    engine: EngineLoad | None = None  # last scrape of the engine's own metrics
+    mean_prefill_tokens: float = 0.0  # moving average of uncached tokens per request sent
 
-    def candidate(self) -> Candidate:
+    def load(self, now_s: float, stale_after_s: float) -> Load:
+        """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
+        requests other gateways sent show up only there. Their prompt sizes are unknown, so
+        each is charged this gateway's mean uncached prompt."""
+        in_flight, pending = self.in_flight, self.pending_prefill_tokens
+        e = self.engine
+        if e is not None and now_s - e.scraped_at_s <= stale_after_s:
+            in_flight = max(in_flight, round(e.running + e.waiting))
+            foreign_waiting = max(0.0, e.waiting - self.awaiting_first_byte)
+            pending += round(foreign_waiting * self.mean_prefill_tokens)
+        return Load(in_flight, pending, self.swaps_in_flight)
+
+    def candidate(self, now_s: float, stale_after_s: float) -> Candidate:
         return Candidate(
             name=self.name,
-            load=Load(self.in_flight, self.pending_prefill_tokens, self.swaps_in_flight),
+            load=self.load(now_s, stale_after_s),
             costs=self.costs,
             remote_tier=self.pool.remote_tier,
             correction=self.correction,
@@ -63,6 +81,7 @@ class Reservation:
             self.first_byte_s = time.perf_counter()
             self.replica.pending_prefill_tokens -= self.prefill_tokens
             self.replica.swaps_in_flight -= self.swaps
+            self.replica.awaiting_first_byte -= 1
         return self.first_byte_s - self.started_s
 
     def release(self) -> None:
@@ -72,6 +91,7 @@ class Reservation:
         if self.first_byte_s is None:
             self.replica.pending_prefill_tokens -= self.prefill_tokens
             self.replica.swaps_in_flight -= self.swaps
+            self.replica.awaiting_first_byte -= 1
             self.first_byte_s = -1.0
         self.replica.in_flight -= 1
 
@@ -81,22 +101,29 @@ def replica_name(url: str) -> str:
 
 
 class Registry:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        on_change: Callable[[Replica, bool], Awaitable[None]] | None = None,
+    ) -> None:
         self.replicas: dict[str, Replica] = {}
         self._fail_after = config.health.fail_after
+        self._on_change = on_change
         for pool in config.pools:
             costs = pool.costs.to_pool_costs()
             for raw in pool.replicas:
                 url = str(raw).rstrip("/")
                 name = replica_name(url)
-                self.replicas[name] = Replica(
-                    name, url, pool, costs, models=frozenset(pool.models)
-                )
+                self.replicas[name] = Replica(name, url, pool, costs, models=frozenset(pool.models))
 
     def reserve(self, replica: Replica, *, prefill_tokens: int, swaps: int) -> Reservation:
         replica.in_flight += 1
+        replica.awaiting_first_byte += 1
         replica.pending_prefill_tokens += prefill_tokens
         replica.swaps_in_flight += swaps
+        replica.mean_prefill_tokens += PREFILL_EWMA_WEIGHT * (
+            prefill_tokens - replica.mean_prefill_tokens
+        )
         return Reservation(replica, prefill_tokens, swaps)
 
     def known_models(self) -> set[str]:
@@ -108,28 +135,28 @@ class Registry:
     def pool_of_model(self, model: str) -> PoolConfig | None:
         return next((r.pool for r in self.replicas.values() if model in r.models), None)
 
-    def mark_failed(self, replica: Replica, error: str, *, eject: bool) -> bool:
-        """Count a failure; returns True when this failure ejected a healthy replica."""
+    async def mark_failed(self, replica: Replica, error: str, *, eject: bool) -> None:
+        """Count a failure; `eject` takes the replica out at once (it refused a connection)."""
         replica.consecutive_failures += 1
         replica.last_error = error
         fail_after = 1 if eject else self._fail_after
         if replica.healthy and replica.consecutive_failures >= fail_after:
             replica.healthy = False
             log.warning("replica %s ejected: %s", replica.name, error)
-            return True
-        return False
+            if self._on_change is not None:
+                await self._on_change(replica, False)
 
-    def mark_ok(self, replica: Replica, models: frozenset[str]) -> bool:
-        """Record a passed check; returns True when the replica was (re)admitted."""
+    async def mark_ok(self, replica: Replica, models: frozenset[str]) -> None:
+        """Record a passed check; a replica that was out is (re)admitted."""
         replica.consecutive_failures = 0
         replica.last_error = None
         if not replica.pool.models:
             replica.models = models
-        admitted = not replica.healthy
-        replica.healthy = True
-        if admitted:
+        if not replica.healthy:
+            replica.healthy = True
             log.info("replica %s admitted, models %s", replica.name, sorted(replica.models))
-        return admitted
+            if self._on_change is not None:
+                await self._on_change(replica, True)
 
 
 async def probe(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> frozenset[str]:
@@ -141,7 +168,8 @@ async def probe(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -
 
 
 class HealthChecker:
-    """Checks every replica on an interval; ejects after `fail_after` failures, re-admits on one pass."""
+    """Checks every replica on an interval: ejects after `fail_after` failures in a row,
+    re-admits after one pass."""
 
     def __init__(
         self,
@@ -150,13 +178,11 @@ class HealthChecker:
         *,
         interval_s: float,
         timeout_s: float,
-        on_change: Callable[[Replica, bool], Awaitable[None]],
     ) -> None:
         self._registry = registry
         self._client = client
         self._interval_s = interval_s
         self._timeout_s = timeout_s
-        self._on_change = on_change
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(r) for r in self._registry.replicas.values()))
@@ -165,11 +191,9 @@ class HealthChecker:
         try:
             models = await probe(self._client, replica, self._timeout_s)
         except (httpx.HTTPError, ValueError) as err:
-            if self._registry.mark_failed(replica, f"health check: {err!r}", eject=False):
-                await self._on_change(replica, False)
+            await self._registry.mark_failed(replica, f"health check: {err!r}", eject=False)
             return
-        if self._registry.mark_ok(replica, models):
-            await self._on_change(replica, True)
+        await self._registry.mark_ok(replica, models)
 
     async def run(self) -> None:
         while True:

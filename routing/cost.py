@@ -90,7 +90,9 @@ class Estimate:
         return self.queue_s + self.swap_s + self.remote_s + self.prefill_s
 
 
-def estimate(overlap: Overlap, load: Load, costs: PoolCosts, *, correction: float = 1.0) -> Estimate:
+def estimate(
+    overlap: Overlap, load: Load, costs: PoolCosts, *, correction: float = 1.0
+) -> Estimate:
     """Estimated TTFT terms; `correction` scales rates learnt from observed TTFTs (1.0 = none)."""
     rate = costs.prefill_tokens_per_s / correction
     uncached = overlap.uncached_tokens

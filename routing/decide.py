@@ -68,8 +68,8 @@ class Candidate:
     """A replica that may serve the request, with a snapshot of its load."""
 
     name: str
-    load: Load = Load()
-    costs: PoolCosts = PoolCosts()
+    load: Load = field(default_factory=Load)
+    costs: PoolCosts = field(default_factory=PoolCosts)
     remote_tier: str | None = None  # remote tier this replica's pool reads, if any
     correction: float = 1.0  # self-calibration factor on the pool's rates
 
@@ -184,7 +184,9 @@ def _prefix_hash(
     key_bytes = key.to_bytes(8, "little")
     by_weight = sorted(
         candidates,
-        key=lambda c: xxhash.xxh3_64_intdigest(key_bytes, seed=xxhash.xxh3_64_intdigest(c.name.encode())),
+        key=lambda c: xxhash.xxh3_64_intdigest(
+            key_bytes, seed=xxhash.xxh3_64_intdigest(c.name.encode())
+        ),
         reverse=True,
     )
     total = sum(c.load.in_flight for c in candidates) + 1  # counting this request

@@ -39,7 +39,9 @@ def token_block_hashes(
 ) -> list[int]:
     """Chained hashes over token ids (precise mode), same chaining as block_hashes."""
     blocks = [
-        b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids[i : i + block_size_tokens])
+        b"".join(
+            t.to_bytes(4, "little", signed=False) for t in token_ids[i : i + block_size_tokens]
+        )
         for i in range(0, len(token_ids) - block_size_tokens + 1, block_size_tokens)
     ]
     return _chain(blocks, root_seed(namespace))

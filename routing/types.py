@@ -37,4 +37,6 @@ class Location:
 
 
 BlockHits = list[frozenset[Location]]
-"""Per block of a prompt, in order, the locations that hold it; ends before the first block no one holds."""
+"""Per block of a prompt, in order, the locations that hold it.
+
+Ends before the first block that no location holds."""

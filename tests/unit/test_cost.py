@@ -22,23 +22,32 @@ COSTS = PoolCosts()
         (Overlap(3000, hbm_tokens=3000), Load(), 0.0),
         (Overlap(3000, hbm_tokens=2000), Load(), 1000 / PREFILL_TOKENS_PER_S),
         (
-            Overlap(3000, cpu_tokens=3000), Load(),
+            Overlap(3000, cpu_tokens=3000),
+            Load(),
             3000 * KV_BYTES_PER_TOKEN / (PCIE_GBPS * 1e9),
         ),
         (
-            Overlap(3000, cpu_tokens=3000), Load(swaps_in_flight=1),
+            Overlap(3000, cpu_tokens=3000),
+            Load(swaps_in_flight=1),
             2 * 3000 * KV_BYTES_PER_TOKEN / (PCIE_GBPS * 1e9),
         ),
         (
-            Overlap(30_000, remote_tokens=30_000), Load(),
+            Overlap(30_000, remote_tokens=30_000),
+            Load(),
             REMOTE_FIXED_S + 30_000 * KV_BYTES_PER_TOKEN / (REMOTE_GBPS * 1e9),
         ),
         (Overlap(300, remote_tokens=300), Load(), 300 / PREFILL_TOKENS_PER_S),
         (Overlap(0), Load(pending_prefill_tokens=60_000), 2.0),
     ],
     ids=[
-        "cold", "all-hbm", "hbm-prefix", "cpu-swap", "cpu-swap-shared-pcie",
-        "remote-fetch-beats-recompute", "remote-too-small-recompute", "queue-only",
+        "cold",
+        "all-hbm",
+        "hbm-prefix",
+        "cpu-swap",
+        "cpu-swap-shared-pcie",
+        "remote-fetch-beats-recompute",
+        "remote-too-small-recompute",
+        "queue-only",
     ],
 )
 def test_estimate(overlap: Overlap, load: Load, ttft_s: float) -> None:

@@ -49,8 +49,14 @@ def request(blocks: int, extra_tokens: int = 0, *, hbm_only: bool = False) -> Ro
         (hits({hbm("a")}, {cpu("a")}, {REMOTE}), True, (16, 0, 0)),
     ],
     ids=[
-        "nothing", "hbm-prefix", "hbm-then-cpu", "hbm-cpu-remote", "cpu-first-block",
-        "other-replica-only", "remote-then-hbm", "critical-counts-hbm-only",
+        "nothing",
+        "hbm-prefix",
+        "hbm-then-cpu",
+        "hbm-cpu-remote",
+        "cpu-first-block",
+        "other-replica-only",
+        "remote-then-hbm",
+        "critical-counts-hbm-only",
     ],
 )
 def test_overlap_of(block_hits: BlockHits, hbm_only: bool, expected: tuple[int, int, int]) -> None:
@@ -65,7 +71,10 @@ def test_overlap_is_capped_by_prompt() -> None:
 
 
 def choose(
-    policy: Policy, candidates: list[Candidate], block_hits: BlockHits, req: RouteRequest,
+    policy: Policy,
+    candidates: list[Candidate],
+    block_hits: BlockHits,
+    req: RouteRequest,
     seq: int = 0,
 ) -> tuple[str, Reason]:
     d = decide(req, candidates, block_hits, policy, seq=seq, rng=random.Random(0))
@@ -73,21 +82,42 @@ def choose(
 
 
 CACHE_AWARE_CASES = [
-    ("cold-idle-fleet-takes-least-loaded",
-     [Candidate("a", Load(2)), Candidate("b", Load(0))], hits(), ("b", Reason.COLD)),
-    ("hbm-hit-wins",
-     [Candidate("a"), Candidate("b")], hits(*[{hbm("b")}] * 100), ("b", Reason.HBM_HIT)),
-    ("cpu-hit-beats-recompute",
-     [Candidate("a"), Candidate("b")], hits(*[{cpu("b")}] * 100), ("b", Reason.CPU_HIT)),
-    ("remote-hit-beats-recompute",
-     [Candidate("a"), Candidate("b", remote_tier="kv")], hits(*[{REMOTE}] * 200),
-     ("b", Reason.REMOTE_HIT)),
-    ("queue-beats-cache",
-     [Candidate("a", Load(8, 200_000)), Candidate("b")], hits(*[{hbm("a")}] * 100),
-     ("b", Reason.QUEUE)),
-    ("small-queue-still-loses-to-cache",
-     [Candidate("a", Load(1, 500)), Candidate("b")], hits(*[{hbm("a")}] * 100),
-     ("a", Reason.HBM_HIT)),
+    (
+        "cold-idle-fleet-takes-least-loaded",
+        [Candidate("a", Load(2)), Candidate("b", Load(0))],
+        hits(),
+        ("b", Reason.COLD),
+    ),
+    (
+        "hbm-hit-wins",
+        [Candidate("a"), Candidate("b")],
+        hits(*[{hbm("b")}] * 100),
+        ("b", Reason.HBM_HIT),
+    ),
+    (
+        "cpu-hit-beats-recompute",
+        [Candidate("a"), Candidate("b")],
+        hits(*[{cpu("b")}] * 100),
+        ("b", Reason.CPU_HIT),
+    ),
+    (
+        "remote-hit-beats-recompute",
+        [Candidate("a"), Candidate("b", remote_tier="kv")],
+        hits(*[{REMOTE}] * 200),
+        ("b", Reason.REMOTE_HIT),
+    ),
+    (
+        "queue-beats-cache",
+        [Candidate("a", Load(8, 200_000)), Candidate("b")],
+        hits(*[{hbm("a")}] * 100),
+        ("b", Reason.QUEUE),
+    ),
+    (
+        "small-queue-still-loses-to-cache",
+        [Candidate("a", Load(1, 500)), Candidate("b")],
+        hits(*[{hbm("a")}] * 100),
+        ("a", Reason.HBM_HIT),
+    ),
 ]
 
 
@@ -127,8 +157,10 @@ def test_prefix_hash_is_sticky_and_bounded() -> None:
 
 def test_decision_is_deterministic_for_a_seed() -> None:
     cands = [Candidate(n) for n in "abcd"]
-    a = [decide(request(2), cands, hits(), Policy.CACHE_AWARE, seq=0, rng=random.Random(7))
-         for _ in range(3)]
+    a = [
+        decide(request(2), cands, hits(), Policy.CACHE_AWARE, seq=0, rng=random.Random(7))
+        for _ in range(3)
+    ]
     assert len({d.ranking for d in a}) == 1
 
 

@@ -16,8 +16,13 @@ def test_chat_text_is_prefix_stable_as_a_conversation_grows() -> None:
         ([{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}], "<|user|>ab\n"),
         ([{"role": "user", "name": "bob", "content": "x"}], "<|user|>[bob]x\n"),
         (
-            [{"role": "assistant", "content": None,
-              "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}],
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ],
             '<|assistant|><tool_call>{"function":{"arguments":"{}","name":"f"},"id":"c1"}\n',
         ),
         ([{"role": "tool", "tool_call_id": "c1", "content": "42"}], "<|tool|>42<tool_result:c1>\n"),
@@ -56,7 +61,9 @@ def test_completion_text(prompt: object, expected: str) -> None:
     assert completion_text(prompt) == expected
 
 
-@pytest.mark.parametrize("prompt", ["", [], None, [1, "a"]], ids=["empty", "empty-list", "none", "mixed"])
+@pytest.mark.parametrize(
+    "prompt", ["", [], None, [1, "a"]], ids=["empty", "empty-list", "none", "mixed"]
+)
 def test_completion_text_rejects(prompt: object) -> None:
     with pytest.raises(PromptError):
         completion_text(prompt)

@@ -1,0 +1,68 @@
+"""A real gateway in front of real simulated replicas, all uvicorn servers on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig, parse_config
+from loadtest.sim.config import SimReplicaSpec
+from loadtest.sim.server import create_sim_app
+from routing.cost import PoolCosts
+from tests.helpers.servers import running_app
+
+MODEL = "sim-llama-8b"
+# Fast constants so the suite runs in seconds; the cost model's ratios are unchanged.
+FAST_COSTS = PoolCosts(prefill_tokens_per_s=3_000_000.0)
+
+
+@dataclass
+class Fleet:
+    gateway_url: str
+    replica_urls: list[str]
+    app: Any
+    stack: AsyncExitStack
+    replica_stacks: list[AsyncExitStack] = field(default_factory=list)
+
+    @property
+    def gw(self) -> Any:
+        return self.app.state.gw
+
+    async def kill_replica(self, i: int) -> None:
+        await self.replica_stacks[i].aclose()
+
+
+def gateway_config(replica_urls: list[str], **overrides: Any) -> GatewayConfig:
+    data: dict[str, Any] = {
+        "health": {"interval_s": 0.2, "timeout_s": 0.5, "fail_after": 1},
+        "engine_metrics": {"enabled": False},
+        "pools": [
+            {
+                "name": "default",
+                "models": [MODEL],
+                "replicas": replica_urls,
+                "max_prompt_tokens": 50_000,
+                "costs": {"prefill_tokens_per_s": FAST_COSTS.prefill_tokens_per_s},
+            }
+        ],
+    }
+    data.update(overrides)
+    return parse_config(data)
+
+
+@asynccontextmanager
+async def fleet(n: int = 3, **overrides: Any) -> AsyncIterator[Fleet]:
+    async with AsyncExitStack() as stack:
+        urls, stacks = [], []
+        for i in range(n):
+            replica_stack = AsyncExitStack()
+            spec = SimReplicaSpec(name=f"sim-{i}", port=0, costs=FAST_COSTS, itl_s=0.001)
+            urls.append(await replica_stack.enter_async_context(running_app(create_sim_app(spec))))
+            stack.push_async_callback(replica_stack.aclose)
+            stacks.append(replica_stack)
+        app = create_app(gateway_config(urls, **overrides))
+        gateway_url = await stack.enter_async_context(running_app(app))
+        yield Fleet(gateway_url, urls, app, stack, stacks)
