@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -20,111 +18,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.admin import admin_router
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics
-from gateway.planner import Plan, Planner
-from gateway.proxy import Proxy
-from gateway.registry import HealthChecker, Registry, Replica
-from gateway.scraper import Scraper
-from routing.index import Index, MemoryIndex
-from routing.types import Location, Tier
+from gateway.planner import Plan
+from gateway.state import Gateway
 
 log = logging.getLogger("cachelane.app")
-
-
-def build_index(config: GatewayConfig, registry: Registry) -> Index:
-    """The configured index, bounded by each location's capacity (HBM spills to the CPU tier)."""
-    block = config.routing.block_size_tokens
-    pools = {name: r.pool for name, r in registry.replicas.items()}
-    remote_caps = {t.name: t.capacity_tokens // block for t in config.remote_tiers}
-
-    def capacity_blocks(loc: Location) -> int | None:
-        if loc.tier is Tier.REMOTE:
-            return remote_caps.get(loc.holder)
-        pool = pools.get(loc.holder)
-        if pool is None:
-            return None
-        tokens = pool.hbm_capacity_tokens if loc.tier is Tier.HBM else pool.cpu_capacity_tokens
-        return tokens // block
-
-    def spill_to(loc: Location) -> Location | None:
-        pool = pools.get(loc.holder)
-        if loc.tier is Tier.HBM and pool is not None and pool.cpu_capacity_tokens:
-            return Location(loc.holder, Tier.CPU)
-        return None
-
-    if config.index.backend == "redis":
-        from routing.index_redis import RedisIndex
-
-        return RedisIndex.from_url(
-            config.index.redis_url,
-            cluster=config.index.redis_cluster,
-            ttl_s=config.index.ttl_s,
-            capacity_blocks=capacity_blocks,
-            spill_to=spill_to,
-        )
-    return MemoryIndex(ttl_s=config.index.ttl_s, capacity_blocks=capacity_blocks, spill_to=spill_to)
-
-
-def _key_digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
-
-
-class Gateway:
-    """Everything one running gateway owns; created in the lifespan, read by the handlers."""
-
-    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
-        self.config = config
-        self.metrics = Metrics()
-        self.registry = Registry(config, on_change=self._replica_changed)
-        self.index = build_index(config, self.registry)
-        self.planner = Planner(config, self.registry, self.index, self.metrics)
-        self.proxy = Proxy(
-            client, self.registry, self.planner, self.metrics, retries=config.upstream.retries
-        )
-        self.health = HealthChecker(
-            self.registry,
-            client,
-            interval_s=config.health.interval_s,
-            timeout_s=config.health.timeout_s,
-        )
-        em = config.engine_metrics
-        self.scraper = Scraper(
-            client,
-            self.registry.replicas.values(),
-            interval_s=em.interval_s,
-            timeout_s=em.timeout_s,
-            stale_after_s=em.stale_after_s,
-        )
-        self._key_digests = [_key_digest(k) for k in config.auth.api_keys]
-
-    async def _replica_changed(self, replica: Replica, healthy: bool) -> None:
-        self.metrics.replica_healthy.labels(replica.name).set(1 if healthy else 0)
-        if not healthy:
-            # Its cache may be gone (restart) or unreachable; stale entries would route to it.
-            try:
-                await self.index.drop_replica(replica.name)
-            except Exception as err:
-                self.metrics.index_errors.labels("drop_replica").inc()
-                log.warning("could not drop %s from the index: %r", replica.name, err)
-
-    def authenticate(self, request: Request) -> None:
-        if not self._key_digests:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        digest = _key_digest(key.strip()) if scheme.lower() == "bearer" else b""
-        # compare against every key, so timing does not reveal which one nearly matched
-        matched = False
-        for known in self._key_digests:
-            matched |= hmac.compare_digest(digest, known)
-        if not matched:
-            raise ApiError(
-                401,
-                "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -149,7 +50,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             for replica in gw.registry.replicas.values():
                 gw.metrics.replica_healthy.labels(replica.name).set(0)
             await gw.health.check_all()
-            tasks = [asyncio.create_task(gw.health.run(), name="health-checks")]
+            tasks = [
+                asyncio.create_task(gw.health.run(), name="health-checks"),
+                asyncio.create_task(gw.tenants.run(), name="tenant-refresh"),
+            ]
             if config.engine_metrics.enabled:
                 tasks.append(asyncio.create_task(gw.scraper.run(), name="engine-metrics"))
             try:
@@ -158,10 +62,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-                await gw.index.close()
+                await gw.close()
 
     app = FastAPI(title="cachelane", version="0.1.0", lifespan=lifespan)
     _install_error_handlers(app)
+    app.include_router(admin_router)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -218,10 +123,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/debug/route")
     async def debug_route(request: Request) -> dict[str, Any]:
         gw: Gateway = request.app.state.gw
-        gw.authenticate(request)
+        tenant = gw.authenticate(request)
         body = await _read_json(request, gw.config.max_body_bytes)
         endpoint = "chat" if "messages" in body else "completions"
-        plan = await gw.planner.plan(endpoint, body)
+        plan = await gw.planner.plan(endpoint, body, tenant, dry_run=True)
         return explain(plan)
 
     return app
@@ -229,26 +134,45 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
 def explain(plan: Plan) -> dict[str, Any]:
     d = plan.decision
+    admission = plan.admission
+
+    def ms(seconds: float) -> float:
+        return round(seconds * 1000, 3)
+
     return {
         "policy": d.policy.value,
         "replica": d.replica,
         "reason": d.reason.value,
         "ranking": list(d.ranking),
+        "tenant": plan.tenant.name,
+        "tenant_class": plan.tenant.tenant_class.value,
+        "fallback": plan.fallback.value if plan.fallback else None,
         "prompt_tokens": plan.prompt_tokens,
         "blocks": len(plan.hashes),
-        "est_ttft_ms": round(d.est_ttft_s * 1000, 3),
+        "est_ttft_ms": ms(d.est_ttft_s),
         "expected_cached_tokens": d.expected_cached_tokens,
-        "decision_ms": round(plan.decision_s * 1000, 3),
+        "remote_write": None
+        if admission is None
+        else {
+            "write": admission.write,
+            "expected_reuse": admission.expected_reuse,
+            "gain_ms": ms(admission.gain_s),
+            "cost_ms": ms(admission.cost_s),
+        },
+        "decision_ms": ms(plan.decision_s),
         "candidates": [
             {
                 "replica": s.replica,
                 "overlap": asdict(s.overlap),
                 "estimate_ms": {
-                    k: round(v * 1000, 3)
-                    for k, v in asdict(s.estimate).items()
-                    if isinstance(v, float)
-                }
-                | {"ttft": round(s.estimate.ttft_s * 1000, 3)},
+                    "queue_s": ms(s.estimate.queue_s),
+                    "swap_s": ms(s.estimate.swap_s),
+                    "remote_s": ms(s.estimate.remote_s),
+                    "prefill_s": ms(s.estimate.prefill_s),
+                    "ttft": ms(s.estimate.ttft_s),
+                    "raw_ttft": ms(s.raw_ttft_s),
+                },
+                "correction": round(s.correction, 4),
                 "remote_fetch": s.estimate.remote_fetch,
                 "expected_cached_tokens": s.expected_cached_tokens,
             }
@@ -290,14 +214,13 @@ def _too_large(max_bytes: int) -> ApiError:
 async def _serve(request: Request, endpoint: str) -> Response:
     gw: Gateway = request.app.state.gw
     status = 500
+    tenant = None
     try:
-        gw.authenticate(request)
+        tenant = gw.authenticate(request)
         body = await _read_json(request, gw.config.max_body_bytes)
-        plan = await gw.planner.plan(endpoint, body)
+        plan = await gw.planner.plan(endpoint, body, tenant)
         _count_decision(gw, plan)
-        response = await gw.proxy.forward(
-            endpoint, request.state.raw_body, plan, stream=bool(body.get("stream"))
-        )
+        response = await gw.proxy.forward(endpoint, request.state.raw_body, plan)
         status = response.status_code
         return response
     except ApiError as err:
@@ -305,6 +228,10 @@ async def _serve(request: Request, endpoint: str) -> Response:
         raise
     finally:
         gw.metrics.requests.labels(endpoint, str(status)).inc()
+        if tenant is not None:
+            gw.metrics.tenant_requests.labels(
+                tenant.name, tenant.tenant_class.value, str(status)
+            ).inc()
 
 
 def _count_decision(gw: Gateway, plan: Plan) -> None:

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
 from routing.cost import (
+    HBM_CAPACITY_TOKENS,
     KV_BYTES_PER_TOKEN,
     PCIE_GBPS,
     PREFILL_CHUNK_TOKENS,
@@ -22,13 +23,10 @@ from routing.cost import (
     PoolCosts,
 )
 from routing.decide import Policy
+from routing.filters import Fallback
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 from routing.index import DEFAULT_TTL_S
-
-DEFAULT_HBM_CAPACITY_TOKENS = 500_000
-# H200 (141 GB) serving Llama-3.1-8B in BF16: ~16 GB weights, vLLM's gpu_memory_utilization 0.9
-# leaves ~110 GB for KV; at 128 KiB/token that is ~840k tokens. 500k leaves room for activations
-# and CUDA graphs, and is what the index assumes a replica's HBM holds when the config is silent.
+from routing.types import TenantClass
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # 8 MiB: a 128k-token prompt is ~512 KiB of text; the rest is headroom for base64 images.
@@ -60,11 +58,23 @@ class SimConfig(Strict):
     time_factor: PositiveFloat = 1.0
 
 
+class AdmissionConfig(Strict):
+    """Per-replica admission cap of a pinned pool: above it, critical traffic takes the fallback."""
+
+    max_in_flight: PositiveInt | None = None
+    max_prefill_tokens: PositiveInt | None = None
+
+
 class PoolConfig(Strict):
     name: str
     replicas: list[HttpUrl] = Field(min_length=1)
+    pinned: bool = False  # reserved for critical tenants
+    hbm_only: bool = False  # replicas run without CPU or remote offload
+    admission: AdmissionConfig = AdmissionConfig()
+    lend_below: Annotated[float, Field(gt=0, le=1)] | None = None  # standard may borrow it below
+    cache_salt: bool = False  # add a per-tenant "cache_salt" to request bodies (vLLM >= 0.9)
     models: list[str] = Field(default_factory=list)  # empty: discovered from /v1/models
-    hbm_capacity_tokens: PositiveInt = DEFAULT_HBM_CAPACITY_TOKENS
+    hbm_capacity_tokens: PositiveInt = HBM_CAPACITY_TOKENS
     cpu_capacity_tokens: Annotated[int, Field(ge=0)] = 0  # 0: no CPU offload tier
     remote_tier: str | None = None
     max_prompt_tokens: PositiveInt | None = None
@@ -118,8 +128,34 @@ class ListenConfig(Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
 
 
-class AuthConfig(Strict):
-    api_keys: list[str] = Field(default_factory=list)  # empty: no authentication
+class TenantConfig(Strict):
+    name: str = Field(min_length=1)
+    api_key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    api_key: str | None = Field(default=None, min_length=8)  # prefer api_key_sha256 in files
+    tenant_class: TenantClass = Field(default=TenantClass.STANDARD, alias="class")
+    share_group: str | None = None  # tenants in one group share prefix cache
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> TenantConfig:
+        if (self.api_key is None) == (self.api_key_sha256 is None):
+            raise ValueError(f"tenant {self.name!r}: give exactly one of api_key, api_key_sha256")
+        return self
+
+
+class AdminConfig(Strict):
+    api_key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    api_key: str | None = Field(default=None, min_length=8)
+
+
+class CriticalConfig(Strict):
+    fallback: Fallback = Fallback.SPILL  # when the pinned pool is down or over its cap
+    retry_after_s: PositiveInt = 1
+
+
+class OverloadConfig(Strict):
+    batch_max_queue_s: PositiveFloat = 5.0  # batch is shed when its best queue is longer
 
 
 class GatewayConfig(Strict):
@@ -129,7 +165,10 @@ class GatewayConfig(Strict):
     health: HealthConfig = HealthConfig()
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     upstream: UpstreamConfig = UpstreamConfig()
-    auth: AuthConfig = AuthConfig()
+    tenants: list[TenantConfig] = Field(default_factory=list)  # empty: no authentication
+    admin: AdminConfig = AdminConfig()
+    critical: CriticalConfig = CriticalConfig()
+    overload: OverloadConfig = OverloadConfig()
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
     remote_tiers: list[RemoteTierConfig] = Field(default_factory=list)
     pools: list[PoolConfig] = Field(min_length=1)
@@ -146,6 +185,9 @@ class GatewayConfig(Strict):
                     f"pools.{i}.remote_tier: {pool.remote_tier!r} is not one of "
                     f"remote_tiers {sorted(tiers)}"
                 )
+        tenant_names = [t.name for t in self.tenants]
+        if len(set(tenant_names)) != len(tenant_names):
+            raise ValueError(f"tenants: duplicate tenant name in {tenant_names}")
         urls = [str(u) for p in self.pools for u in p.replicas]
         if len(set(urls)) != len(urls):
             raise ValueError("pools: a replica URL appears twice")

@@ -76,6 +76,66 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.critical_fallbacks = Counter(
+            "cachelane_critical_fallbacks",
+            "Critical requests that left the pinned pool, by action (spill or reject)",
+            ["action"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "cachelane_shed",
+            "Requests shed under overload, by class",
+            ["tenant_class"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "cachelane_tenant_requests",
+            "Requests by tenant, class and status",
+            ["tenant", "tenant_class", "status"],
+            registry=r,
+        )
+        self.tenant_ttft_seconds = Histogram(
+            "cachelane_tenant_ttft_seconds",
+            "Observed time to first byte by tenant",
+            ["tenant", "tenant_class"],
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.remote_admission = Counter(
+            "cachelane_remote_admission",
+            "Remote-tier write decisions (admitted or refused)",
+            ["verdict"],
+            registry=r,
+        )
+        self.remote_bytes_written = Counter(
+            "cachelane_remote_bytes_admitted",
+            "KV bytes the replicas were told to write to the remote tier",
+            registry=r,
+        )
+        self.remote_bytes_avoided = Counter(
+            "cachelane_remote_bytes_refused",
+            "KV bytes not written to the remote tier because reuse would not pay for the write",
+            registry=r,
+        )
+        self.estimate_ratio = Histogram(
+            "cachelane_ttft_estimate_ratio",
+            "Observed TTFT / estimated TTFT (streamed requests)",
+            ["replica"],
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+            registry=r,
+        )
+        self.correction = Gauge(
+            "cachelane_replica_correction",
+            "Self-calibration factor on the replica's estimates (1 = the cost model is right)",
+            ["replica"],
+            registry=r,
+        )
+        self.prewarms = Counter(
+            "cachelane_prewarms",
+            "Prewarm requests by trigger and outcome",
+            ["trigger", "outcome"],
+            registry=r,
+        )
         self.index_errors = Counter(
             "cachelane_index_errors",
             "Index operations that failed (served on the local view)",

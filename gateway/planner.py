@@ -1,8 +1,8 @@
-"""Gather the inputs of a routing decision, call routing.decide(), apply its outputs.
+"""Gather the inputs of a routing decision, call the pure core, apply its outputs.
 
-Functional core, imperative shell: this module does the I/O around the pure decision (one index
-lookup, a snapshot of replica load) and the bookkeeping after it (speculative index entries),
-and nothing else. The same plan serves real requests and /debug/route.
+Functional core, imperative shell: this module does the I/O around the decision (one index
+lookup, a snapshot of replica load, the reuse count) and the bookkeeping after it (speculative
+index entries), and nothing else. The same plan serves real requests and /debug/route.
 """
 
 from __future__ import annotations
@@ -13,11 +13,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request, no_replica
 from gateway.metrics import Metrics
 from gateway.registry import Registry, Replica
+from gateway.reuse import ReuseCounter
+from gateway.tenants import Tenant
+from routing.admission import AdmissionVerdict, family_key, should_write
 from routing.decide import Decision, Policy, RouteRequest, decide
+from routing.filters import Fallback, eligible, should_shed
 from routing.hashing import block_hashes
 from routing.index import Index
 from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
@@ -29,12 +35,18 @@ log = logging.getLogger("cachelane.planner")
 @dataclass(frozen=True)
 class Plan:
     model: str
+    tenant: Tenant
     namespace: str
+    cache_salt: str
     hashes: list[int]
     prompt_tokens: int
     decision: Decision
     replicas: dict[str, Replica]  # candidates by name, for the proxy's fallbacks
+    fallback: Fallback | None
+    admission: AdmissionVerdict | None  # None: the chosen pool has no remote tier
     decision_s: float
+    body: dict[str, Any]
+    stream: bool
 
 
 def prompt_of(endpoint: str, body: dict[str, Any]) -> str:
@@ -46,13 +58,24 @@ def prompt_of(endpoint: str, body: dict[str, Any]) -> str:
         raise bad_request(str(err), param="messages" if endpoint == "chat" else "prompt") from None
 
 
+def namespace_of(model: str, tenant: Tenant) -> str:
+    """Hash namespace: prefixes are shared within one model and one tenant cache scope."""
+    return f"{model}|{tenant.cache_scope}"
+
+
 class Planner:
     def __init__(
-        self, config: GatewayConfig, registry: Registry, index: Index, metrics: Metrics
+        self,
+        config: GatewayConfig,
+        registry: Registry,
+        index: Index,
+        reuse: ReuseCounter,
+        metrics: Metrics,
     ) -> None:
         self._config = config
         self._registry = registry
         self._index = index
+        self._reuse = reuse
         self._metrics = metrics
         self._policy: Policy = config.routing.policy
         self._block_size = config.routing.block_size_tokens
@@ -76,45 +99,83 @@ class Planner:
             )
         return model
 
-    async def plan(self, endpoint: str, body: dict[str, Any]) -> Plan:
+    async def plan(
+        self, endpoint: str, body: dict[str, Any], tenant: Tenant, *, dry_run: bool = False
+    ) -> Plan:
         started = time.perf_counter()
         model = self.model_of(body)
         text = prompt_of(endpoint, body)
         prompt_tokens = approx_tokens(text)
-        pool = self._registry.pool_of_model(model)
-        if pool is not None and pool.max_prompt_tokens and prompt_tokens > pool.max_prompt_tokens:
-            raise bad_request(
-                f"the prompt is about {prompt_tokens} tokens; model {model!r} accepts at most "
-                f"{pool.max_prompt_tokens}",
-                code="context_length_exceeded",
-                param="messages" if endpoint == "chat" else "prompt",
-            )
-        namespace = model
+        self._check_length(model, prompt_tokens, endpoint)
+        namespace = namespace_of(model, tenant)
         hashes = block_hashes(text, block_size_tokens=self._block_size, namespace=namespace)
         replicas = self._registry.healthy_for(model)
         if not replicas:
             raise no_replica(model)
         hits = await self._lookup(model, hashes)
         now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
-        request = RouteRequest(hashes, prompt_tokens, self._block_size)
-        decision = decide(
-            request,
+        allowed = eligible(
             [r.candidate(now_s, stale_s) for r in replicas],
-            hits,
-            self._policy,
-            seq=self._seq,
-            rng=self._rng,
+            tenant.tenant_class,
+            self._config.critical.fallback,
+            pinned_pool_exists=self._registry.has_pinned_pool(model),
+        )
+        if allowed.fallback is not None and not dry_run:
+            self._metrics.critical_fallbacks.labels(allowed.fallback.value).inc()
+        if not allowed.candidates:
+            raise self._rejection(model, allowed.fallback)
+        request = RouteRequest(hashes, prompt_tokens, self._block_size, hbm_only=allowed.hbm_only)
+        decision = decide(
+            request, allowed.candidates, hits, self._policy, seq=self._seq, rng=self._rng
         )
         self._seq += 1
+        if should_shed(decision, tenant.tenant_class, self._config.overload.batch_max_queue_s):
+            self._metrics.shed.labels(tenant.tenant_class.value).inc()
+            raise ApiError(
+                503,
+                "the fleet is overloaded and batch traffic is shed first; retry later",
+                code="overloaded",
+                type="service_unavailable",
+                headers={"retry-after": str(self._config.critical.retry_after_s)},
+            )
+        chosen = self._registry.replicas[decision.replica]
+        admission = await self._admission(chosen, hashes, hits, prompt_tokens, dry_run=dry_run)
         return Plan(
             model=model,
+            tenant=tenant,
             namespace=namespace,
+            cache_salt=xxhash.xxh3_128_hexdigest(tenant.cache_scope.encode()),
             hashes=hashes,
             prompt_tokens=prompt_tokens,
             decision=decision,
-            replicas={r.name: r for r in replicas},
+            replicas={c.name: self._registry.replicas[c.name] for c in allowed.candidates},
+            fallback=allowed.fallback,
+            admission=admission,
             decision_s=time.perf_counter() - started,
+            body=body,
+            stream=bool(body.get("stream")),
         )
+
+    def _check_length(self, model: str, prompt_tokens: int, endpoint: str) -> None:
+        limit = self._registry.max_prompt_tokens(model)
+        if limit is not None and prompt_tokens > limit:
+            raise bad_request(
+                f"the prompt is about {prompt_tokens} tokens; model {model!r} accepts at most "
+                f"{limit}",
+                code="context_length_exceeded",
+                param="messages" if endpoint == "chat" else "prompt",
+            )
+
+    def _rejection(self, model: str, fallback: Fallback | None) -> ApiError:
+        if fallback is Fallback.REJECT:
+            return ApiError(
+                503,
+                f"the pinned pool for {model!r} is down or at its admission cap",
+                code="pinned_pool_unavailable",
+                type="service_unavailable",
+                headers={"retry-after": str(self._config.critical.retry_after_s)},
+            )
+        return no_replica(model, self._config.critical.retry_after_s)
 
     async def _lookup(self, model: str, hashes: list[int]) -> BlockHits:
         try:
@@ -124,13 +185,41 @@ class Planner:
             log.warning("index lookup failed, routing without cache hits: %r", err)
             return []
 
+    async def _admission(
+        self,
+        replica: Replica,
+        hashes: list[int],
+        hits: BlockHits,
+        prompt_tokens: int,
+        *,
+        dry_run: bool,
+    ) -> AdmissionVerdict | None:
+        tier = replica.pool.remote_tier
+        family = family_key(hashes)
+        if tier is None or family is None:
+            return None
+        remote = Location(tier, Tier.REMOTE)
+        held_blocks = next((i for i, h in enumerate(hits) if remote not in h), len(hits))
+        reuse = await self._reuse.peek(family) if dry_run else await self._reuse.seen(family)
+        verdict = should_write(prompt_tokens, held_blocks * self._block_size, reuse, replica.costs)
+        if not dry_run:
+            label = "admitted" if verdict.write else "refused"
+            self._metrics.remote_admission.labels(label).inc()
+            kv_bytes = verdict.new_tokens * replica.costs.kv_bytes_per_token
+            if verdict.write:
+                self._metrics.remote_bytes_written.inc(kv_bytes)
+            else:
+                self._metrics.remote_bytes_avoided.inc(kv_bytes)
+        return verdict
+
     async def record_sent(self, plan: Plan, replica: Replica) -> None:
-        """Approximate mode: the replica will hold the prompt's blocks in HBM after this request."""
+        """Approximate mode: after this request the replica holds the prompt's blocks in HBM,
+        and the remote tier holds them too if the write was admitted."""
         try:
             await self._index.record(plan.model, plan.hashes, Location(replica.name, Tier.HBM))
-            if replica.pool.remote_tier:
-                remote = Location(replica.pool.remote_tier, Tier.REMOTE)
-                await self._index.record(plan.model, plan.hashes, remote)
+            tier = replica.pool.remote_tier
+            if tier and plan.admission is not None and plan.admission.write:
+                await self._index.record(plan.model, plan.hashes, Location(tier, Tier.REMOTE))
         except Exception as err:
             self._metrics.index_errors.labels("record").inc()
             log.warning("index record failed: %r", err)

@@ -19,7 +19,7 @@ import httpx
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.scraper import EngineLoad
 from routing.cost import Load, PoolCosts
-from routing.decide import Candidate
+from routing.decide import Candidate, PoolRules
 
 log = logging.getLogger("cachelane.registry")
 
@@ -32,6 +32,7 @@ class Replica:
     url: str  # base URL without trailing slash
     pool: PoolConfig
     costs: PoolCosts
+    rules: PoolRules
     healthy: bool = False
     consecutive_failures: int = 0
     models: frozenset[str] = frozenset()
@@ -61,8 +62,9 @@ class Replica:
             name=self.name,
             load=self.load(now_s, stale_after_s),
             costs=self.costs,
-            remote_tier=self.pool.remote_tier,
+            remote_tier=None if self.pool.hbm_only else self.pool.remote_tier,
             correction=self.correction,
+            pool=self.rules,
         )
 
 
@@ -111,10 +113,20 @@ class Registry:
         self._on_change = on_change
         for pool in config.pools:
             costs = pool.costs.to_pool_costs()
+            rules = PoolRules(
+                name=pool.name,
+                pinned=pool.pinned,
+                hbm_only=pool.hbm_only,
+                max_in_flight=pool.admission.max_in_flight,
+                max_prefill_tokens=pool.admission.max_prefill_tokens,
+                lend_below=pool.lend_below,
+            )
             for raw in pool.replicas:
                 url = str(raw).rstrip("/")
                 name = replica_name(url)
-                self.replicas[name] = Replica(name, url, pool, costs, models=frozenset(pool.models))
+                self.replicas[name] = Replica(
+                    name, url, pool, costs, rules, models=frozenset(pool.models)
+                )
 
     def reserve(self, replica: Replica, *, prefill_tokens: int, swaps: int) -> Reservation:
         replica.in_flight += 1
@@ -132,8 +144,17 @@ class Registry:
     def healthy_for(self, model: str) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy and model in r.models]
 
-    def pool_of_model(self, model: str) -> PoolConfig | None:
-        return next((r.pool for r in self.replicas.values() if model in r.models), None)
+    def has_pinned_pool(self, model: str) -> bool:
+        return any(r.pool.pinned and model in r.models for r in self.replicas.values())
+
+    def max_prompt_tokens(self, model: str) -> int | None:
+        """The smallest limit of any pool serving the model (None: no limit configured)."""
+        limits = [
+            r.pool.max_prompt_tokens
+            for r in self.replicas.values()
+            if model in r.models and r.pool.max_prompt_tokens
+        ]
+        return min(limits) if limits else None
 
     async def mark_failed(self, replica: Replica, error: str, *, eject: bool) -> None:
         """Count a failure; `eject` takes the replica out at once (it refused a connection)."""

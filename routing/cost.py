@@ -39,6 +39,11 @@ PREFILL_CHUNK_TOKENS = 8_192
 # with >= 70 GiB (vllm/engine/arg_utils.py, default_max_num_batched_tokens); each chunk shares a
 # step with every running decode.
 
+HBM_CAPACITY_TOKENS = 800_000
+# Llama-3.1-8B BF16 on one H200: 141 GB HBM (NVIDIA H200 datasheet) * 0.9 (vLLM's default
+# gpu_memory_utilization) - 16.1 GB of weights (8.03e9 parameters * 2 bytes) - ~5 GB for the
+# profiled activation peak and CUDA graphs (an estimate) = ~105 GB, / 128 KiB per token = ~0.8M.
+
 
 @dataclass(frozen=True, slots=True)
 class PoolCosts:
@@ -90,32 +95,31 @@ class Estimate:
         return self.queue_s + self.swap_s + self.remote_s + self.prefill_s
 
 
-def estimate(
-    overlap: Overlap, load: Load, costs: PoolCosts, *, correction: float = 1.0
-) -> Estimate:
-    """Estimated TTFT terms; `correction` scales rates learnt from observed TTFTs (1.0 = none)."""
-    rate = costs.prefill_tokens_per_s / correction
+def estimate(overlap: Overlap, load: Load, costs: PoolCosts, *, correction: float = 1.0) -> Estimate:
+    """Estimated TTFT terms. `correction` (self-calibration: observed / estimated TTFT on this
+    replica, 1.0 = none) scales every term, as if the replica's rates were that much slower."""
+    rate = costs.prefill_tokens_per_s
     uncached = overlap.uncached_tokens
     chunks = -(-max(uncached, 1) // costs.prefill_chunk_tokens)
     queue_s = (load.pending_prefill_tokens + load.in_flight * chunks) / rate
 
-    swap_bw = costs.pcie_gbps * 1e9 / correction / (1 + load.swaps_in_flight)
-    swap_s = overlap.cpu_tokens * costs.kv_bytes_per_token / swap_bw
+    swap_bytes_per_s = costs.pcie_gbps * 1e9 / (1 + load.swaps_in_flight)
+    swap_s = overlap.cpu_tokens * costs.kv_bytes_per_token / swap_bytes_per_s
 
     remote_s = 0.0
     remote_fetch = False
     if overlap.remote_tokens:
         fetch_s = costs.remote_fixed_s + overlap.remote_tokens * costs.kv_bytes_per_token / (
-            costs.remote_gbps * 1e9 / correction
+            costs.remote_gbps * 1e9
         )
         recompute_s = overlap.remote_tokens / rate
         remote_fetch = fetch_s < recompute_s
         remote_s = min(fetch_s, recompute_s)
 
     return Estimate(
-        queue_s=queue_s,
-        swap_s=swap_s,
-        remote_s=remote_s,
-        prefill_s=uncached / rate,
+        queue_s=queue_s * correction,
+        swap_s=swap_s * correction,
+        remote_s=remote_s * correction,
+        prefill_s=uncached / rate * correction,
         remote_fetch=remote_fetch,
     )

@@ -64,6 +64,18 @@ class Reason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class PoolRules:
+    """How a replica's pool may be used (routing/filters.py applies them)."""
+
+    name: str = "default"
+    pinned: bool = False  # reserved for critical tenants
+    hbm_only: bool = False  # no CPU or remote tier: no swap-in or remote term
+    max_in_flight: int | None = None  # admission cap per replica
+    max_prefill_tokens: int | None = None  # admission cap per replica
+    lend_below: float | None = None  # standard traffic may use it below this fraction of the caps
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """A replica that may serve the request, with a snapshot of its load."""
 
@@ -72,6 +84,7 @@ class Candidate:
     costs: PoolCosts = field(default_factory=PoolCosts)
     remote_tier: str | None = None  # remote tier this replica's pool reads, if any
     correction: float = 1.0  # self-calibration factor on the pool's rates
+    pool: PoolRules = field(default_factory=PoolRules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +99,13 @@ class RouteRequest:
 class Score:
     replica: str
     overlap: Overlap
-    estimate: Estimate
+    estimate: Estimate  # with the replica's self-calibration correction applied
+    correction: float = 1.0
+
+    @property
+    def raw_ttft_s(self) -> float:
+        """The cost model's estimate before self-calibration."""
+        return self.estimate.ttft_s / self.correction
 
     @property
     def expected_cached_tokens(self) -> int:
@@ -128,7 +147,7 @@ def overlap_of(candidate: Candidate, hits: BlockHits, request: RouteRequest) -> 
     for holders in hits:
         if hbm in holders and c == 0 and m == 0:
             g += 1
-        elif request.hbm_only:
+        elif request.hbm_only or candidate.pool.hbm_only:
             break
         elif (hbm in holders or cpu in holders) and m == 0:
             c += 1
@@ -155,7 +174,7 @@ def decide(
     if not candidates:
         raise NoCandidates("no eligible replica")
     scores = tuple(
-        Score(c.name, ov, estimate(ov, c.load, c.costs, correction=c.correction))
+        Score(c.name, ov, estimate(ov, c.load, c.costs, correction=c.correction), c.correction)
         for c in candidates
         for ov in (overlap_of(c, hits, request),)
     )

@@ -8,15 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from routing.cost import KV_BYTES_PER_TOKEN, PoolCosts
+from routing.cost import HBM_CAPACITY_TOKENS, KV_BYTES_PER_TOKEN, PoolCosts
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 
 SIM_MODEL = "sim-llama-8b"
-
-HBM_CAPACITY_TOKENS = 800_000
-# Llama-3.1-8B BF16 on one H200: 141 GB HBM (NVIDIA H200 datasheet) * 0.9 (vLLM's default
-# gpu_memory_utilization) - 16.1 GB of weights (8.03e9 parameters * 2 bytes) - ~5 GB for the
-# profiled activation peak and CUDA graphs (an estimate) = ~105 GB, / 128 KiB per token = ~0.8M.
 
 ITL_S = 0.010
 # Decode is memory-bound: every step reads the weights plus the batch's KV from HBM. At a moderate

@@ -11,7 +11,13 @@ import logging
 
 import httpx
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 from pydantic import BaseModel
 
 from loadtest.sim.config import RemoteTierSpec
@@ -33,9 +39,9 @@ def create_remote_app(spec: RemoteTierSpec) -> FastAPI:
     registry = CollectorRegistry()
     held = Gauge("cachelane_sim_remote_tier_blocks", "Blocks held", registry=registry)
     held.set_function(lambda: len(blocks))
-    Gauge(
-        "cachelane_sim_remote_tier_capacity_blocks", "Capacity in blocks", registry=registry
-    ).set(blocks.capacity_blocks)
+    Gauge("cachelane_sim_remote_tier_capacity_blocks", "Capacity in blocks", registry=registry).set(
+        blocks.capacity_blocks
+    )
     lookups = Counter("cachelane_sim_remote_tier_lookups", "Lookups", registry=registry)
     hit_blocks = Counter(
         "cachelane_sim_remote_tier_hit_blocks", "Leading blocks found by lookups", registry=registry
@@ -43,7 +49,9 @@ def create_remote_app(spec: RemoteTierSpec) -> FastAPI:
     stored = Counter(
         "cachelane_sim_remote_tier_stored_blocks", "Blocks newly stored", registry=registry
     )
-    evicted = Counter("cachelane_sim_remote_tier_evicted_blocks", "Blocks evicted", registry=registry)
+    evicted = Counter(
+        "cachelane_sim_remote_tier_evicted_blocks", "Blocks evicted", registry=registry
+    )
 
     app = FastAPI(title=f"cachelane sim remote tier {spec.name}")
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from redis.asyncio import Connection, ConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio import Connection, Redis
 
 from routing.index import Index, MemoryIndex
 from routing.index_redis import IndexUnavailable, RedisIndex
 from routing.types import Location, Tier
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.ports import free_port
+from tests.helpers.redis_server import RedisClusterProcs, RedisServer
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 A_HBM = Location("a", Tier.HBM)
@@ -197,48 +197,43 @@ async def test_models_are_isolated(index: Index, pair: tuple[str, str]) -> None:
 # Redis only
 
 
-class CountingConnection(Connection):
-    """A real connection that counts its writes: one pipelined round trip is one write."""
-
-    writes = 0
-
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        CountingConnection.writes += 1
-        await super().send_packed_command(command, check_health)
-
-
 @pytest.mark.parametrize("cluster", [False, True], ids=["redis", "redis_cluster"])
-async def test_lookup_is_one_round_trip(request: pytest.FixtureRequest, cluster: bool) -> None:
-    client: Redis | RedisCluster
-    if cluster:
-        url = request.getfixturevalue("redis_cluster_url")
-        client = RedisCluster.from_url(url, connection_class=CountingConnection)
-        nodes = 3  # a cluster pipeline writes once to each node it needs, concurrently
-    else:
-        url = request.getfixturevalue("redis_url")
-        client = Redis(
-            connection_pool=ConnectionPool.from_url(url, connection_class=CountingConnection)
-        )
-        nodes = 1
-    index = RedisIndex(client, key_prefix=f"t{uuid.uuid4().hex[:12]}")
+async def test_lookup_is_one_round_trip(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, cluster: bool
+) -> None:
+    """Count socket writes on the real connections: a pipelined round trip is one write per node."""
+    url = request.getfixturevalue("redis_cluster_url" if cluster else "redis_url")
+    index = RedisIndex.from_url(url, cluster=cluster, key_prefix=f"t{uuid.uuid4().hex[:12]}")
     hashes = list(range(512))
     await index.record(MODEL, hashes[:300], A_HBM)
     await index.lookup(MODEL, hashes)  # warm up: connections, cluster slot map
-    CountingConnection.writes = 0
+    writes: list[Connection] = []
+    send = Connection.send_packed_command
+
+    async def counting_send(self: Connection, command: Any, check_health: bool = True) -> None:
+        writes.append(self)
+        await send(self, command, check_health)
+
+    monkeypatch.setattr(Connection, "send_packed_command", counting_send)
     hits = await index.lookup(MODEL, hashes)
+    monkeypatch.undo()
     assert len(hits) == 300
-    assert 1 <= CountingConnection.writes <= nodes
+    # A cluster pipeline writes once to each node its keys live on, concurrently (3 masters).
+    assert len(writes) == (3 if cluster else 1)
+    assert len(set(map(id, writes))) == len(writes)
     await index.close()
 
 
-async def test_stopped_redis_raises_index_unavailable_quickly() -> None:
-    server = RedisServer().start()
-    index = RedisIndex.from_url(server.url, socket_timeout_s=0.25)
+@pytest.mark.parametrize("cluster", [False, True], ids=["redis", "redis_cluster"])
+async def test_stopped_redis_raises_index_unavailable_quickly(cluster: bool) -> None:
+    servers = RedisClusterProcs() if cluster else RedisServer()
+    servers.start()
+    index = RedisIndex.from_url(servers.url, cluster=cluster, socket_timeout_s=0.25)
     try:
-        await index.record(MODEL, [1], A_HBM)
-        server.stop()
+        await index.record(MODEL, [1, 2, 3], A_HBM)
+        servers.stop()
         calls = [
-            index.lookup(MODEL, [1]),
+            index.lookup(MODEL, [1, 2, 3]),
             index.record(MODEL, [1], A_HBM),
             index.evict(MODEL, [1], A_HBM),
             index.drop_replica("a"),
@@ -249,8 +244,16 @@ async def test_stopped_redis_raises_index_unavailable_quickly() -> None:
                 await call
             assert time.monotonic() - started_s < 1.0
     finally:
-        server.stop()
+        servers.stop()
         await index.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["redis", "redis_cluster"])
+async def test_unreachable_redis_raises_index_unavailable(cluster: bool) -> None:
+    index = RedisIndex.from_url(f"redis://127.0.0.1:{free_port()}/0", cluster=cluster)
+    with pytest.raises(IndexUnavailable):
+        await index.lookup(MODEL, [1])
+    await index.close()
 
 
 async def test_stalled_redis_times_out_as_index_unavailable(redis_url: str) -> None:

@@ -1,0 +1,242 @@
+"""The simulated replica's KV cache and timing model, without HTTP.
+
+One request, in order (every sleep is real and multiplied by spec.time_factor):
+  1. find where the prompt's leading blocks are: g in HBM, then c more in the CPU tier, then m more
+     in the remote tier (one lookup), the rest u uncached;
+  2. swap the c CPU blocks in over PCIe, whose bandwidth is shared with other swap-ins in flight;
+  3. fetch the m remote blocks, or recompute them if that is cheaper (they then count as uncached);
+  4. wait for the replica's prefill (one FIFO lock: a GPU prefills one batch at a time; requests
+     count as waiting until they hold it), then prefill the uncached tail;
+  5. put every prompt block in HBM, demote HBM's overflow to the CPU tier (CPU overflow is dropped),
+     and write the prompt's blocks to the remote tier unless told not to;
+  6. decode, one token per itl_s, concurrently with other requests.
+Steps 2 and 3 charge exactly routing.cost.estimate()'s swap and remote terms, so the gateway's cost
+model and the simulator agree by construction; queueing is not modelled, it happens at the lock.
+
+Like vLLM, the last prompt token is always computed (a full hit still prefills one token), so at
+most (prompt_tokens - 1) // block_size_tokens leading blocks are reused. When the lock is acquired,
+HBM is looked at again: blocks another request prefilled meanwhile are reused (as vLLM's scheduler
+does). Blocks completed during decode are not cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from loadtest.sim.config import SimReplicaSpec
+from loadtest.sim.remote import RemoteClient
+from loadtest.sim.tiers import BlockLRU
+from routing.cost import Load, Overlap, estimate
+from routing.hashing import block_hashes
+from routing.prompt import approx_tokens
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt plus the tokens to generate do not fit the model's context."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str
+    prompt_tokens: int
+    hashes: tuple[int, ...]  # chained hashes of every full block of the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    prompt_tokens: int
+    hbm_tokens: int  # reused from this replica's HBM
+    cpu_tokens: int  # swapped in from the CPU tier
+    remote_tokens: int  # fetched from the remote tier (recomputed ones are not counted here)
+    computed_tokens: int  # prefilled: the uncached tail plus any remote tokens recomputed
+    remote_written_blocks: int  # blocks the remote tier newly stored for this request
+
+    @property
+    def cached_tokens(self) -> int:
+        return min(self.prompt_tokens, self.hbm_tokens + self.cpu_tokens + self.remote_tokens)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Monotonic counters since start (exported as Prometheus counters by server.py)."""
+
+    prefix_cache_queries_tokens: int = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
+    prefix_cache_hits_tokens: int = 0  # of those, found in HBM (vLLM: prefix_cache_hits)
+    external_queries_tokens: int = 0  # tokens looked up beyond HBM, in the CPU / remote tiers
+    external_hits_tokens: int = 0  # of those, reused (vLLM: external_prefix_cache_hits)
+    swap_in_tokens: int = 0
+    remote_fetch_tokens: int = 0
+    remote_recompute_tokens: int = 0  # found in the remote tier but cheaper to recompute
+    remote_bytes_written: int = 0
+    remote_bytes_skipped: int = 0  # a write was declined (x-cachelane-remote-write: 0)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class SimEngine:
+    def __init__(self, spec: SimReplicaSpec, remote: RemoteClient | None) -> None:
+        self.spec = spec
+        bs = spec.block_size_tokens
+        self.hbm = BlockLRU(spec.hbm_capacity_tokens // bs)
+        self.cpu = BlockLRU(spec.cpu_capacity_tokens // bs) if spec.cpu_capacity_tokens else None
+        self.remote = remote
+        self.stats = EngineStats()
+        self.running = 0  # requests holding or past the prefill lock
+        self.waiting = 0  # requests admitted, not yet holding the prefill lock
+        self.active_tokens = 0  # prompt + generated tokens of the running requests
+        self._swaps_in_flight = 0
+        self._prefill_lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
+
+    @property
+    def hbm_usage(self) -> float:
+        return len(self.hbm) / self.hbm.capacity_blocks
+
+    def prompt(self, text: str, namespace: str) -> Prompt:
+        hashes = block_hashes(
+            text, block_size_tokens=self.spec.block_size_tokens, namespace=namespace
+        )
+        return Prompt(text=text, prompt_tokens=approx_tokens(text), hashes=tuple(hashes))
+
+    def check_fits(self, prompt: Prompt, max_tokens: int) -> None:
+        limit = self.spec.max_model_len_tokens
+        if prompt.prompt_tokens + max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt.prompt_tokens + max_tokens} tokens ({prompt.prompt_tokens} in the "
+                f"prompt, {max_tokens} for the completion). Please reduce the length of the prompt "
+                "or of the completion."
+            )
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every block in HBM and the CPU tier (vLLM's /reset_prefix_cache)."""
+        self.hbm.clear()
+        if self.cpu is not None:
+            self.cpu.clear()
+
+    @asynccontextmanager
+    async def admit(self, prompt: Prompt) -> AsyncIterator[SimRequest]:
+        """One request's stay on the replica; load counts are released however it ends."""
+        request = SimRequest(self, prompt)
+        self.waiting += 1
+        try:
+            yield request
+        finally:
+            if request.running:
+                self.running -= 1
+                self.active_tokens -= request.held_tokens
+            else:
+                self.waiting -= 1
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds > 0 and self.spec.time_factor > 0:
+            await asyncio.sleep(seconds * self.spec.time_factor)
+
+
+class SimRequest:
+    def __init__(self, engine: SimEngine, prompt: Prompt) -> None:
+        self._engine = engine
+        self.prompt = prompt
+        self.running = False
+        self.held_tokens = 0
+
+    async def prefill(self, *, remote_write: bool = True) -> PrefillResult:
+        """Load or compute the prompt's KV; returns when the first token could be sent."""
+        eng, spec, prompt = self._engine, self._engine.spec, self.prompt
+        bs = spec.block_size_tokens
+        reusable = prompt.hashes[: (prompt.prompt_tokens - 1) // bs]
+
+        g = eng.hbm.prefix_len(reusable)
+        c = eng.cpu.prefix_len(reusable, g) if eng.cpu is not None else 0
+        m = 0
+        if eng.remote is not None and g + c < len(reusable):
+            m = await eng.remote.lookup(list(reusable[g + c :]))
+        cost = estimate(
+            Overlap(
+                prompt.prompt_tokens, hbm_tokens=g * bs, cpu_tokens=c * bs, remote_tokens=m * bs
+            ),
+            Load(swaps_in_flight=eng._swaps_in_flight),
+            spec.costs,
+        )
+        if c:
+            eng._swaps_in_flight += 1
+            try:
+                await eng.sleep(cost.swap_s)
+            finally:
+                eng._swaps_in_flight -= 1
+        fetched = m if cost.remote_fetch else 0
+        if fetched:
+            await eng.sleep(cost.remote_s)
+
+        async with eng._prefill_lock:
+            eng.waiting -= 1
+            eng.running += 1
+            self.running = True
+            loaded = g + c + fetched
+            hbm_now = eng.hbm.prefix_len(reusable)  # others may have prefilled our prefix
+            hbm_blocks = g + max(0, hbm_now - loaded)
+            cached_blocks = max(loaded, hbm_now)
+            computed = prompt.prompt_tokens - cached_blocks * bs
+            await eng.sleep(computed / spec.costs.prefill_tokens_per_s)
+            self._place_in_hbm(swapped_in=reusable[g : g + c])
+
+        self.held_tokens = prompt.prompt_tokens
+        eng.active_tokens += self.held_tokens
+        s = eng.stats
+        s.prompt_tokens += prompt.prompt_tokens
+        s.prefix_cache_queries_tokens += prompt.prompt_tokens
+        s.prefix_cache_hits_tokens += hbm_blocks * bs
+        if eng.cpu is not None or eng.remote is not None:
+            s.external_queries_tokens += prompt.prompt_tokens - hbm_blocks * bs
+            s.external_hits_tokens += (cached_blocks - hbm_blocks) * bs
+        s.swap_in_tokens += c * bs
+        s.remote_fetch_tokens += fetched * bs
+        s.remote_recompute_tokens += (m - fetched) * bs
+        written = await self._write_remote(known_blocks=m, enabled=remote_write)
+        return PrefillResult(
+            prompt_tokens=prompt.prompt_tokens,
+            hbm_tokens=hbm_blocks * bs,
+            cpu_tokens=c * bs,
+            remote_tokens=fetched * bs,
+            computed_tokens=computed,
+            remote_written_blocks=written,
+        )
+
+    async def decode(self, max_tokens: int) -> AsyncIterator[int]:
+        """Yield token indices 0..max_tokens-1; the first right away, then one per itl_s."""
+        eng = self._engine
+        for i in range(max_tokens):
+            if i:
+                await eng.sleep(eng.spec.itl_s)
+            self.held_tokens += 1
+            eng.active_tokens += 1
+            eng.stats.generation_tokens += 1
+            yield i
+
+    def _place_in_hbm(self, *, swapped_in: tuple[int, ...]) -> None:
+        eng = self._engine
+        # Reversed, so the first block is the most recent: like vLLM, which frees a request's
+        # blocks tail first, a prompt's tail is evicted before its prefix.
+        evicted = eng.hbm.insert(reversed(self.prompt.hashes))
+        if eng.cpu is not None:
+            eng.cpu.touch(reversed(swapped_in))
+            eng.cpu.insert(evicted)
+
+    async def _write_remote(self, *, known_blocks: int, enabled: bool) -> int:
+        """Offer the prompt's blocks to the remote tier; returns how many it newly stored.
+
+        The tier skips blocks it holds (so bytes written counts only new ones); a declined write
+        counts the blocks not known to be there as skipped.
+        """
+        eng = self._engine
+        if eng.remote is None:
+            return 0
+        block_bytes = eng.spec.block_size_tokens * eng.spec.costs.kv_bytes_per_token
+        if not enabled:
+            eng.stats.remote_bytes_skipped += (len(self.prompt.hashes) - known_blocks) * block_bytes
+            return 0
+        written = await eng.remote.store(list(self.prompt.hashes))
+        eng.stats.remote_bytes_written += written * block_bytes
+        return written

@@ -1,0 +1,293 @@
+"""Run simulated replicas (and optionally the shared remote tier) in one process and one event loop.
+
+    python -m loadtest.sim --replicas 4 --port 9001 --remote-port 9100 --cpu-capacity-tokens 2000000
+
+Every server is a uvicorn.Server on its own loopback port; sockets are bound before anything starts,
+so a port in use fails at once with its number. SIGINT / SIGTERM (or cancelling serve_fleet) shut
+every server down gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+
+import uvicorn
+from fastapi import FastAPI
+
+from loadtest.sim.config import (
+    ITL_S,
+    MAX_MODEL_LEN_TOKENS,
+    REMOTE_CAPACITY_TOKENS,
+    SIM_MODEL,
+    RemoteTierSpec,
+    SimReplicaSpec,
+)
+from loadtest.sim.remote import create_remote_app
+from loadtest.sim.server import create_sim_app
+from routing.cost import HBM_CAPACITY_TOKENS, PoolCosts
+from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long to finish before they are cut
+
+
+class QuietServer(uvicorn.Server):
+    """A uvicorn.Server that leaves signals to its owner: several share one process."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
+    # listening socket says TCP; with proto 0, Nagle + delayed ACK add ~40 ms per reused connection.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot listen on {host}:{port}: {err.strerror}") from err
+    return sock
+
+
+async def serve_app(server: uvicorn.Server, sock: socket.socket) -> None:
+    """server.serve() on a bound socket, with uvicorn's sys.exit() on failure made an exception."""
+    try:
+        await server.serve(sockets=[sock])
+    except SystemExit as exc:
+        raise RuntimeError(f"uvicorn server on {sock.getsockname()} exited ({exc.code})") from None
+
+
+async def serve_fleet(
+    replicas: list[SimReplicaSpec],
+    remote: RemoteTierSpec | None = None,
+    *,
+    started: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGINT / SIGTERM or cancellation; `started` is set once every server listens."""
+    apps: list[tuple[str, int, FastAPI]] = []
+    if remote is not None:
+        apps.append((remote.host, remote.port, create_remote_app(remote)))
+    apps += [(r.host, r.port, create_sim_app(r)) for r in replicas]
+
+    sockets: list[socket.socket] = []
+    try:
+        for host, port, _ in apps:
+            sockets.append(bind_socket(host, port))
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+
+    servers = [
+        QuietServer(
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S),
+            )
+        )
+        for host, port, app in apps
+    ]
+    tasks = [
+        asyncio.create_task(serve_app(s, sock)) for s, sock in zip(servers, sockets, strict=True)
+    ]
+
+    def stop() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            loop.add_signal_handler(sig, stop)  # only possible in the main thread
+            handled.append(sig)
+    try:
+        if started is not None:
+            while not _all_started(servers, tasks):  # noqa: ASYNC110 (uvicorn has only a flag)
+                await asyncio.sleep(0.01)
+            started.set()
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # one failed: stop all
+    finally:
+        stop()
+        await asyncio.wait(tasks)  # asyncio.wait never cancels them: shutdown stays graceful
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+    for task in tasks:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
+
+
+def _all_started(servers: list[QuietServer], tasks: list[asyncio.Task[None]]) -> bool:
+    """Every server listens, or one has already stopped (so waiting longer is pointless)."""
+    return all(s.started for s in servers) or any(t.done() for t in tasks)
+
+
+def build_parser(
+    parser: argparse.ArgumentParser | None = None, *, add_help: bool = True
+) -> argparse.ArgumentParser:
+    """The `sim` command's arguments, added to `parser` or to a new one.
+
+    To mount it as a subcommand: `sub.add_parser("sim", parents=[build_parser(add_help=False)])`.
+    """
+    parser = parser or argparse.ArgumentParser(prog="python -m loadtest.sim", add_help=add_help)
+    parser.description = (
+        "Run simulated GPU replicas that speak the OpenAI API and behave like vLLM with prefix "
+        "caching: an HBM KV cache, an optional CPU offload tier and an optional shared remote "
+        "tier, with real sleeps for swap-in, remote fetch, prefill and decode. Replicas listen on "
+        "consecutive ports from --port and are named sim-0, sim-1, ... Speeds default to the "
+        "gateway's cost model (Llama-3.1-8B on one H200). Stop with Ctrl-C."
+    )
+    parser.epilog = (
+        "example: python -m loadtest.sim --replicas 4 --port 9001 --remote-port 9100 "
+        "--cpu-capacity-tokens 2000000 --time-factor 0.1"
+    )
+    add = parser.add_argument
+    add("--replicas", type=int, default=2, help="number of replicas (default: %(default)s)")
+    add("--port", type=int, default=9001, help="port of sim-0; sim-i gets port+i (default: 9001)")
+    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    add(
+        "--remote-port",
+        type=int,
+        default=None,
+        help="also run the shared remote KV tier on this port, and connect every replica to it",
+    )
+    add(
+        "--remote-capacity-tokens",
+        type=int,
+        default=REMOTE_CAPACITY_TOKENS,
+        help="tokens of KV the remote tier holds (default: %(default)s, 1 TiB of 8B KV)",
+    )
+    add(
+        "--hbm-capacity-tokens",
+        type=int,
+        default=HBM_CAPACITY_TOKENS,
+        help="tokens of KV each replica's HBM holds (default: %(default)s, 8B on an H200)",
+    )
+    add(
+        "--cpu-capacity-tokens",
+        type=int,
+        default=0,
+        help="tokens of KV in each replica's CPU offload tier; 0 = no CPU tier (default: 0)",
+    )
+    add(
+        "--itl-ms",
+        type=float,
+        default=ITL_S * 1000,
+        help="decode time per output token in ms (default: %(default)s)",
+    )
+    add(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=PoolCosts().prefill_tokens_per_s,
+        help="prefill speed of uncached prompt tokens (default: %(default)s)",
+    )
+    add(
+        "--time-factor",
+        type=float,
+        default=1.0,
+        help="multiply every simulated delay by this; 0.1 runs 10x faster (default: 1.0)",
+    )
+    add("--model", default=SIM_MODEL, help="model name served (default: %(default)s)")
+    add(
+        "--block-size-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE_TOKENS,
+        help="KV block size; must match the gateway's (default: %(default)s)",
+    )
+    add(
+        "--config",
+        help="simulate every 127.0.0.1/localhost replica (and remote tier) of this gateway "
+        "config, with its capacities and cost constants; the other options are then ignored",
+    )
+    add(
+        "--max-model-len-tokens",
+        type=int,
+        default=MAX_MODEL_LEN_TOKENS,
+        help="context length; longer requests get HTTP 400 (default: %(default)s)",
+    )
+    return parser
+
+
+def fleet_specs(args: argparse.Namespace) -> tuple[list[SimReplicaSpec], RemoteTierSpec | None]:
+    remote = None
+    if args.remote_port is not None:
+        remote = RemoteTierSpec(
+            name="remote-0",
+            host=args.host,
+            port=args.remote_port,
+            capacity_tokens=args.remote_capacity_tokens,
+            block_size_tokens=args.block_size_tokens,
+        )
+    costs = dataclasses.replace(PoolCosts(), prefill_tokens_per_s=args.prefill_tokens_per_s)
+    replicas = [
+        SimReplicaSpec(
+            name=f"sim-{i}",
+            host=args.host,
+            port=args.port + i,
+            model=args.model,
+            block_size_tokens=args.block_size_tokens,
+            hbm_capacity_tokens=args.hbm_capacity_tokens,
+            cpu_capacity_tokens=args.cpu_capacity_tokens,
+            remote_url=remote.url if remote else None,
+            costs=costs,
+            itl_s=args.itl_ms / 1000,
+            time_factor=args.time_factor,
+            max_model_len_tokens=args.max_model_len_tokens,
+        )
+        for i in range(args.replicas)
+    ]
+    return replicas, remote
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the fleet described by parsed arguments until Ctrl-C; returns an exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per remote-tier call
+    if args.replicas < 1:
+        print("error: --replicas must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        if args.config:
+            from gateway.config import ConfigError, load_config
+            from loadtest.sim.from_config import specs_from_config
+
+            try:
+                replicas, remote = specs_from_config(load_config(args.config))
+            except ConfigError as err:
+                raise ValueError(str(err)) from None
+        else:
+            replicas, remote = fleet_specs(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for r in replicas:
+        print(f"{r.name}: {r.url}/v1  (model {r.model})")
+    if remote is not None:
+        print(f"{remote.name}: {remote.url}  (remote KV tier)")
+    try:
+        asyncio.run(serve_fleet(replicas, remote))
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))

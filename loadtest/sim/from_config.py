@@ -1,0 +1,64 @@
+"""`cachelane sim --config FILE`: simulate every loopback replica and remote tier a gateway config
+names, with that config's pool capacities and cost constants (one file for both sides)."""
+
+from __future__ import annotations
+
+import httpx
+
+from gateway.config import GatewayConfig
+from loadtest.sim.config import (
+    ITL_S,
+    MAX_MODEL_LEN_TOKENS,
+    SIM_MODEL,
+    RemoteTierSpec,
+    SimReplicaSpec,
+)
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    u = httpx.URL(url)
+    if u.port is None:
+        raise ValueError(f"{url}: a simulated replica needs an explicit port")
+    return u.host, u.port
+
+
+def specs_from_config(config: GatewayConfig) -> tuple[list[SimReplicaSpec], RemoteTierSpec | None]:
+    remote: RemoteTierSpec | None = None
+    remote_urls: dict[str, str] = {}
+    for tier in config.remote_tiers:
+        if tier.url is None:
+            continue
+        host, port = _host_port(str(tier.url))
+        if host in LOCAL_HOSTS and remote is None:
+            remote = RemoteTierSpec(
+                name=tier.name, host=host, port=port, capacity_tokens=tier.capacity_tokens,
+                block_size_tokens=config.routing.block_size_tokens,
+            )
+            remote_urls[tier.name] = remote.url
+    replicas: list[SimReplicaSpec] = []
+    for pool in config.pools:
+        for raw in pool.replicas:
+            host, port = _host_port(str(raw))
+            if host not in LOCAL_HOSTS:
+                continue
+            replicas.append(
+                SimReplicaSpec(
+                    name=f"{pool.name}-{len(replicas)}",
+                    host=host,
+                    port=port,
+                    model=pool.models[0] if pool.models else SIM_MODEL,
+                    block_size_tokens=config.routing.block_size_tokens,
+                    hbm_capacity_tokens=pool.hbm_capacity_tokens,
+                    cpu_capacity_tokens=pool.cpu_capacity_tokens,
+                    remote_url=remote_urls.get(pool.remote_tier or ""),
+                    costs=pool.costs.to_pool_costs(),
+                    itl_s=pool.sim.itl_s if pool.sim.itl_s is not None else ITL_S,
+                    time_factor=pool.sim.time_factor,
+                    max_model_len_tokens=pool.max_prompt_tokens or MAX_MODEL_LEN_TOKENS,
+                )
+            )
+    if not replicas:
+        raise ValueError("the config names no replica on 127.0.0.1/localhost to simulate")
+    return replicas, remote

@@ -1,0 +1,349 @@
+"""The simulated replica's HTTP face: the OpenAI API plus what vLLM, SGLang and their routers call.
+
+  POST /v1/chat/completions, /v1/completions   stream or not; usage with cached_tokens
+  GET  /v1/models, /health, /metrics             vLLM metric names with a model_name label
+  POST /reset_prefix_cache                        clears HBM and the CPU tier (vLLM's name)
+  GET  /get_load, /server_info, /model_info      for sglang-router (no model_path: it would fetch)
+  POST /v1/completions/render, /v1/chat/completions/render   for vllm-router's cache_aware policy
+  POST /prefetch                                  load a prompt's KV into HBM without generating
+
+Request headers the gateway sends: x-cachelane-namespace (the block hashes' namespace, default the
+model name) and x-cachelane-remote-write: 0 (do not write this prompt's KV to the remote tier).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from loadtest.sim import protocol
+from loadtest.sim.config import SimReplicaSpec
+from loadtest.sim.engine import ContextLengthExceeded, Prompt, SimEngine
+from loadtest.sim.protocol import ApiError, ChunkWriter, Kind
+from loadtest.sim.remote import REMOTE_TIMEOUT_S, RemoteClient
+from routing.prompt import PromptError, chat_text, completion_text
+
+NAMESPACE_HEADER = "x-cachelane-namespace"  # same names as the gateway's proxy (gateway/proxy.py)
+REMOTE_WRITE_HEADER = "x-cachelane-remote-write"
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default for max_tokens (API reference)
+
+FINISH_REASON = "length"  # the simulator always generates exactly max_tokens
+
+
+def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        async with AsyncExitStack() as stack:
+            remote = None
+            if spec.remote_url:
+                http = httpx.AsyncClient(
+                    base_url=spec.remote_url, timeout=REMOTE_TIMEOUT_S, trust_env=False
+                )
+                remote = RemoteClient(await stack.enter_async_context(http))
+            engine = SimEngine(spec, remote)
+            registry = CollectorRegistry(auto_describe=True)
+            registry.register(_EngineCollector(engine))
+            yield {"engine": engine, "registry": registry}
+
+    app = FastAPI(title=f"cachelane simulated replica {spec.name}", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body, status_code=err.status)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, Kind.CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, Kind.COMPLETION)
+
+    async def _generate(request: Request, kind: Kind) -> Response:
+        engine = _engine(request)
+        body = await _json_body(request)
+        text = _prompt_text(spec, kind, body)
+        max_tokens = _max_tokens(kind, body)
+        prompt = _fitting_prompt(engine, request, kind, text, max_tokens)
+        remote_write = request.headers.get(REMOTE_WRITE_HEADER, "1").strip() != "0"
+        if body.get("stream"):
+            options = body.get("stream_options")
+            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            chunks = _stream(engine, kind, prompt, max_tokens, remote_write, include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        async with engine.admit(prompt) as req:
+            result = await req.prefill(remote_write=remote_write)
+            text_out = "".join([protocol.token_text(i) async for i in req.decode(max_tokens)])
+        usage = protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens)
+        rid = protocol.new_id(kind)
+        return JSONResponse(
+            protocol.response(kind, rid, spec.model, text_out, FINISH_REASON, usage)
+        )
+
+    async def _stream(
+        engine: SimEngine,
+        kind: Kind,
+        prompt: Prompt,
+        max_tokens: int,
+        remote_write: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        out = ChunkWriter(kind, spec.model, include_usage=include_usage)
+        async with engine.admit(prompt) as req:
+            result = await req.prefill(remote_write=remote_write)
+            if kind is Kind.CHAT:
+                yield out.role()
+            async for i in req.decode(max_tokens):
+                last = i == max_tokens - 1
+                finish = FINISH_REASON if last and kind is Kind.COMPLETION else None
+                yield out.content(protocol.token_text(i), finish)
+        if kind is Kind.CHAT:
+            yield out.finish(FINISH_REASON)
+        if include_usage:
+            yield out.usage(protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens))
+        yield protocol.SSE_DONE
+
+    @app.post("/prefetch")
+    async def prefetch(request: Request) -> dict[str, int]:
+        """Load a prompt's KV into HBM (from the CPU or remote tier, or by recomputing it)."""
+        engine = _engine(request)
+        body = await _json_body(request)
+        kind = Kind.CHAT if "messages" in body else Kind.COMPLETION
+        prompt = _fitting_prompt(engine, request, kind, _prompt_text(spec, kind, body), 0)
+        remote_write = request.headers.get(REMOTE_WRITE_HEADER, "1").strip() != "0"
+        async with engine.admit(prompt) as req:
+            result = await req.prefill(remote_write=remote_write)
+        return {
+            "prompt_tokens": result.prompt_tokens,
+            "cached_tokens_before": result.cached_tokens,
+            "hbm_tokens": result.hbm_tokens,
+            "cpu_tokens": result.cpu_tokens,
+            "remote_tokens": result.remote_tokens,
+            "computed_tokens": result.computed_tokens,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        model = {
+            "id": spec.model,
+            "object": "model",
+            "created": protocol.now_s(),
+            "owned_by": "cachelane-sim",
+            "root": spec.model,
+            "parent": None,
+            "max_model_len": spec.max_model_len_tokens,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        registry: CollectorRegistry = request.state.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        _engine(request).reset_prefix_cache()
+        return Response(status_code=200)
+
+    @app.get("/get_load")
+    async def get_load(request: Request) -> list[dict[str, int]]:
+        engine = _engine(request)
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": engine.running + engine.waiting,
+                "num_waiting_reqs": engine.waiting,
+                "num_tokens": engine.active_tokens,
+            }
+        ]
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            "served_model_name": spec.model,
+            "context_length": spec.max_model_len_tokens,
+            "max_total_num_tokens": spec.hbm_capacity_tokens,
+            "page_size": spec.block_size_tokens,
+            "tp_size": 1,
+            "dp_size": 1,
+            "version": "cachelane-sim",
+        }
+
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"served_model_name": spec.model, "is_generation": True}
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(request: Request) -> dict[str, Any]:
+        body = await _json_body(request)
+        text = _prompt_text(spec, Kind.CHAT, body)
+        max_tokens = _max_tokens(Kind.CHAT, body)
+        ids = protocol.fake_token_ids(text)
+        return protocol.render_result(Kind.CHAT, ids, spec.model, body, max_tokens)
+
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> list[dict[str, Any]]:
+        body = await _json_body(request)
+        _prompt_text(spec, Kind.COMPLETION, body)  # validates model and prompt
+        max_tokens = _max_tokens(Kind.COMPLETION, body)
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            prompts: list[list[int]] = [protocol.fake_token_ids(prompt)]
+        elif all(isinstance(p, str) for p in prompt):
+            prompts = [protocol.fake_token_ids(p) for p in prompt]
+        else:
+            prompts = [list(prompt)]  # already token ids
+        return [
+            protocol.render_result(Kind.COMPLETION, ids, spec.model, body, max_tokens)
+            for ids in prompts
+        ]
+
+    return app
+
+
+def _engine(request: Request) -> SimEngine:
+    engine: SimEngine = request.state.engine
+    return engine
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise ApiError(
+            400, "We could not parse the JSON body of your request.", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _prompt_text(spec: SimReplicaSpec, kind: Kind, body: dict[str, Any]) -> str:
+    model = body.get("model", spec.model)
+    if model != spec.model:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist.",
+            code="model_not_found",
+            param="model",
+        )
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "The simulator only supports n=1.", code="invalid_value", param="n")
+    try:
+        if kind is Kind.CHAT:
+            return chat_text(body.get("messages"))
+        return completion_text(body.get("prompt"))
+    except PromptError as err:
+        param = "messages" if kind is Kind.CHAT else "prompt"
+        raise ApiError(400, str(err), code="invalid_value", param=param) from None
+
+
+def _max_tokens(kind: Kind, body: dict[str, Any]) -> int:
+    key = "max_completion_tokens" if kind is Kind.CHAT and "max_completion_tokens" in body else None
+    key = key or "max_tokens"
+    value = body.get(key)
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ApiError(400, f"'{key}' must be an integer >= 1.", code="invalid_value", param=key)
+    return value
+
+
+def _fitting_prompt(
+    engine: SimEngine, request: Request, kind: Kind, text: str, max_tokens: int
+) -> Prompt:
+    prompt = engine.prompt(
+        text, namespace=request.headers.get(NAMESPACE_HEADER) or engine.spec.model
+    )
+    try:
+        engine.check_fits(prompt, max_tokens)
+    except ContextLengthExceeded as err:
+        param = "messages" if kind is Kind.CHAT else "prompt"
+        raise ApiError(400, str(err), code="context_length_exceeded", param=param) from None
+    return prompt
+
+
+class _EngineCollector:
+    """Reads the engine's state at scrape time, under vLLM's metric names where vLLM has one."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self._engine = engine
+        self._labels = ["model_name", "engine"]
+        self._values = [engine.spec.model, "0"]
+
+    def collect(self) -> Iterator[Metric]:
+        e, s = self._engine, self._engine.stats
+        gauges = [
+            ("vllm:num_requests_running", "Requests prefilling or decoding", e.running),
+            ("vllm:num_requests_waiting", "Requests waiting to be prefilled", e.waiting),
+            ("vllm:kv_cache_usage_perc", "HBM KV cache fill (1 = full)", e.hbm_usage),
+            ("cachelane_sim_hbm_blocks", "Blocks held in HBM", len(e.hbm)),
+            (
+                "cachelane_sim_cpu_blocks",
+                "Blocks held in the CPU tier",
+                len(e.cpu) if e.cpu is not None else 0,
+            ),
+        ]
+        counters = [
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up", s.prefix_cache_queries_tokens),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in HBM", s.prefix_cache_hits_tokens),
+            (
+                "vllm:external_prefix_cache_queries",
+                "Prompt tokens looked up in the CPU and remote tiers",
+                s.external_queries_tokens,
+            ),
+            (
+                "vllm:external_prefix_cache_hits",
+                "Prompt tokens reused from the CPU and remote tiers",
+                s.external_hits_tokens,
+            ),
+            ("vllm:prompt_tokens", "Prompt tokens prefilled or reused", s.prompt_tokens),
+            ("vllm:generation_tokens", "Tokens generated", s.generation_tokens),
+            ("cachelane_sim_swap_in_tokens", "Tokens swapped in from CPU", s.swap_in_tokens),
+            (
+                "cachelane_sim_remote_fetch_tokens",
+                "Tokens fetched from the remote tier",
+                s.remote_fetch_tokens,
+            ),
+            (
+                "cachelane_sim_remote_recompute_tokens",
+                "Tokens held remotely but cheaper to recompute",
+                s.remote_recompute_tokens,
+            ),
+            (
+                "cachelane_sim_remote_bytes_written",
+                "KV bytes newly written to the remote tier",
+                s.remote_bytes_written,
+            ),
+            (
+                "cachelane_sim_remote_bytes_skipped",
+                "KV bytes not written because the request said x-cachelane-remote-write: 0",
+                s.remote_bytes_skipped,
+            ),
+            (
+                "cachelane_sim_remote_errors",
+                "Failed calls to the remote tier",
+                e.remote.errors if e.remote else 0,
+            ),
+        ]
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=self._labels)
+            gauge.add_metric(self._values, value)
+            yield gauge
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(name, doc, labels=self._labels)
+            counter.add_metric(self._values, value)
+            yield counter

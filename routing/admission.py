@@ -1,0 +1,95 @@
+"""Remote-tier admission: write a prompt's KV to the remote tier only when reuse will pay for it.
+
+A prefix family is keyed by the hash of the prompt's first FAMILY_BLOCKS blocks (the chain makes
+that hash identify the whole leading 64 tokens). Its expected reuse is the number of earlier
+requests of the same family seen within the window: a family seen k times recently is expected
+about k more times. Writing n new tokens costs one network transfer; each future reuse saves
+recomputing the prefix minus fetching it back:
+
+    write  iff  expected_reuse * max(0, recompute_s(n) - fetch_s(n)) > write_s(n_new)
+
+Unique prompts (k = 0) are never written; long prefixes of busy families are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from routing.cost import PoolCosts
+
+FAMILY_BLOCKS = 4
+# Same prefix key as prefix_hash (routing/decide.py PREFIX_KEY_BLOCKS): 64 tokens at block size 16
+# separate system prompts and documents without splitting one conversation into several families.
+
+DEFAULT_WINDOW_S = 300.0
+# 5 minutes: a chat or agent session's turns arrive within seconds to minutes of each other; a
+# family not seen for 5 minutes is treated as cold again.
+
+WINDOW_BUCKETS = 10  # the window slides in steps of window_s / 10
+MAX_FAMILIES = 100_000  # ~10 MB of counters; the least recently seen family is forgotten first
+
+
+def family_key(hashes: Sequence[int]) -> int | None:
+    if not hashes:
+        return None
+    return hashes[min(FAMILY_BLOCKS, len(hashes)) - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionVerdict:
+    write: bool
+    expected_reuse: float
+    gain_s: float  # time saved over the expected reuses
+    cost_s: float  # network time of the write
+    new_tokens: int  # tokens the remote tier does not hold yet
+
+
+def transfer_s(tokens: int, costs: PoolCosts) -> float:
+    return costs.remote_fixed_s + tokens * costs.kv_bytes_per_token / (costs.remote_gbps * 1e9)
+
+
+def should_write(
+    prompt_tokens: int, remote_tokens: int, expected_reuse: float, costs: PoolCosts
+) -> AdmissionVerdict:
+    """`remote_tokens`: leading tokens of the prompt the remote tier already holds."""
+    new_tokens = max(0, prompt_tokens - remote_tokens)
+    if new_tokens == 0:
+        return AdmissionVerdict(False, expected_reuse, 0.0, 0.0, 0)
+    saved_per_reuse = prompt_tokens / costs.prefill_tokens_per_s - transfer_s(prompt_tokens, costs)
+    gain_s = expected_reuse * max(0.0, saved_per_reuse)
+    cost_s = transfer_s(new_tokens, costs)
+    return AdmissionVerdict(gain_s > cost_s, expected_reuse, gain_s, cost_s, new_tokens)
+
+
+class ReuseWindow:
+    """Per-family request counts over a sliding window (in memory, for one gateway)."""
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, max_families: int = MAX_FAMILIES):
+        self._bucket_s = window_s / WINDOW_BUCKETS
+        self._max_families = max_families
+        # family -> {bucket index: count}
+        self._counts: OrderedDict[int, dict[int, int]] = OrderedDict()
+
+    def bucket(self, now_s: float) -> int:
+        return math.floor(now_s / self._bucket_s)
+
+    def count(self, family: int, now_s: float) -> int:
+        """Requests of the family within the window, without counting a new one."""
+        oldest = self.bucket(now_s) - WINDOW_BUCKETS + 1
+        return sum(n for b, n in self._counts.get(family, {}).items() if b >= oldest)
+
+    def seen(self, family: int, now_s: float) -> int:
+        """Count this request; return how many earlier ones of the family are in the window."""
+        bucket = self.bucket(now_s)
+        oldest = bucket - WINDOW_BUCKETS + 1
+        counts = self._counts.pop(family, {})
+        counts = {b: n for b, n in counts.items() if b >= oldest}
+        earlier = sum(counts.values())
+        counts[bucket] = counts.get(bucket, 0) + 1
+        self._counts[family] = counts
+        while len(self._counts) > self._max_families:
+            self._counts.popitem(last=False)
+        return earlier

@@ -1,0 +1,58 @@
+"""Real uvicorn servers on loopback for integration tests: `async with running_app(app) as url`.
+
+The server runs in the test's own event loop on a socket bound here (port 0 unless told), so there
+is no race for a free port; leaving the block shuts it down gracefully (lifespan shutdown included)
+and awaits its task, so nothing leaks into the next test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+
+from loadtest.sim.fleet import QuietServer, bind_socket, serve_app
+
+STARTUP_TIMEOUT_S = 10.0
+SHUTDOWN_TIMEOUT_S = 10.0
+GRACEFUL_SHUTDOWN_S = 2  # open streams get this long before uvicorn cancels them
+
+
+@asynccontextmanager
+async def running_app(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """Serve an ASGI app until the block exits; yields its base URL, e.g. http://127.0.0.1:41234."""
+    sock = bind_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=bound_port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = QuietServer(config)
+    task = asyncio.create_task(serve_app(server, sock), name=f"uvicorn {host}:{bound_port}")
+    try:
+        async with asyncio.timeout(STARTUP_TIMEOUT_S):
+            while not server.started:
+                if task.done():
+                    task.result()  # raises what stopped it
+                    raise RuntimeError(f"server on {host}:{bound_port} exited before starting")
+                await asyncio.sleep(0.005)
+        yield f"http://{host}:{bound_port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait([task], timeout=SHUTDOWN_TIMEOUT_S)  # never raises, never cancels
+        if not task.done():
+            server.force_exit = True
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        sock.close()  # uvicorn closes it on shutdown; this covers a failed start (idempotent)
+        crash = None if task.cancelled() else task.exception()
+        if crash is not None and sys.exc_info()[1] is None:
+            raise crash

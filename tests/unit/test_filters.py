@@ -1,0 +1,75 @@
+import random
+
+import pytest
+
+from routing.cost import Load
+from routing.decide import Candidate, Policy, PoolRules, RouteRequest, decide
+from routing.filters import Eligibility, Fallback, eligible, should_shed
+from routing.types import Location, Tier, TenantClass
+
+PINNED = PoolRules("pinned", pinned=True, hbm_only=True, max_in_flight=2, lend_below=0.5)
+PINNED_NO_LEND = PoolRules("pinned", pinned=True, hbm_only=True, max_in_flight=2)
+SHARED = PoolRules("shared")
+
+
+def cand(name: str, pool: PoolRules, in_flight: int = 0) -> Candidate:
+    return Candidate(name, Load(in_flight), pool=pool)
+
+
+def names(e: Eligibility) -> list[str]:
+    return [c.name for c in e.candidates]
+
+
+CASES = [
+    ("critical-goes-pinned", [cand("p", PINNED), cand("s", SHARED)], TenantClass.CRITICAL,
+     Fallback.SPILL, True, (["p"], True, None)),
+    ("critical-pinned-full-spills", [cand("p", PINNED, 2), cand("s", SHARED)],
+     TenantClass.CRITICAL, Fallback.SPILL, True, (["s"], True, Fallback.SPILL)),
+    ("critical-pinned-full-rejects", [cand("p", PINNED, 2), cand("s", SHARED)],
+     TenantClass.CRITICAL, Fallback.REJECT, True, ([], True, Fallback.REJECT)),
+    ("critical-pinned-down-spills", [cand("s", SHARED)], TenantClass.CRITICAL, Fallback.SPILL,
+     True, (["s"], True, Fallback.SPILL)),
+    ("critical-no-pinned-pool", [cand("s", SHARED)], TenantClass.CRITICAL, Fallback.REJECT,
+     False, (["s"], True, None)),
+    ("standard-never-pinned", [cand("p", PINNED_NO_LEND), cand("s", SHARED)],
+     TenantClass.STANDARD, Fallback.SPILL, True, (["s"], False, None)),
+    ("standard-borrows-idle-pinned", [cand("p", PINNED), cand("s", SHARED)],
+     TenantClass.STANDARD, Fallback.SPILL, True, (["s", "p"], False, None)),
+    ("standard-not-when-pinned-busy", [cand("p", PINNED, 1), cand("s", SHARED)],
+     TenantClass.BATCH, Fallback.SPILL, True, (["s"], False, None)),
+]
+
+
+@pytest.mark.parametrize(
+    ("candidates", "klass", "fallback", "exists", "expected"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_eligible(
+    candidates: list[Candidate],
+    klass: TenantClass,
+    fallback: Fallback,
+    exists: bool,
+    expected: tuple[list[str], bool, Fallback | None],
+) -> None:
+    e = eligible(candidates, klass, fallback, pinned_pool_exists=exists)
+    assert (names(e), e.hbm_only, e.fallback) == expected
+
+
+def test_hbm_only_pool_ignores_cpu_tier() -> None:
+    hits = [frozenset({Location("p", Tier.CPU)})] * 100
+    req = RouteRequest(list(range(100)), 1600, 16)
+    d = decide(req, [cand("p", PINNED)], hits, Policy.CACHE_AWARE, seq=0, rng=random.Random(0))
+    assert d.score().overlap.cpu_tokens == 0 and d.score().estimate.swap_s == 0
+
+
+@pytest.mark.parametrize(
+    ("klass", "pending", "shed"),
+    [(TenantClass.BATCH, 300_000, True), (TenantClass.BATCH, 0, False),
+     (TenantClass.STANDARD, 300_000, False)],
+    ids=["batch-overloaded", "batch-idle", "standard-never-shed"],
+)
+def test_should_shed(klass: TenantClass, pending: int, shed: bool) -> None:
+    c = Candidate("s", Load(1, pending))
+    d = decide(RouteRequest([], 10, 16), [c], [], Policy.CACHE_AWARE, seq=0, rng=random.Random(0))
+    assert should_shed(d, klass, max_queue_s=5.0) is shed
