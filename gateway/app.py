@@ -54,6 +54,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 asyncio.create_task(gw.health.run(), name="health-checks"),
                 asyncio.create_task(gw.tenants.run(), name="tenant-refresh"),
             ]
+            if config.prewarm.enabled:
+                tasks.append(asyncio.create_task(gw.prewarmer.run(), name="prewarm"))
             if config.engine_metrics.enabled:
                 tasks.append(asyncio.create_task(gw.scraper.run(), name="engine-metrics"))
             try:
@@ -220,6 +222,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         body = await _read_json(request, gw.config.max_body_bytes)
         plan = await gw.planner.plan(endpoint, body, tenant)
         _count_decision(gw, plan)
+        gw.prewarmer.consider(plan, plan.reuse)
         response = await gw.proxy.forward(endpoint, request.state.raw_body, plan)
         status = response.status_code
         return response

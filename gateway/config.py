@@ -154,6 +154,18 @@ class CriticalConfig(Strict):
     retry_after_s: PositiveInt = 1
 
 
+class PrewarmConfig(Strict):
+    enabled: bool = False
+    hot_after: PositiveInt = 3  # requests of a prefix family in the reuse window before it is hot
+    max_per_s: PositiveFloat = 2.0  # warms sent per second by one gateway
+    budget_tokens_per_min: PositiveInt = 1_000_000
+    # 1M prompt tokens/min = ~0.55 s of prefill per second at 30k tokens/s: at most about half a
+    # GPU's prefill time goes to warming, across the whole fleet, per gateway.
+    method: Literal["completion", "prefetch"] = "completion"  # prefetch: the simulator's call
+    queue_size: PositiveInt = 64
+    timeout_s: PositiveFloat = 30.0
+
+
 class OverloadConfig(Strict):
     batch_max_queue_s: PositiveFloat = 5.0  # batch is shed when its best queue is longer
 
@@ -169,6 +181,7 @@ class GatewayConfig(Strict):
     admin: AdminConfig = AdminConfig()
     critical: CriticalConfig = CriticalConfig()
     overload: OverloadConfig = OverloadConfig()
+    prewarm: PrewarmConfig = PrewarmConfig()
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
     remote_tiers: list[RemoteTierConfig] = Field(default_factory=list)
     pools: list[PoolConfig] = Field(min_length=1)

@@ -44,6 +44,7 @@ class Plan:
     replicas: dict[str, Replica]  # candidates by name, for the proxy's fallbacks
     fallback: Fallback | None
     admission: AdmissionVerdict | None  # None: the chosen pool has no remote tier
+    reuse: int  # earlier requests of this prefix family within the reuse window
     decision_s: float
     body: dict[str, Any]
     stream: bool
@@ -139,7 +140,11 @@ class Planner:
                 headers={"retry-after": str(self._config.critical.retry_after_s)},
             )
         chosen = self._registry.replicas[decision.replica]
-        admission = await self._admission(chosen, hashes, hits, prompt_tokens, dry_run=dry_run)
+        family = family_key(hashes)
+        reuse = 0
+        if family is not None:
+            reuse = await (self._reuse.peek(family) if dry_run else self._reuse.seen(family))
+        admission = self._admission(chosen, reuse, hits, prompt_tokens, dry_run=dry_run)
         return Plan(
             model=model,
             tenant=tenant,
@@ -151,6 +156,7 @@ class Planner:
             replicas={c.name: self._registry.replicas[c.name] for c in allowed.candidates},
             fallback=allowed.fallback,
             admission=admission,
+            reuse=reuse,
             decision_s=time.perf_counter() - started,
             body=body,
             stream=bool(body.get("stream")),
@@ -185,22 +191,14 @@ class Planner:
             log.warning("index lookup failed, routing without cache hits: %r", err)
             return []
 
-    async def _admission(
-        self,
-        replica: Replica,
-        hashes: list[int],
-        hits: BlockHits,
-        prompt_tokens: int,
-        *,
-        dry_run: bool,
+    def _admission(
+        self, replica: Replica, reuse: int, hits: BlockHits, prompt_tokens: int, *, dry_run: bool
     ) -> AdmissionVerdict | None:
         tier = replica.pool.remote_tier
-        family = family_key(hashes)
-        if tier is None or family is None:
+        if tier is None or replica.pool.hbm_only:
             return None
         remote = Location(tier, Tier.REMOTE)
         held_blocks = next((i for i, h in enumerate(hits) if remote not in h), len(hits))
-        reuse = await self._reuse.peek(family) if dry_run else await self._reuse.seen(family)
         verdict = should_write(prompt_tokens, held_blocks * self._block_size, reuse, replica.costs)
         if not dry_run:
             label = "admitted" if verdict.write else "refused"

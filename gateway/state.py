@@ -12,6 +12,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.metrics import Metrics
 from gateway.planner import Planner
+from gateway.prewarm import Prewarmer
 from gateway.proxy import Proxy
 from gateway.registry import HealthChecker, Registry, Replica
 from gateway.reuse import ReuseCounter
@@ -94,6 +95,14 @@ class Gateway:
             client,
             interval_s=config.health.interval_s,
             timeout_s=config.health.timeout_s,
+        )
+        self.prewarmer = Prewarmer(
+            config.prewarm,
+            client,
+            self.registry,
+            self.index,
+            self.metrics,
+            block_size_tokens=config.routing.block_size_tokens,
         )
         em = config.engine_metrics
         self.scraper = Scraper(

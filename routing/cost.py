@@ -95,7 +95,9 @@ class Estimate:
         return self.queue_s + self.swap_s + self.remote_s + self.prefill_s
 
 
-def estimate(overlap: Overlap, load: Load, costs: PoolCosts, *, correction: float = 1.0) -> Estimate:
+def estimate(
+    overlap: Overlap, load: Load, costs: PoolCosts, *, correction: float = 1.0
+) -> Estimate:
     """Estimated TTFT terms. `correction` (self-calibration: observed / estimated TTFT on this
     replica, 1.0 = none) scales every term, as if the replica's rates were that much slower."""
     rate = costs.prefill_tokens_per_s

@@ -66,3 +66,84 @@ async def fleet(n: int = 3, **overrides: Any) -> AsyncIterator[Fleet]:
         app = create_app(gateway_config(urls, **overrides))
         gateway_url = await stack.enter_async_context(running_app(app))
         yield Fleet(gateway_url, urls, app, stack, stacks)
+
+
+@dataclass
+class PoolSpec:
+    """A pool of simulated replicas for `tiered_fleet`; `config` goes into the pool's YAML."""
+
+    name: str
+    replicas: int
+    config: dict[str, Any] = field(default_factory=dict)
+    cpu_capacity_tokens: int = 0
+    remote: bool = False
+    costs: PoolCosts = FAST_COSTS
+
+
+@dataclass
+class TieredFleet:
+    gateway_url: str
+    app: Any
+    pools: dict[str, list[str]]  # pool name -> replica names (host:port)
+    remote_url: str | None
+    replica_stacks: dict[str, AsyncExitStack]
+
+    @property
+    def gw(self) -> Any:
+        return self.app.state.gw
+
+    async def kill(self, replica: str) -> None:
+        await self.replica_stacks[replica].aclose()
+
+
+@asynccontextmanager
+async def tiered_fleet(pools: list[PoolSpec], **overrides: Any) -> AsyncIterator[TieredFleet]:
+    """Pools of simulated replicas (optionally with CPU tiers and one shared remote tier) behind
+    one gateway."""
+    from loadtest.sim.config import RemoteTierSpec
+    from loadtest.sim.remote import create_remote_app
+
+    async with AsyncExitStack() as stack:
+        remote_url = None
+        if any(p.remote for p in pools):
+            remote_app = create_remote_app(RemoteTierSpec(name="kv", port=0))
+            remote_url = await stack.enter_async_context(running_app(remote_app))
+        pool_configs, names, stacks = [], {}, {}
+        for pool in pools:
+            urls = []
+            for i in range(pool.replicas):
+                spec = SimReplicaSpec(
+                    name=f"{pool.name}-{i}",
+                    port=0,
+                    costs=pool.costs,
+                    itl_s=0.001,
+                    cpu_capacity_tokens=pool.cpu_capacity_tokens,
+                    remote_url=remote_url if pool.remote else None,
+                )
+                replica_stack = AsyncExitStack()
+                url = await replica_stack.enter_async_context(running_app(create_sim_app(spec)))
+                stack.push_async_callback(replica_stack.aclose)
+                stacks[url.removeprefix("http://")] = replica_stack
+                urls.append(url)
+            names[pool.name] = [u.removeprefix("http://") for u in urls]
+            pool_configs.append(
+                {
+                    "name": pool.name,
+                    "models": [MODEL],
+                    "replicas": urls,
+                    "cpu_capacity_tokens": pool.cpu_capacity_tokens,
+                    "remote_tier": "kv" if pool.remote else None,
+                    "costs": {"prefill_tokens_per_s": pool.costs.prefill_tokens_per_s},
+                    **pool.config,
+                }
+            )
+        data: dict[str, Any] = {
+            "health": {"interval_s": 0.2, "timeout_s": 0.5, "fail_after": 1},
+            "engine_metrics": {"enabled": False},
+            "remote_tiers": [{"name": "kv", "url": remote_url}] if remote_url else [],
+            "pools": pool_configs,
+        }
+        data.update(overrides)
+        app = create_app(parse_config(data))
+        gateway_url = await stack.enter_async_context(running_app(app))
+        yield TieredFleet(gateway_url, app, names, remote_url, stacks)
