@@ -1,0 +1,33 @@
+"""Helpers shared by the deploy tests: paths and YAML loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE_DIR = DEPLOY / "compose"
+K8S_DIR = DEPLOY / "k8s"
+
+
+def yaml_files(under: Path) -> list[Path]:
+    return sorted(p for ext in ("*.yaml", "*.yml") for p in under.rglob(ext))
+
+
+def load_docs(path: Path) -> list[Any]:
+    """Every document of a (possibly multi-document) YAML file, empty documents dropped."""
+    with path.open() as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def load_one(path: Path) -> Any:
+    docs = load_docs(path)
+    assert len(docs) == 1, f"{path}: expected one YAML document, found {len(docs)}"
+    return docs[0]
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
