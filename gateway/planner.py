@@ -3,6 +3,14 @@
 Functional core, imperative shell: this module does the I/O around the decision (one index
 lookup, a snapshot of replica load, the reuse count) and the bookkeeping after it (speculative
 index entries), and nothing else. The same plan serves real requests and /debug/route.
+
+Precise mode (routing.mode: precise) hashes the engine's token ids (the pool's tokenizer and chat
+template, routing/precise.py) in the namespace routing/kv_events.py explains, and records no
+speculative entries: the engines' KV events are the truth, and a guessed entry under a key the
+engine never reports (a template or tokenizer mismatch) would never be evicted by an event. It
+only refreshes the TTL of the hit prefix on the chosen replica: blocks the events said are there,
+which this request now touches (and which the engine re-stores, with an event, if it had just
+evicted them).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from typing import Any
 
 import xxhash
 
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import ApiError, bad_request, no_replica
 from gateway.metrics import Metrics
 from gateway.registry import Registry, Replica
@@ -24,8 +32,10 @@ from gateway.tenants import Tenant
 from routing.admission import AdmissionVerdict, family_key, should_write
 from routing.decide import Decision, Policy, RouteRequest, decide
 from routing.filters import Fallback, eligible, should_shed
-from routing.hashing import block_hashes
+from routing.hashing import block_hashes, token_block_hashes
 from routing.index import Index
+from routing.kv_events import precise_namespace
+from routing.precise import PromptTokenizer, UnsupportedPrompt
 from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
 from routing.types import BlockHits, Location, Tier
 
@@ -82,6 +92,8 @@ class Planner:
         self._block_size = config.routing.block_size_tokens
         self._rng = random.Random(config.routing.seed)
         self._seq = 0
+        self._precise = config.routing.mode == "precise"
+        self._tokenizers = load_tokenizers(config) if self._precise else {}
 
     @property
     def policy(self) -> Policy:
@@ -105,11 +117,17 @@ class Planner:
     ) -> Plan:
         started = time.perf_counter()
         model = self.model_of(body)
-        text = prompt_of(endpoint, body)
-        prompt_tokens = approx_tokens(text)
+        cache_salt = xxhash.xxh3_128_hexdigest(tenant.cache_scope.encode())
+        if self._precise:
+            namespace, hashes, prompt_tokens = self._precise_prompt(
+                endpoint, body, model, cache_salt
+            )
+        else:
+            text = prompt_of(endpoint, body)
+            prompt_tokens = approx_tokens(text)
+            namespace = namespace_of(model, tenant)
+            hashes = block_hashes(text, block_size_tokens=self._block_size, namespace=namespace)
         self._check_length(model, prompt_tokens, endpoint)
-        namespace = namespace_of(model, tenant)
-        hashes = block_hashes(text, block_size_tokens=self._block_size, namespace=namespace)
         replicas = self._registry.healthy_for(model)
         if not replicas:
             raise no_replica(model)
@@ -129,7 +147,8 @@ class Planner:
         decision = decide(
             request, allowed.candidates, hits, self._policy, seq=self._seq, rng=self._rng
         )
-        self._seq += 1
+        if not dry_run:
+            self._seq += 1
         if should_shed(decision, tenant.tenant_class, self._config.overload.batch_max_queue_s):
             self._metrics.shed.labels(tenant.tenant_class.value).inc()
             raise ApiError(
@@ -149,7 +168,7 @@ class Planner:
             model=model,
             tenant=tenant,
             namespace=namespace,
-            cache_salt=xxhash.xxh3_128_hexdigest(tenant.cache_scope.encode()),
+            cache_salt=cache_salt,
             hashes=hashes,
             prompt_tokens=prompt_tokens,
             decision=decision,
@@ -161,6 +180,29 @@ class Planner:
             body=body,
             stream=bool(body.get("stream")),
         )
+
+    def _precise_prompt(
+        self, endpoint: str, body: dict[str, Any], model: str, cache_salt: str
+    ) -> tuple[str, list[int], int]:
+        """(namespace, block keys, prompt tokens) from the engine's own token ids."""
+        pools = [r.pool for r in self._registry.replicas.values() if model in r.pool.models]
+        salted = any(p.cache_salt for p in pools)
+        namespace = precise_namespace(model, cache_salt if salted else None)
+        tokenizer = next((self._tokenizers[p.name] for p in pools), None)
+        try:
+            if tokenizer is None:
+                raise UnsupportedPrompt(f"no pool names {model!r} with a tokenizer")
+            ids = tokenizer.chat_ids(body) if endpoint == "chat" else tokenizer.completion_ids(body)
+        except UnsupportedPrompt as err:
+            self._metrics.precise_fallbacks.labels("unsupported").inc()
+            log.info("precise mode cannot tokenize this request (%s): routing without hits", err)
+            return namespace, [], approx_tokens(prompt_of(endpoint, body))
+        except PromptError as err:
+            raise bad_request(
+                str(err), param="messages" if endpoint == "chat" else "prompt"
+            ) from None
+        hashes = token_block_hashes(ids, block_size_tokens=self._block_size, namespace=namespace)
+        return namespace, hashes, len(ids)
 
     def _check_length(self, model: str, prompt_tokens: int, endpoint: str) -> None:
         limit = self._registry.max_prompt_tokens(model)
@@ -212,12 +254,34 @@ class Planner:
 
     async def record_sent(self, plan: Plan, replica: Replica) -> None:
         """Approximate mode: after this request the replica holds the prompt's blocks in HBM,
-        and the remote tier holds them too if the write was admitted."""
+        and the remote tier holds them too if the write was admitted. Precise mode: only the
+        HBM hit prefix is refreshed (see the module docstring)."""
+        hbm = plan.hashes
+        if self._precise:
+            hit_tokens = plan.decision.score(replica.name).overlap.hbm_tokens
+            hbm = plan.hashes[: hit_tokens // self._block_size]
         try:
-            await self._index.record(plan.model, plan.hashes, Location(replica.name, Tier.HBM))
+            if hbm:
+                await self._index.record(plan.model, hbm, Location(replica.name, Tier.HBM))
             tier = replica.pool.remote_tier
             if tier and plan.admission is not None and plan.admission.write:
                 await self._index.record(plan.model, plan.hashes, Location(tier, Tier.REMOTE))
         except Exception as err:
             self._metrics.index_errors.labels("record").inc()
             log.warning("index record failed: %r", err)
+
+
+def load_tokenizers(config: GatewayConfig) -> dict[str, PromptTokenizer]:
+    """Each pool's tokenizer, read at start-up; a file that does not load is a ConfigError."""
+    out: dict[str, PromptTokenizer] = {}
+    for i, pool in enumerate(config.pools):
+        t = pool.tokenizer
+        if t is None:
+            continue
+        try:
+            out[pool.name] = PromptTokenizer.from_files(
+                t.path, t.chat_template, bos_token=t.bos_token, eos_token=t.eos_token
+            )
+        except Exception as err:
+            raise ConfigError(f"pools.{i}.tokenizer: cannot load {t.path!r}: {err}") from None
+    return out

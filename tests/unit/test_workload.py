@@ -1,4 +1,5 @@
 import functools
+import itertools
 import random
 from typing import Any
 
@@ -41,7 +42,7 @@ def test_records_are_well_formed_and_ordered(shape: str) -> None:
     assert trace, "a 20 s trace at 10/s has requests"
     times = [r["t_s"] for r in trace]
     assert times == sorted(times)
-    assert 0 <= times[0] and times[-1] < DURATION_S
+    assert times[0] >= 0 and times[-1] < DURATION_S
     for r in trace:
         assert r["max_tokens"] == MAX_TOKENS
         if r["endpoint"] == "chat":
@@ -68,7 +69,7 @@ def test_conversations_grow_by_appending(shape: str) -> None:
     conversations = _conversations(_trace(shape))
     assert any(len(turns) >= 3 for turns in conversations.values())
     for turns in conversations.values():
-        for prev, nxt in zip(turns, turns[1:], strict=False):
+        for prev, nxt in itertools.pairwise(turns):
             if shape == "agentic":
                 assert nxt["prompt"].startswith(prev["prompt"])
                 assert len(nxt["prompt"]) > len(prev["prompt"])
@@ -84,8 +85,8 @@ def test_conversations_grow_by_appending(shape: str) -> None:
 def test_turns_never_overlap(shape: str) -> None:
     bound = ServiceBound()
     for turns in _conversations(_trace(shape)).values():
-        for prev, nxt in zip(turns, turns[1:], strict=False):
-            prev_tokens = approx_tokens(workload._text(prev))
+        for prev, nxt in itertools.pairwise(turns):
+            prev_tokens = approx_tokens(workload.prompt_text(prev))
             assert nxt["t_s"] >= prev["t_s"] + bound.seconds(prev_tokens, MAX_TOKENS) - 1e-6
 
 
@@ -184,7 +185,18 @@ def test_ideal_hit_rate_of_chat_counts_the_rendered_messages() -> None:
 
 def test_cli_writes_the_trace_and_prints_the_ideal(tmp_path: Any, capsys: Any) -> None:
     out = tmp_path / "t.jsonl"
-    args = ["--shape", "mixed", "--rate", "5", "--duration-s", "5", "--seed", "1", "--out", str(out)]
+    args = [
+        "--shape",
+        "mixed",
+        "--rate",
+        "5",
+        "--duration-s",
+        "5",
+        "--seed",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert workload.main(args) == 0
     trace = workload.read_trace(out)
     assert trace == shape_trace("mixed", rate_per_s=5, duration_s=5, seed=1)

@@ -1,0 +1,238 @@
+"""Start and stop the demo's processes on loopback: a simulated fleet and a gateway per policy.
+
+Each process runs in its own session (so a terminal's Ctrl-C reaches only us, and we stop the
+children in order), writes stdout and stderr to a log file, and is stopped with SIGTERM to its
+process group, then SIGKILL after a grace period. On Linux a child also gets SIGTERM if this
+process dies without running its `finally` blocks (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from pathlib import Path
+
+import httpx
+import yaml
+
+from loadtest.redis_proc import free_port
+
+START_TIMEOUT_S = 30.0
+# A sim fleet or a gateway imports FastAPI/uvicorn and binds in ~1-2 s; 30 s covers a loaded
+# 2-core machine that is also running the other processes.
+
+STOP_TIMEOUT_S = 8.0
+# uvicorn's graceful shutdown waits for open streams; the sim fleet gives them 5 s
+# (loadtest/sim/fleet.py GRACEFUL_SHUTDOWN_S), so 8 s leaves room before SIGKILL.
+
+POLL_INTERVAL_S = 0.1  # readiness polling: fast enough not to add visible delay
+HTTP_TIMEOUT_S = 2.0  # one readiness / reset call on loopback
+PORT_RANGE = (20_000, 30_000)  # below Linux's ephemeral range (32768-60999): no client collides
+PORT_SEARCH_TRIES = 200  # attempts to find a free run of consecutive ports
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _pdeathsig_hook() -> Callable[[], None] | None:
+    """A preexec_fn that asks Linux to SIGTERM the child when its parent dies, or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls it
+    except OSError:
+        return None
+
+    def hook() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return hook
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive loopback ports that were all free a moment ago."""
+    if count == 1:
+        return free_port()
+    rng = random.Random()
+    for _ in range(PORT_SEARCH_TRIES):
+        start = rng.randrange(PORT_RANGE[0], PORT_RANGE[1] - count)
+        if all(_port_free(p) for p in range(start, start + count)):
+            return start
+    raise RuntimeError(f"no run of {count} free ports found in {PORT_RANGE}")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+class ManagedProcess:
+    """One child process with its own log file; stop() is idempotent."""
+
+    def __init__(self, name: str, args: Sequence[str], log_path: Path) -> None:
+        self.name = name
+        self.args = list(args)
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        hook = _pdeathsig_hook()
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                self.args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=hook,
+            )
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def exited(self) -> int | None:
+        """The exit code if the process has ended, else None."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # its own group: the child and anything it forked
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def wait_ready(
+    proc: ManagedProcess, urls: Sequence[str], timeout_s: float = START_TIMEOUT_S
+) -> None:
+    """Poll every URL until each answers 200; fail early, with the log, if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
+        while pending:
+            code = proc.exited()
+            if code is not None:
+                raise RuntimeError(
+                    f"{proc.name} exited with {code} before it was ready; its log "
+                    f"({proc.log_path}) ends with:\n{proc.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{proc.name} not ready after {timeout_s:.0f} s (waiting for {pending[0]}); "
+                    f"see {proc.log_path}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(pending[0]).status_code == 200:
+                    pending.pop(0)
+                    continue
+            time.sleep(POLL_INTERVAL_S)
+
+
+@dataclass(frozen=True)
+class SimFleetSettings:
+    replicas: int
+    hbm_capacity_tokens: int
+    time_factor: float
+    cpu_capacity_tokens: int = 0
+
+
+@dataclass
+class SimFleet:
+    proc: ManagedProcess
+    urls: list[str]
+
+    def reset_caches(self) -> None:
+        """POST /reset_prefix_cache on every replica (vLLM's endpoint for a cold start)."""
+        with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
+            for url in self.urls:
+                client.post(f"{url}/reset_prefix_cache").raise_for_status()
+
+
+@contextlib.contextmanager
+def sim_fleet(settings: SimFleetSettings, log_dir: Path) -> Iterator[SimFleet]:
+    """`python -m loadtest.sim` with consecutive ports, ready on exit from the with-statement."""
+    port = free_port_run(settings.replicas)
+    args = [
+        sys.executable, "-m", "loadtest.sim",
+        "--replicas", str(settings.replicas),
+        "--port", str(port),
+        "--hbm-capacity-tokens", str(settings.hbm_capacity_tokens),
+        "--cpu-capacity-tokens", str(settings.cpu_capacity_tokens),
+        "--time-factor", str(settings.time_factor),
+    ]  # fmt: skip
+    proc = ManagedProcess("sim fleet", args, log_dir / "sim.log")
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(settings.replicas)]
+    try:
+        proc.start()
+        wait_ready(proc, [f"{u}/health" for u in urls])
+        yield SimFleet(proc, urls)
+    finally:
+        proc.stop()
+
+
+@dataclass
+class GatewayProc:
+    proc: ManagedProcess
+    url: str
+
+
+@contextlib.contextmanager
+def gateway(
+    replica_urls: Sequence[str],
+    policy: str,
+    log_dir: Path,
+    *,
+    pool: dict[str, Any] | None = None,
+) -> Iterator[GatewayProc]:
+    """`python -m gateway serve --config FILE` on a free port, ready (/ready is 200). The config
+    is written next to the logs: one pool of `replica_urls`, with `pool`'s extra keys (the
+    fleet's capacities, as an operator would configure them)."""
+    port = free_port()
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "routing": {"policy": policy},
+        "pools": [{"name": "default", "replicas": list(replica_urls), **(pool or {})}],
+    }
+    config_path = log_dir / f"gateway-{policy}.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    args = [
+        sys.executable, "-m", "gateway", "serve",
+        "--config", str(config_path),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    proc = ManagedProcess(f"gateway ({policy})", args, log_dir / f"gateway-{policy}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.start()
+        wait_ready(proc, [f"{url}/ready"])
+        yield GatewayProc(proc, url)
+    finally:
+        proc.stop()
