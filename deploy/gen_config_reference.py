@@ -133,6 +133,9 @@ DESCRIPTIONS: dict[str, str] = {
     "standard and batch traffic. Unset: never lent.",
     "pools[].cache_salt": "Add a per-tenant cache_salt to request bodies so engines never share "
     "KV across tenants (vLLM >= 0.9).",
+    "pools[].remote_write": "Which prompts the replicas write to the remote tier: `reuse` (only "
+    "where expected reuse pays for the write, routing/admission.py), `always` or `never` "
+    "(baselines).",
     "pools[].models": "Models the pool serves. Empty: read from each replica's /v1/models.",
     "pools[].hbm_capacity_tokens": "Tokens of KV one replica's HBM holds. Default: Llama-3.1-8B "
     "BF16 on one H200 (routing/cost.py). Set it from vLLM's log line `GPU KV cache size: N "

@@ -6,8 +6,10 @@ silently falling back to a default. Cost constants default to routing/cost.py (s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
@@ -31,6 +33,8 @@ from routing.types import TenantClass
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # 8 MiB: a 128k-token prompt is ~512 KiB of text; the rest is headroom for base64 images.
 
+_ZMQ_TCP = re.compile(r"^tcp://[^:/\s]+:\d{1,5}$")
+
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -49,6 +53,92 @@ class CostsConfig(Strict):
 
     def to_pool_costs(self) -> PoolCosts:
         return PoolCosts(**self.model_dump())
+
+
+class KvEventsConfig(Strict):
+    """Where each replica of a pool publishes vLLM's KV events (precise mode).
+
+    Give `endpoints` (replica URL -> "tcp://HOST:PORT") or `port_offset` (the replica's own host,
+    its HTTP port + offset); the replay socket (optional) likewise. vLLM binds its side with
+    `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://*:PORT", "replay_endpoint": "tcp://*:PORT2"}'`.
+    """
+
+    endpoints: dict[str, str] | None = Field(
+        default=None,
+        description="Replica URL -> the ZMQ endpoint its engine publishes KV events on "
+        "(tcp://HOST:PORT). One of endpoints, port_offset.",
+    )
+    port_offset: int | None = Field(
+        default=None,
+        description="Instead of endpoints: tcp://<replica host>:<replica port + port_offset>.",
+    )
+    replay_endpoints: dict[str, str] | None = Field(
+        default=None,
+        description="Replica URL -> the engine's replay (ROUTER) endpoint; optional. After a gap "
+        "in the event sequence the missing batches are asked for there.",
+    )
+    replay_port_offset: int | None = Field(
+        default=None, description="Instead of replay_endpoints: replica port + this offset."
+    )
+    topic: str = Field(
+        default="", description="ZMQ topic the engines publish on (vLLM's default is empty)."
+    )
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> KvEventsConfig:
+        if (self.endpoints is None) == (self.port_offset is None):
+            raise ValueError("give exactly one of endpoints (URL -> tcp://HOST:PORT), port_offset")
+        if self.replay_endpoints is not None and self.replay_port_offset is not None:
+            raise ValueError("give at most one of replay_endpoints, replay_port_offset")
+        for name in ("endpoints", "replay_endpoints"):
+            for url, endpoint in (getattr(self, name) or {}).items():
+                if not _ZMQ_TCP.match(endpoint):
+                    raise ValueError(f"{name}[{url!r}]: {endpoint!r} is not tcp://HOST:PORT")
+        return self
+
+    def endpoint_for(self, replica_url: str) -> str:
+        return self._resolve(replica_url, self.endpoints, self.port_offset) or ""
+
+    def replay_endpoint_for(self, replica_url: str) -> str | None:
+        return self._resolve(replica_url, self.replay_endpoints, self.replay_port_offset)
+
+    @staticmethod
+    def _resolve(url: str, table: dict[str, str] | None, offset: int | None) -> str | None:
+        if table is not None:
+            by_url = {_url_key(k): v for k, v in table.items()}
+            return by_url.get(_url_key(url))
+        if offset is None:
+            return None
+        parsed = urlsplit(url)
+        return f"tcp://{parsed.hostname}:{(parsed.port or 80) + offset}"
+
+
+class TokenizerConfig(Strict):
+    """The model's tokenizer, for precise mode: the engine's token ids are hashed, not text."""
+
+    path: str = Field(description="A local tokenizer.json (HF tokenizers format) of the model.")
+    chat_template: str | None = Field(
+        default=None,
+        description="The model's chat template: a jinja2 file, or the template inline. Needed "
+        "for /v1/chat/completions in precise mode.",
+    )
+    bos_token: str | None = Field(
+        default=None, description="bos_token passed to the chat template (tokenizer_config.json)."
+    )
+    eos_token: str | None = Field(
+        default=None, description="eos_token passed to the chat template (tokenizer_config.json)."
+    )
+
+    @model_validator(mode="after")
+    def _files_exist(self) -> TokenizerConfig:
+        if not Path(self.path).is_file():
+            raise ValueError(f"path: {self.path!r} is not a file (a tokenizer.json is needed)")
+        template = self.chat_template
+        inline = template is not None and ("{{" in template or "{%" in template)
+        if template and not inline and not Path(template).is_file():
+            raise ValueError(f"chat_template: {template!r} is not a file nor an inline template")
+        return self
 
 
 class SimConfig(Strict):
@@ -73,6 +163,9 @@ class PoolConfig(Strict):
     admission: AdmissionConfig = AdmissionConfig()
     lend_below: Annotated[float, Field(gt=0, le=1)] | None = None  # standard may borrow it below
     cache_salt: bool = False  # add a per-tenant "cache_salt" to request bodies (vLLM >= 0.9)
+    # which prompts the replicas write to the remote tier: by expected reuse (routing/admission.py),
+    # all of them, or none (the last two are baselines for comparison)
+    remote_write: Literal["reuse", "always", "never"] = "reuse"
     models: list[str] = Field(default_factory=list)  # empty: discovered from /v1/models
     hbm_capacity_tokens: PositiveInt = HBM_CAPACITY_TOKENS
     cpu_capacity_tokens: Annotated[int, Field(ge=0)] = 0  # 0: no CPU offload tier
@@ -80,6 +173,16 @@ class PoolConfig(Strict):
     max_prompt_tokens: PositiveInt | None = None
     costs: CostsConfig = CostsConfig()
     sim: SimConfig = SimConfig()
+    kv_events: KvEventsConfig | None = Field(
+        default=None,
+        description="Precise mode: where this pool's engines publish vLLM KV events "
+        "(--kv-events-config). `cachelane sim --config` publishes there too.",
+    )
+    tokenizer: TokenizerConfig | None = Field(
+        default=None,
+        description="Precise mode: the served model's tokenizer and chat template, so the "
+        "gateway hashes the engine's own token ids.",
+    )
 
 
 class RemoteTierConfig(Strict):
@@ -97,6 +200,12 @@ class IndexConfig(Strict):
 
 class RoutingConfig(Strict):
     policy: Policy = Policy.CACHE_AWARE
+    mode: Literal["approximate", "precise"] = Field(
+        default="approximate",
+        description="approximate: hash prompt text, index what the gateway sent (any engine). "
+        "precise: hash the engine's token ids, index what the engines report in their KV events "
+        "(every pool needs kv_events, tokenizer and exactly one model).",
+    )
     block_size_tokens: PositiveInt = DEFAULT_BLOCK_SIZE_TOKENS
     seed: int = 0
 
@@ -204,7 +313,38 @@ class GatewayConfig(Strict):
         urls = [str(u) for p in self.pools for u in p.replicas]
         if len(set(urls)) != len(urls):
             raise ValueError("pools: a replica URL appears twice")
+        if self.routing.mode == "precise":
+            _check_precise(self.pools)
         return self
+
+
+def _check_precise(pools: list[PoolConfig]) -> None:
+    for i, pool in enumerate(pools):
+        where = f"pools.{i} ({pool.name!r})"
+        if pool.kv_events is None or pool.tokenizer is None:
+            raise ValueError(f"{where}: routing.mode precise needs kv_events and tokenizer")
+        if len(pool.models) != 1:
+            raise ValueError(
+                f"{where}.models: routing.mode precise needs the one model the pool serves "
+                "(KV events do not say which model a block belongs to)"
+            )
+        if pool.kv_events.endpoints is not None:
+            urls = {_url_key(str(u)) for u in pool.replicas}
+            given = {_url_key(u) for u in pool.kv_events.endpoints}
+            if given != urls:
+                raise ValueError(
+                    f"{where}.kv_events.endpoints: keys must be the pool's replica URLs; "
+                    f"missing {sorted(urls - given)}, unknown {sorted(given - urls)}"
+                )
+    if len({p.cache_salt for p in pools}) > 1:
+        raise ValueError(
+            "pools: routing.mode precise needs the same cache_salt on every pool (it is part of "
+            "the engine's block hash, so it decides which prefixes are shared)"
+        )
+
+
+def _url_key(url: str) -> str:
+    return url.rstrip("/")
 
 
 class ConfigError(Exception):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import xxhash
@@ -242,6 +242,10 @@ class Planner:
         remote = Location(tier, Tier.REMOTE)
         held_blocks = next((i for i, h in enumerate(hits) if remote not in h), len(hits))
         verdict = should_write(prompt_tokens, held_blocks * self._block_size, reuse, replica.costs)
+        if replica.pool.remote_write != "reuse":
+            verdict = replace(
+                verdict, write=replica.pool.remote_write == "always" and (verdict.new_tokens > 0)
+            )
         if not dry_run:
             label = "admitted" if verdict.write else "refused"
             self._metrics.remote_admission.labels(label).inc()
