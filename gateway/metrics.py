@@ -142,3 +142,44 @@ class Metrics:
             ["op"],
             registry=r,
         )
+        self.index_degraded = Gauge(
+            "cachelane_index_degraded",
+            "1 while the shared index (Redis) is unreachable and routing uses the local view",
+            registry=r,
+        )
+        self.kv_events = Counter(
+            "cachelane_kv_events",
+            "KV cache events ingested from the engines (precise mode), by replica and type",
+            ["replica", "type"],
+            registry=r,
+        )
+        self.kv_events_skipped = Counter(
+            "cachelane_kv_events_skipped",
+            "KV events (or parts) not indexed, by replica and reason (orphan, block_size, ...)",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.kv_event_gaps = Counter(
+            "cachelane_kv_event_gaps",
+            "Gaps in a replica's KV event sequence",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_event_replays = Counter(
+            "cachelane_kv_event_replays",
+            "Replay requests after a gap, by outcome (filled, incomplete, failed)",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.kv_event_resyncs = Counter(
+            "cachelane_kv_event_resyncs",
+            "Times a replica's index entries were dropped to resync, by cause (gap, restart)",
+            ["replica", "cause"],
+            registry=r,
+        )
+        self.precise_fallbacks = Counter(
+            "cachelane_precise_fallbacks",
+            "Precise-mode requests routed without cache hits (prompt not tokenizable here)",
+            ["reason"],
+            registry=r,
+        )

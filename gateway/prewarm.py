@@ -196,7 +196,8 @@ class Prewarmer:
             log.warning("prewarm of %d tokens on %s failed: %r", job.tokens, job.replica.name, err)
             return
         with contextlib.suppress(Exception):
-            await self._index.record(job.model, job.hashes, Location(job.replica.name, Tier.HBM))
+            hbm = Location(job.replica.name, Tier.HBM)
+            await self._index.record(job.model, job.hashes[::-1], hbm)  # as planner.record_sent
         self._metrics.prewarms.labels(job.trigger, "warmed").inc()
         log.info(
             "prewarmed %d tokens on %s (%s) in %.0f ms",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -10,6 +12,7 @@ from fastapi import Request
 
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
+from gateway.kv_events import KvEvents
 from gateway.metrics import Metrics
 from gateway.planner import Planner
 from gateway.prewarm import Prewarmer
@@ -19,13 +22,21 @@ from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
 from gateway.tenants import CLASS_HEADER, Tenant, TenantStore
 from routing.index import Index, MemoryIndex
+from routing.index_resilient import ErrorHook, ResilientIndex
 from routing.types import Location, TenantClass, Tier
 
 log = logging.getLogger("cachelane.state")
 
+PRECISE_CAPACITY_SLACK = 2  # precise mode: index capacity = twice what the replica can hold
 
-def build_index(config: GatewayConfig, registry: Registry) -> Index:
-    """The configured index, bounded by each location's capacity (HBM spills to the CPU tier)."""
+
+def build_index(
+    config: GatewayConfig, registry: Registry, *, on_error: ErrorHook | None = None
+) -> Index:
+    """The configured index, bounded by each location's capacity (HBM spills to the CPU tier).
+
+    A Redis index is backed by a local one (ResilientIndex): if Redis goes away the gateway
+    routes on its own view, and `on_error(op, error)` hears of every failed Redis call."""
     block = config.routing.block_size_tokens
     pools = {name: r.pool for name, r in registry.replicas.items()}
     remote_caps = {t.name: t.capacity_tokens // block for t in config.remote_tiers}
@@ -37,25 +48,35 @@ def build_index(config: GatewayConfig, registry: Registry) -> Index:
         if pool is None:
             return None
         tokens = pool.hbm_capacity_tokens if loc.tier is Tier.HBM else pool.cpu_capacity_tokens
+        if config.routing.mode == "precise":
+            # The engines' BlockRemoved events do the evicting; the bound only caps what missed
+            # removals could leave behind, so it must never bind before the engine's own LRU.
+            return tokens // block * PRECISE_CAPACITY_SLACK
         return tokens // block
 
     def spill_to(loc: Location) -> Location | None:
+        if config.routing.mode == "precise":
+            return None  # the engines' events say what reaches the CPU tier (medium CPU)
         pool = pools.get(loc.holder)
         if loc.tier is Tier.HBM and pool is not None and pool.cpu_capacity_tokens:
             return Location(loc.holder, Tier.CPU)
         return None
 
+    local = MemoryIndex(
+        ttl_s=config.index.ttl_s, capacity_blocks=capacity_blocks, spill_to=spill_to
+    )
     if config.index.backend == "redis":
         from routing.index_redis import RedisIndex
 
-        return RedisIndex.from_url(
+        shared = RedisIndex.from_url(
             config.index.redis_url,
             cluster=config.index.redis_cluster,
             ttl_s=config.index.ttl_s,
             capacity_blocks=capacity_blocks,
             spill_to=spill_to,
         )
-    return MemoryIndex(ttl_s=config.index.ttl_s, capacity_blocks=capacity_blocks, spill_to=spill_to)
+        return ResilientIndex(shared, local, on_error=on_error or (lambda _op, _err: None))
+    return local
 
 
 def shared_redis(config: GatewayConfig) -> Any | None:
@@ -82,7 +103,14 @@ class Gateway:
         self.config = config
         self.metrics = Metrics()
         self.registry = Registry(config, on_change=self._replica_changed)
-        self.index = build_index(config, self.registry)
+        self.index = build_index(config, self.registry, on_error=self._index_failed)
+        if isinstance(self.index, ResilientIndex):
+            index = self.index
+            self.metrics.index_degraded.set_function(lambda: float(index.degraded))
+        self.kv_events: KvEvents | None = None
+        if config.routing.mode == "precise":
+            replicas = [(r.name, r.url, r.pool) for r in self.registry.replicas.values()]
+            self.kv_events = KvEvents(config, replicas, self.index, self.metrics)
         self.redis = shared_redis(config)
         self.tenants = TenantStore(config.tenants, self.redis)
         self.reuse = ReuseCounter(self.metrics, redis=self.redis)
@@ -112,6 +140,24 @@ class Gateway:
             timeout_s=em.timeout_s,
             stale_after_s=em.stale_after_s,
         )
+
+    def _index_failed(self, op: str, err: BaseException) -> None:
+        self.metrics.index_errors.labels(op).inc()
+        log.warning("shared index %s failed, serving on the local view: %r", op, err)
+
+    def loads(self) -> dict[str, dict[str, int]]:
+        """Each replica's load as routing sees it now: own counts, raised to a fresh scrape of the
+        engine's metrics (which include what other gateways sent)."""
+        now_s, stale_s = time.monotonic(), self.config.engine_metrics.stale_after_s
+        return {name: asdict(r.load(now_s, stale_s)) for name, r in self.registry.replicas.items()}
+
+    def index_status(self) -> dict[str, Any]:
+        """For /ready: a degraded index still serves (on the local view), so it is not fatal."""
+        status: dict[str, Any] = {"backend": self.config.index.backend, "ok": True}
+        if isinstance(self.index, ResilientIndex):
+            status["ok"] = not self.index.degraded
+            status["degraded_since"] = self.index.since
+        return status
 
     async def _replica_changed(self, replica: Replica, healthy: bool) -> None:
         self.metrics.replica_healthy.labels(replica.name).set(1 if healthy else 0)
@@ -150,6 +196,8 @@ class Gateway:
         return lowered
 
     async def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         await self.index.close()
         if self.redis is not None:
             await self.redis.aclose()

@@ -4,9 +4,14 @@
 
 Starts its own throwaway redis-server (and a 3-master cluster) on loopback. For 1k/8k/32k-token
 prompts it fills the index as 16 replicas holding different prefixes of one prompt (replica i
-holds the first (i+1)/16 of it in HBM, every other replica also the whole prompt in CPU), then
-times `lookup` of the whole prompt. Memory: used_memory delta after recording distinct blocks at
-one location, then the same blocks at a second location. Prints a table, writes JSON.
+holds the first (i+1)/16 of it in HBM, every other replica also the whole prompt in CPU: up to 24
+holders per block), then times, per backend:
+  hit      `lookup` of the whole prompt (every block hits): the decision-path cost;
+  short    `lookup` of a prompt that shares only its first 8 blocks (the rest are unknown): what
+           fetching past the first miss costs, against a second round trip;
+  record   `record` of the whole prompt at one replica that already holds it (a TTL refresh).
+Memory: used_memory delta after recording distinct blocks at one location, then the same blocks at
+a second location. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +40,8 @@ from routing.types import Location, Tier
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # a typical model name: its length is in every key
 PROMPT_TOKENS = (1024, 8192, 32768)  # short chat, long document, long-context agent session
 REPLICAS = 16  # a mid-size pool: enough holders per block to exercise multi-field hashes
-ITERATIONS = 500  # timed lookups per cell: enough for a stable p99 (5 samples above it)
+ITERATIONS = 500  # timed calls per cell: enough for a stable p99 (5 samples above it)
+SHORT_HIT_BLOCKS = 8  # the "short" lookup: a shared system prompt, then a prompt nobody has seen
 WARMUP_ITERATIONS = 20  # connections, cluster slot map, allocator warm-up
 BUDGET_S = 5.0  # wall-clock cap per cell, so a slow backend cannot stall the run
 MEMORY_BLOCKS = 20_000  # used_memory noise is ~tens of kB; 20k blocks make it < 1 % per block
@@ -55,17 +62,16 @@ async def fill(index: Index, hashes: Sequence[int]) -> None:
             await index.record(MODEL, hashes, replica_location(i, Tier.CPU))
 
 
-async def time_lookups(
-    index: Index, hashes: Sequence[int], iterations: int, budget_s: float
+async def time_calls(
+    call: Callable[[], Awaitable[object]], iterations: int, budget_s: float
 ) -> dict[str, Any]:
     for _ in range(WARMUP_ITERATIONS):
-        hits = await index.lookup(MODEL, hashes)
-    assert len(hits) == len(hashes), "the fill should make the whole prompt a hit"
+        await call()
     samples_us: list[float] = []
     deadline = time.monotonic() + budget_s
     while len(samples_us) < iterations and time.monotonic() < deadline:
         started_ns = time.perf_counter_ns()
-        await index.lookup(MODEL, hashes)
+        await call()
         samples_us.append((time.perf_counter_ns() - started_ns) / 1000)
     cuts = statistics.quantiles(samples_us, n=100, method="inclusive")
     return {
@@ -83,10 +89,20 @@ async def bench_lookups(
     rows: list[dict[str, Any]] = []
     for tokens in PROMPT_TOKENS:
         hashes = [rng.getrandbits(64) for _ in range(tokens // DEFAULT_BLOCK_SIZE_TOKENS)]
+        short = hashes[:SHORT_HIT_BLOCKS] + [rng.getrandbits(64) for _ in hashes[SHORT_HIT_BLOCKS:]]
         for name, index in backends.items():
             await fill(index, hashes)
-            stats = await time_lookups(index, hashes, iterations, budget_s)
-            rows.append({"backend": name, "prompt_tokens": tokens, "blocks": len(hashes)} | stats)
+            assert len(await index.lookup(MODEL, hashes)) == len(hashes)
+            assert len(await index.lookup(MODEL, short)) == SHORT_HIT_BLOCKS
+            calls: dict[str, Callable[[], Awaitable[object]]] = {
+                "hit": partial(index.lookup, MODEL, hashes),
+                "short": partial(index.lookup, MODEL, short),
+                "record": partial(index.record, MODEL, hashes, replica_location(REPLICAS - 1)),
+            }
+            for op, call in calls.items():
+                stats = await time_calls(call, iterations, budget_s)
+                row = {"backend": name, "op": op, "prompt_tokens": tokens, "blocks": len(hashes)}
+                rows.append(row | stats)
     return rows
 
 
@@ -118,12 +134,13 @@ async def bench_memory(url: str) -> dict[str, Any]:
 
 
 def render(rows: list[dict[str, Any]], memory: dict[str, Any]) -> None:
-    table = Table(title="KV index lookup latency (whole prompt hits; 16 replicas)")
-    for column in ("backend", "prompt tokens", "blocks", "n", "p50 µs", "p99 µs", "mean µs"):
-        table.add_column(column, justify="left" if column == "backend" else "right")
+    table = Table(title="KV index latency (16 replicas, up to 24 holders per block)")
+    columns = ("backend", "op", "prompt tokens", "blocks", "n", "p50 µs", "p99 µs", "mean µs")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("backend", "op") else "right")
     for r in rows:
         values = (r["prompt_tokens"], r["blocks"], r["iterations"], r["p50_us"], r["p99_us"])
-        table.add_row(r["backend"], *map(str, values), str(r["mean_us"]))
+        table.add_row(r["backend"], r["op"], *map(str, values), str(r["mean_us"]))
     console = Console()
     console.print(table)
     console.print(

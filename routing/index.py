@@ -7,7 +7,9 @@ holds: a block past a miss cannot be part of any cached prefix.
 
 Bounds: every entry has a TTL, and each location holds at most its capacity in blocks (LRU).
 When a replica's HBM entry is pushed out and that replica has a CPU tier, the entry moves to the
-CPU tier instead of disappearing, as the engine's offload would do (`spill_to`).
+CPU tier instead of disappearing, as the engine's offload would do (`spill_to`); an entry that had
+already expired is dropped, never revived. `spill_to` must not lead back to where it started: a
+record whose spill chain has a cycle raises ValueError before it writes anything.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from routing.types import BlockHits, Location, Tier
 DEFAULT_TTL_S = 600.0
 # Speculative entries expire after 10 minutes: the same order as vLLM's prefix-cache lifetime under
 # steady load; engines' KV events (precise mode) refresh or remove entries long before that.
+SWEEP_MIN_ENTRIES = 64
+# Expired entries the memory index removes per record, at least (and at least twice the blocks
+# recorded): removal outpaces insertion, so without a capacity memory stays bounded by what was
+# recorded within about one TTL, and a record's sweep costs the same order as the record.
+
+
+class IndexUnavailable(Exception):
+    """A shared index (Redis) could not answer; the caller should fall back to its local view."""
 
 
 class Index(Protocol):
@@ -42,12 +52,28 @@ CapacityFn = Callable[[Location], int | None]
 SpillFn = Callable[[Location], Location | None]
 
 
-def _no_capacity(_: Location) -> int | None:
+def no_capacity(_: Location) -> int | None:
     return None
 
 
-def _no_spill(_: Location) -> Location | None:
+def no_spill(_: Location) -> Location | None:
     return None
+
+
+def spill_chain(location: Location, spill_to: SpillFn) -> list[Location]:
+    """`location`, then where its pushed-out entries go, in order; ValueError on a cycle."""
+    chain = [location]
+    target = spill_to(location)
+    while target is not None:
+        if target in chain:
+            path = " -> ".join(loc.key() for loc in [*chain, target])
+            raise ValueError(f"spill_to has a cycle: {path}")
+        chain.append(target)
+        target = spill_to(target)
+    return chain
+
+
+BlockKey = tuple[str, int]  # (model, hash)
 
 
 class MemoryIndex:
@@ -57,8 +83,8 @@ class MemoryIndex:
         self,
         *,
         ttl_s: float = DEFAULT_TTL_S,
-        capacity_blocks: CapacityFn = _no_capacity,
-        spill_to: SpillFn = _no_spill,
+        capacity_blocks: CapacityFn = no_capacity,
+        spill_to: SpillFn = no_spill,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ttl_s = ttl_s
@@ -66,9 +92,9 @@ class MemoryIndex:
         self._spill_to = spill_to
         self._clock = clock
         # (model, hash) -> {location: expiry}
-        self._blocks: dict[tuple[str, int], dict[Location, float]] = {}
-        # location -> LRU of (model, hash), oldest first
-        self._lru: dict[Location, OrderedDict[tuple[str, int], None]] = {}
+        self._blocks: dict[BlockKey, dict[Location, float]] = {}
+        # location -> LRU of (model, hash), oldest first; with one TTL this is also expiry order
+        self._lru: dict[Location, OrderedDict[BlockKey, None]] = {}
 
     async def lookup(self, model: str, hashes: Sequence[int]) -> BlockHits:
         return self.lookup_now(model, hashes)
@@ -80,7 +106,10 @@ class MemoryIndex:
             holders = self._blocks.get((model, h))
             if not holders:
                 break
-            alive = frozenset(loc for loc, expiry in holders.items() if expiry > now)
+            if min(holders.values()) > now:  # the common case, at C speed
+                alive = frozenset(holders)
+            else:
+                alive = frozenset(loc for loc, expiry in holders.items() if expiry > now)
             if not alive:
                 break
             hits.append(alive)
@@ -90,50 +119,72 @@ class MemoryIndex:
         self.record_now(model, hashes, location)
 
     def record_now(self, model: str, hashes: Sequence[int], location: Location) -> None:
-        expiry = self._clock() + self._ttl_s
+        chain = spill_chain(location, self._spill_to)
+        self.sweep(max(SWEEP_MIN_ENTRIES, 2 * len(hashes)))
+        now = self._clock()
+        moving = [(model, h) for h in hashes]
+        for here in chain:
+            moving = self._add(moving, here, now + self._ttl_s, now)
+            if not moving:
+                return
+
+    def _add(
+        self, keys: list[BlockKey], location: Location, expiry: float, now: float
+    ) -> list[BlockKey]:
+        """Record `keys` at `location`; return the live entries its capacity pushed out."""
         lru = self._lru.setdefault(location, OrderedDict())
-        for h in hashes:
-            key = (model, h)
+        for key in keys:
             self._blocks.setdefault(key, {})[location] = expiry
             lru[key] = None
             lru.move_to_end(key)
         capacity = self._capacity(location)
-        if capacity is None:
-            return
-        overflow: list[int] = []
-        overflow_model = model
-        while len(lru) > capacity:
-            (old_model, old_hash), _ = lru.popitem(last=False)
-            self._forget(old_model, old_hash, location)
-            if old_model == overflow_model:
-                overflow.append(old_hash)
-            else:
-                self._spill(old_model, [old_hash], location)
-        self._spill(overflow_model, overflow, location)
+        pushed_out: list[BlockKey] = []
+        while capacity is not None and len(lru) > capacity:
+            key, _ = lru.popitem(last=False)
+            if self._forget(key, location) > now:
+                pushed_out.append(key)
+        return pushed_out
 
-    def _spill(self, model: str, hashes: list[int], location: Location) -> None:
-        target = self._spill_to(location)
-        if hashes and target is not None:
-            self.record_now(model, hashes, target)
+    def sweep(self, max_entries: int) -> int:
+        """Remove up to `max_entries` expired entries; return how many went.
 
-    def _forget(self, model: str, h: int, location: Location) -> None:
-        holders = self._blocks.get((model, h))
+        Each location's LRU is in expiry order, so only the head of each is looked at."""
+        now = self._clock()
+        removed = 0
+        for location, lru in list(self._lru.items()):
+            while lru and removed < max_entries:
+                key = next(iter(lru))
+                if self._blocks.get(key, {}).get(location, now) > now:
+                    break
+                del lru[key]
+                self._forget(key, location)
+                removed += 1
+            if not lru:
+                del self._lru[location]
+            if removed >= max_entries:
+                break
+        return removed
+
+    def _forget(self, key: BlockKey, location: Location) -> float:
+        """Remove one entry; return its expiry (0 if there was none)."""
+        holders = self._blocks.get(key)
         if holders is None:
-            return
-        holders.pop(location, None)
+            return 0.0
+        expiry = holders.pop(location, 0.0)
         if not holders:
-            del self._blocks[(model, h)]
+            del self._blocks[key]
+        return expiry
 
     async def evict(self, model: str, hashes: Sequence[int], location: Location) -> None:
         lru = self._lru.get(location)
         for h in hashes:
-            self._forget(model, h, location)
+            self._forget((model, h), location)
             if lru is not None:
                 lru.pop((model, h), None)
 
     async def drop_location(self, location: Location) -> None:
-        for model, h in self._lru.pop(location, OrderedDict()):
-            self._forget(model, h, location)
+        for key in self._lru.pop(location, OrderedDict()):
+            self._forget(key, location)
 
     async def drop_replica(self, replica: str) -> None:
         for tier in (Tier.HBM, Tier.CPU):
@@ -144,3 +195,7 @@ class MemoryIndex:
 
     def size(self, location: Location) -> int:
         return len(self._lru.get(location, ()))
+
+    def entries(self) -> int:
+        """(block, location) entries held, alive or expired and not yet swept."""
+        return sum(len(holders) for holders in self._blocks.values())

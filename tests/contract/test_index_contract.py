@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Connection, Redis
+from redis.asyncio.cluster import RedisCluster
 
 from routing.index import Index, MemoryIndex
 from routing.index_redis import IndexUnavailable, RedisIndex
@@ -173,6 +174,38 @@ async def test_drop_replica_forgets_its_hbm_and_cpu_only(index: Index) -> None:
     assert await index.lookup(MODEL, [1, 2]) == [{B_HBM, REMOTE}] * 2
 
 
+async def test_expired_entry_pushed_out_does_not_come_back_as_cpu_hit(
+    make_index: IndexFactory,
+) -> None:
+    index = make_index(ttl_s=TTL_S, capacity_blocks=hbm_capacity(2), spill_to=to_cpu)
+    await index.record(MODEL, [1, 2], A_HBM)
+    await asyncio.sleep(TTL_S * 1.2)
+    await index.record(MODEL, [3, 4], A_HBM)  # pushes 1 and 2 out of HBM, expired
+    assert await index.lookup(MODEL, [1, 2]) == []
+    assert await index.lookup(MODEL, [3, 4]) == [{A_HBM}] * 2
+
+
+def swap_tiers(location: Location) -> Location | None:
+    other = Tier.CPU if location.tier is Tier.HBM else Tier.HBM
+    return Location(location.holder, other)
+
+
+SPILL_CYCLES = {
+    "hbm <-> cpu": swap_tiers,
+    "onto itself": lambda location: location,
+}
+
+
+@pytest.mark.parametrize("spill_to", SPILL_CYCLES.values(), ids=SPILL_CYCLES.keys())
+async def test_spill_cycle_is_rejected_before_writing(
+    make_index: IndexFactory, spill_to: Callable[[Location], Location | None]
+) -> None:
+    index = make_index(capacity_blocks=lambda _: 1, spill_to=spill_to)
+    with pytest.raises(ValueError, match="cycle"):
+        await index.record(MODEL, [1, 2, 3], A_HBM)
+    assert await index.lookup(MODEL, [1]) == []
+
+
 MODEL_PAIRS = {
     "different names": ("m1", "m2"),
     "separator in name": ("m", "m:1"),
@@ -192,6 +225,25 @@ async def test_models_are_isolated(index: Index, pair: tuple[str, str]) -> None:
     assert await index.lookup(second, [1, 2]) == [{B_HBM}]
     await index.evict(second, [1], A_HBM)  # A holds 1 only under `first`
     assert await index.lookup(first, [1]) == [{A_HBM}]
+
+
+# Memory only
+
+
+async def test_memory_index_without_capacity_sweeps_expired_entries() -> None:
+    now = [0.0]
+    index = MemoryIndex(ttl_s=10.0, clock=lambda: now[0])
+    for start in range(0, 1000, 100):
+        await index.record(MODEL, range(start, start + 100), A_HBM)
+    assert index.entries() == 1000
+    now[0] = 11.0  # every entry has expired
+    for i in range(10):  # each record sweeps at least 64 expired entries
+        await index.record(MODEL, [10_000 + i], B_HBM)
+    assert index.entries() <= 1000 - 10 * 64 + 10
+    for i in range(100):
+        await index.record(MODEL, [20_000 + i], B_HBM)
+    assert index.entries() == 110  # only B's live entries are left
+    assert await index.lookup(MODEL, [10_000]) == [{B_HBM}]
 
 
 # Redis only
@@ -276,3 +328,43 @@ async def test_stalled_redis_times_out_as_index_unavailable(redis_url: str) -> N
 def test_key_prefix_must_not_carry_a_hash_tag() -> None:
     with pytest.raises(ValueError, match="hash tag"):
         RedisIndex(Redis(), key_prefix="{cl}")
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["redis", "redis_cluster"])
+async def test_scripts_are_reloaded_after_redis_forgets_them(
+    request: pytest.FixtureRequest, cluster: bool
+) -> None:
+    """A restarted Redis has an empty script cache: the index reloads its scripts and goes on."""
+    url = request.getfixturevalue("redis_cluster_url" if cluster else "redis_url")
+    index = RedisIndex.from_url(url, cluster=cluster, key_prefix=f"t{uuid.uuid4().hex[:12]}")
+    admin: Any = RedisCluster.from_url(url) if cluster else Redis.from_url(url)
+    try:
+        await index.record(MODEL, [1, 2], A_HBM)
+        await admin.script_flush()
+        await index.record(MODEL, [2, 3], B_HBM)
+        await index.evict(MODEL, [1], A_HBM)
+        assert await index.lookup(MODEL, [1, 2, 3]) == []
+        assert await index.lookup(MODEL, [2, 3]) == [{A_HBM, B_HBM}, {B_HBM}]
+    finally:
+        await admin.aclose()
+        await index.close()
+
+
+async def test_a_block_value_keeps_only_live_holders(redis_url: str) -> None:
+    """Bounded memory: a holder whose entry expired is dropped when another holder is added."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    index = RedisIndex.from_url(redis_url, ttl_s=TTL_S, key_prefix=prefix)
+    admin = Redis.from_url(redis_url)
+    try:
+        await index.record(MODEL, [1], A_HBM)
+        await asyncio.sleep(TTL_S * 0.6)
+        await index.record(MODEL, [1], B_HBM)
+        await asyncio.sleep(TTL_S * 0.6)  # A's entry has expired, B's has not
+        await index.record(MODEL, [1], A_CPU)
+        keys = [key async for key in admin.scan_iter(f"{prefix}:b:*")]
+        assert len(keys) == 1
+        value = await admin.get(keys[0])
+        assert value.count(b"\n") == 2 and b"hbm:a " not in value
+    finally:
+        await admin.aclose()
+        await index.close()

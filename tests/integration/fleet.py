@@ -17,6 +17,9 @@ from tests.helpers.servers import running_app
 MODEL = "sim-llama-8b"
 # Fast constants so the suite runs in seconds; the cost model's ratios are unchanged.
 FAST_COSTS = PoolCosts(prefill_tokens_per_s=3_000_000.0)
+# Slow enough that a cached 500-token prefix saves more than decide()'s 2 ms near-tie (5 ms):
+# with FAST_COSTS a short prompt's hit and miss tie, and the seeded rng picks the replica.
+CACHE_VISIBLE_COSTS = PoolCosts(prefill_tokens_per_s=100_000.0)
 
 
 @dataclass
@@ -35,7 +38,9 @@ class Fleet:
         await self.replica_stacks[i].aclose()
 
 
-def gateway_config(replica_urls: list[str], **overrides: Any) -> GatewayConfig:
+def gateway_config(
+    replica_urls: list[str], costs: PoolCosts = FAST_COSTS, **overrides: Any
+) -> GatewayConfig:
     data: dict[str, Any] = {
         "health": {"interval_s": 0.2, "timeout_s": 0.5, "fail_after": 1},
         "engine_metrics": {"enabled": False},
@@ -45,7 +50,7 @@ def gateway_config(replica_urls: list[str], **overrides: Any) -> GatewayConfig:
                 "models": [MODEL],
                 "replicas": replica_urls,
                 "max_prompt_tokens": 50_000,
-                "costs": {"prefill_tokens_per_s": FAST_COSTS.prefill_tokens_per_s},
+                "costs": {"prefill_tokens_per_s": costs.prefill_tokens_per_s},
             }
         ],
     }
@@ -54,16 +59,19 @@ def gateway_config(replica_urls: list[str], **overrides: Any) -> GatewayConfig:
 
 
 @asynccontextmanager
-async def fleet(n: int = 3, **overrides: Any) -> AsyncIterator[Fleet]:
+async def fleet(
+    n: int = 3, *, costs: PoolCosts = FAST_COSTS, itl_s: float = 0.001, **overrides: Any
+) -> AsyncIterator[Fleet]:
+    """`n` simulated replicas behind one gateway; the sims and the gateway share `costs`."""
     async with AsyncExitStack() as stack:
         urls, stacks = [], []
         for i in range(n):
             replica_stack = AsyncExitStack()
-            spec = SimReplicaSpec(name=f"sim-{i}", port=0, costs=FAST_COSTS, itl_s=0.001)
+            spec = SimReplicaSpec(name=f"sim-{i}", port=0, costs=costs, itl_s=itl_s)
             urls.append(await replica_stack.enter_async_context(running_app(create_sim_app(spec))))
             stack.push_async_callback(replica_stack.aclose)
             stacks.append(replica_stack)
-        app = create_app(gateway_config(urls, **overrides))
+        app = create_app(gateway_config(urls, costs, **overrides))
         gateway_url = await stack.enter_async_context(running_app(app))
         yield Fleet(gateway_url, urls, app, stack, stacks)
 
