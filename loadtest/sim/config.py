@@ -40,6 +40,16 @@ class SimReplicaSpec:
     itl_s: float = ITL_S
     time_factor: float = 1.0  # every modelled sleep is multiplied by it (0 = no sleeps)
     max_model_len_tokens: int = MAX_MODEL_LEN_TOKENS
+    # Precise mode: publish vLLM-format KV events on tcp://host:kv_events_port (replays on
+    # kv_replay_port), and tokenize prompts with this tokenizer.json and chat template (a file or
+    # inline) as the engine would, instead of counting characters.
+    kv_events_port: int | None = None
+    kv_replay_port: int | None = None
+    kv_topic: str = ""
+    tokenizer_path: str | None = None
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.block_size_tokens > 0, "block_size_tokens must be > 0")

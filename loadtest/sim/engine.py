@@ -17,21 +17,36 @@ Like vLLM, the last prompt token is always computed (a full hit still prefills o
 most (prompt_tokens - 1) // block_size_tokens leading blocks are reused. When the lock is acquired,
 HBM is looked at again: blocks another request prefilled meanwhile are reused (as vLLM's scheduler
 does). Blocks completed during decode are not cached.
+
+With a tokenizer (precise mode) prompts are the engine's token ids, blocks are keyed like vLLM's
+(token ids chained from a root that folds in the request's cache_salt), and with an event sink
+every change is published as vLLM's KV events: BlockStored (medium GPU) for blocks newly in HBM,
+BlockStored (medium CPU) when HBM's overflow is demoted, BlockRemoved per evicted block, and
+AllBlocksCleared on reset. Engine block hashes on the wire are opaque: a per-process random seed
+hashes each block's key, so a consumer must map them, as with vLLM's.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import random
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
+
+import xxhash
 
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.remote import RemoteClient
 from loadtest.sim.tiers import BlockLRU
 from routing.cost import Load, Overlap, estimate
-from routing.hashing import block_hashes
+from routing.hashing import block_hashes, token_block_hashes
+from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, precise_namespace
+from routing.precise import PromptTokenizer
 from routing.prompt import approx_tokens
+
+EventSink = Callable[[Sequence[Event]], None]
 
 
 class ContextLengthExceeded(ValueError):
@@ -43,6 +58,18 @@ class Prompt:
     text: str
     prompt_tokens: int
     hashes: tuple[int, ...]  # chained hashes of every full block of the prompt
+    token_ids: tuple[int, ...] = ()  # precise mode: the engine's token ids
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockInfo:
+    """What an event about a held block needs (precise mode with events only)."""
+
+    engine_hash: int
+    parent: int | None  # the parent block's engine hash
+    tokens: tuple[int, ...]
+    salt: str | None  # cache_salt of a first block
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +104,19 @@ class EngineStats:
 
 
 class SimEngine:
-    def __init__(self, spec: SimReplicaSpec, remote: RemoteClient | None) -> None:
+    def __init__(
+        self,
+        spec: SimReplicaSpec,
+        remote: RemoteClient | None,
+        *,
+        tokenizer: PromptTokenizer | None = None,
+        events: EventSink | None = None,
+    ) -> None:
         self.spec = spec
+        self.tokenizer = tokenizer
+        self.events = events
+        self._blocks: dict[int, _BlockInfo] = {}  # block key -> info, while a tier holds it
+        self._engine_seed = random.getrandbits(64)  # per process, like vLLM's random root hash
         bs = spec.block_size_tokens
         self.hbm = BlockLRU(spec.hbm_capacity_tokens // bs)
         self.cpu = BlockLRU(spec.cpu_capacity_tokens // bs) if spec.cpu_capacity_tokens else None
@@ -100,6 +138,74 @@ class SimEngine:
         )
         return Prompt(text=text, prompt_tokens=approx_tokens(text), hashes=tuple(hashes))
 
+    def token_prompt(self, chat: bool, body: Mapping[str, Any]) -> Prompt:
+        """The prompt as the engine sees it: token ids from the tokenizer (precise mode)."""
+        assert self.tokenizer is not None
+        ids = self.tokenizer.chat_ids(body) if chat else self.tokenizer.completion_ids(body)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        hashes = token_block_hashes(
+            ids,
+            block_size_tokens=self.spec.block_size_tokens,
+            namespace=precise_namespace(self.spec.model, salt),
+        )
+        text = self.tokenizer.render_chat(body) if chat else str(body.get("prompt"))
+        return Prompt(text, len(ids), tuple(hashes), tuple(ids), salt)
+
+    def engine_hash(self, key: int) -> int:
+        return xxhash.xxh3_64_intdigest(key.to_bytes(8, "little"), seed=self._engine_seed)
+
+    def publish_placement(
+        self,
+        prompt: Prompt,
+        new_in_hbm: list[int],
+        evicted: list[int],
+        new_in_cpu: list[int],
+        dropped: list[int],
+    ) -> None:
+        """One engine step's events, in the order the index must apply them."""
+        if self.events is None or not prompt.token_ids:
+            return
+        bs = self.spec.block_size_tokens
+        parent: int | None = None
+        for i, key in enumerate(prompt.hashes):
+            if key not in self._blocks:
+                tokens = prompt.token_ids[i * bs : (i + 1) * bs]
+                salt = prompt.cache_salt if i == 0 else None
+                self._blocks[key] = _BlockInfo(self.engine_hash(key), parent, tokens, salt)
+            parent = self._blocks[key].engine_hash
+        out: list[Event] = []
+        fresh = set(new_in_hbm)
+        run: list[int] = []
+        for maybe in [*prompt.hashes, None]:  # runs of consecutive new blocks, one event each
+            if maybe is not None and maybe in fresh:
+                run.append(maybe)
+                continue
+            if run:
+                out.append(self._stored(run, "GPU"))
+                run = []
+        known = self._blocks
+        out += [self._stored([k], "CPU") for k in new_in_cpu if k in known]  # copied, then freed
+        out += [BlockRemoved((known[k].engine_hash,), "GPU") for k in evicted if k in known]
+        out += [BlockRemoved((known[k].engine_hash,), "CPU") for k in dropped if k in known]
+        for key in [*evicted, *dropped]:
+            if key not in self.hbm and (self.cpu is None or key not in self.cpu):
+                self._blocks.pop(key, None)
+        self.events(out)
+
+    def _stored(self, keys: list[int], medium: str) -> BlockStored:
+        infos = [self._blocks[k] for k in keys]
+        first = infos[0]
+        extra = None if first.salt is None else ((first.salt,), *([None] * (len(keys) - 1)))
+        return BlockStored(
+            block_hashes=tuple(i.engine_hash for i in infos),
+            parent_block_hash=first.parent,
+            token_ids=tuple(t for i in infos for t in i.tokens),
+            block_size=self.spec.block_size_tokens,
+            medium=medium,
+            extra_keys=extra,
+            group_idx=0,
+        )
+
     def check_fits(self, prompt: Prompt, max_tokens: int) -> None:
         limit = self.spec.max_model_len_tokens
         if prompt.prompt_tokens + max_tokens > limit:
@@ -115,6 +221,9 @@ class SimEngine:
         self.hbm.clear()
         if self.cpu is not None:
             self.cpu.clear()
+        self._blocks.clear()
+        if self.events is not None:
+            self.events([AllBlocksCleared()])
 
     @asynccontextmanager
     async def admit(self, prompt: Prompt) -> AsyncIterator[SimRequest]:
@@ -217,12 +326,17 @@ class SimRequest:
 
     def _place_in_hbm(self, *, swapped_in: tuple[int, ...]) -> None:
         eng = self._engine
+        new_in_hbm = [h for h in self.prompt.hashes if h not in eng.hbm]
         # Reversed, so the first block is the most recent: like vLLM, which frees a request's
         # blocks tail first, a prompt's tail is evicted before its prefix.
         evicted = eng.hbm.insert(reversed(self.prompt.hashes))
+        new_in_cpu: list[int] = []
+        dropped: list[int] = []
         if eng.cpu is not None:
             eng.cpu.touch(reversed(swapped_in))
-            eng.cpu.insert(evicted)
+            new_in_cpu = [h for h in evicted if h not in eng.cpu]
+            dropped = eng.cpu.insert(evicted)
+        eng.publish_placement(self.prompt, new_in_hbm, evicted, new_in_cpu, dropped)
 
     async def _write_remote(self, *, known_blocks: int, enabled: bool) -> int:
         """Offer the prompt's blocks to the remote tier; returns how many it newly stored.

@@ -217,6 +217,23 @@ def build_parser(
         "config, with its capacities and cost constants; the other options are then ignored",
     )
     add(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="publish vLLM-format KV events (ZMQ PUB) for precise mode; sim-i on this port + i",
+    )
+    add(
+        "--kv-replay-port",
+        type=int,
+        default=None,
+        help="answer KV event replay requests (ZMQ ROUTER); sim-i on this port + i",
+    )
+    add(
+        "--tokenizer",
+        help="a local tokenizer.json: prompts are tokenized like the engine (precise mode)",
+    )
+    add("--chat-template", help="the model's chat template (a jinja2 file), with --tokenizer")
+    add(
         "--max-model-len-tokens",
         type=int,
         default=MAX_MODEL_LEN_TOKENS,
@@ -250,6 +267,10 @@ def fleet_specs(args: argparse.Namespace) -> tuple[list[SimReplicaSpec], RemoteT
             itl_s=args.itl_ms / 1000,
             time_factor=args.time_factor,
             max_model_len_tokens=args.max_model_len_tokens,
+            kv_events_port=None if args.kv_events_port is None else args.kv_events_port + i,
+            kv_replay_port=None if args.kv_replay_port is None else args.kv_replay_port + i,
+            tokenizer_path=args.tokenizer,
+            chat_template=args.chat_template,
         )
         for i in range(args.replicas)
     ]

@@ -24,6 +24,10 @@ def _host_port(url: str) -> tuple[str, int]:
     return u.host, u.port
 
 
+def _zmq_port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
 def specs_from_config(config: GatewayConfig) -> tuple[list[SimReplicaSpec], RemoteTierSpec | None]:
     remote: RemoteTierSpec | None = None
     remote_urls: dict[str, str] = {}
@@ -33,7 +37,10 @@ def specs_from_config(config: GatewayConfig) -> tuple[list[SimReplicaSpec], Remo
         host, port = _host_port(str(tier.url))
         if host in LOCAL_HOSTS and remote is None:
             remote = RemoteTierSpec(
-                name=tier.name, host=host, port=port, capacity_tokens=tier.capacity_tokens,
+                name=tier.name,
+                host=host,
+                port=port,
+                capacity_tokens=tier.capacity_tokens,
                 block_size_tokens=config.routing.block_size_tokens,
             )
             remote_urls[tier.name] = remote.url
@@ -43,6 +50,8 @@ def specs_from_config(config: GatewayConfig) -> tuple[list[SimReplicaSpec], Remo
             host, port = _host_port(str(raw))
             if host not in LOCAL_HOSTS:
                 continue
+            events, tok = pool.kv_events, pool.tokenizer
+            replay = events.replay_endpoint_for(str(raw)) if events else None
             replicas.append(
                 SimReplicaSpec(
                     name=f"{pool.name}-{len(replicas)}",
@@ -57,6 +66,13 @@ def specs_from_config(config: GatewayConfig) -> tuple[list[SimReplicaSpec], Remo
                     itl_s=pool.sim.itl_s if pool.sim.itl_s is not None else ITL_S,
                     time_factor=pool.sim.time_factor,
                     max_model_len_tokens=pool.max_prompt_tokens or MAX_MODEL_LEN_TOKENS,
+                    kv_events_port=_zmq_port(events.endpoint_for(str(raw))) if events else None,
+                    kv_replay_port=_zmq_port(replay) if replay else None,
+                    kv_topic=events.topic if events else "",
+                    tokenizer_path=tok.path if tok else None,
+                    chat_template=tok.chat_template if tok else None,
+                    bos_token=tok.bos_token if tok else None,
+                    eos_token=tok.eos_token if tok else None,
                 )
             )
     if not replicas:

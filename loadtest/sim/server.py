@@ -9,6 +9,10 @@
 
 Request headers the gateway sends: x-cachelane-namespace (the block hashes' namespace, default the
 model name) and x-cachelane-remote-write: 0 (do not write this prompt's KV to the remote tier).
+
+With spec.tokenizer_path the replica tokenizes like vLLM (chat template, token ids, the body's
+cache_salt) and ignores the namespace header; with spec.kv_events_port it publishes vLLM-format
+KV events (kv_publisher.py).
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from loadtest.sim import protocol
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.engine import ContextLengthExceeded, Prompt, SimEngine
+from loadtest.sim.kv_publisher import KvEventPublisher
 from loadtest.sim.protocol import ApiError, ChunkWriter, Kind
 from loadtest.sim.remote import REMOTE_TIMEOUT_S, RemoteClient
+from routing.precise import PromptTokenizer, UnsupportedPrompt
 from routing.prompt import PromptError, chat_text, completion_text
 
 NAMESPACE_HEADER = "x-cachelane-namespace"  # same names as the gateway's proxy (gateway/proxy.py)
@@ -49,7 +55,27 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
                     base_url=spec.remote_url, timeout=REMOTE_TIMEOUT_S, trust_env=False
                 )
                 remote = RemoteClient(await stack.enter_async_context(http))
-            engine = SimEngine(spec, remote)
+            tokenizer = None
+            if spec.tokenizer_path:
+                tokenizer = PromptTokenizer.from_files(
+                    spec.tokenizer_path,
+                    spec.chat_template,
+                    bos_token=spec.bos_token,
+                    eos_token=spec.eos_token,
+                )
+            publisher = None
+            if spec.kv_events_port is not None:
+                publisher = KvEventPublisher(
+                    spec.host, spec.kv_events_port, spec.kv_replay_port, spec.kv_topic
+                )
+                await stack.enter_async_context(publisher.running())
+            engine = SimEngine(
+                spec,
+                remote,
+                tokenizer=tokenizer,
+                events=publisher.publish if publisher is not None else None,
+            )
+            app.state.kv_publisher = publisher
             registry = CollectorRegistry(auto_describe=True)
             registry.register(_EngineCollector(engine))
             yield {"engine": engine, "registry": registry}
@@ -73,7 +99,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         body = await _json_body(request)
         text = _prompt_text(spec, kind, body)
         max_tokens = _max_tokens(kind, body)
-        prompt = _fitting_prompt(engine, request, kind, text, max_tokens)
+        prompt = _fitting_prompt(engine, request, kind, text, max_tokens, body)
         remote_write = request.headers.get(REMOTE_WRITE_HEADER, "1").strip() != "0"
         if body.get("stream"):
             options = body.get("stream_options")
@@ -118,7 +144,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         engine = _engine(request)
         body = await _json_body(request)
         kind = Kind.CHAT if "messages" in body else Kind.COMPLETION
-        prompt = _fitting_prompt(engine, request, kind, _prompt_text(spec, kind, body), 0)
+        prompt = _fitting_prompt(engine, request, kind, _prompt_text(spec, kind, body), 0, body)
         remote_write = request.headers.get(REMOTE_WRITE_HEADER, "1").strip() != "0"
         async with engine.admit(prompt) as req:
             result = await req.prefill(remote_write=remote_write)
@@ -263,11 +289,22 @@ def _max_tokens(kind: Kind, body: dict[str, Any]) -> int:
 
 
 def _fitting_prompt(
-    engine: SimEngine, request: Request, kind: Kind, text: str, max_tokens: int
+    engine: SimEngine,
+    request: Request,
+    kind: Kind,
+    text: str,
+    max_tokens: int,
+    body: dict[str, Any],
 ) -> Prompt:
-    prompt = engine.prompt(
-        text, namespace=request.headers.get(NAMESPACE_HEADER) or engine.spec.model
-    )
+    param = "messages" if kind is Kind.CHAT else "prompt"
+    if engine.tokenizer is not None:
+        try:
+            prompt = engine.token_prompt(kind is Kind.CHAT, body)
+        except (PromptError, UnsupportedPrompt) as err:
+            raise ApiError(400, str(err), code="invalid_value", param=param) from None
+    else:
+        namespace = request.headers.get(NAMESPACE_HEADER) or engine.spec.model
+        prompt = engine.prompt(text, namespace=namespace)
     try:
         engine.check_fits(prompt, max_tokens)
     except ContextLengthExceeded as err:
