@@ -82,6 +82,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_POLICIES,
         help="comma-separated routing policies to compare, in order (default: %(default)s)",
     )
+    add(
+        "--skip-tiers",
+        action="store_true",
+        help="skip the second section (critical tenant pinned vs unpinned, reuse-aware remote "
+        "writes vs write-all), which writes demo-tiers.png",
+    )
 
 
 def _policies(text: str) -> list[str]:
@@ -185,12 +191,27 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
 
     report.print_comparison(console, summaries, ideal.hit_rate)
-    wall_s = time.perf_counter() - started
-    report.write_json(
-        out_dir / "demo.json", _payload(args, settings, trace, ideal, summaries, wall_s)
-    )
     report.plot(out_dir / "demo.png", results, summaries, ideal.hit_rate)
-    console.print(f"wrote {out_dir / 'demo.json'} and {out_dir / 'demo.png'} in {wall_s:.0f} s")
+    tiers: dict[str, Any] | None = None
+    if not args.skip_tiers:
+        from loadtest.demo_tiers import run_tiers_section
+
+        try:
+            with _sigterm_as_interrupt():
+                tiers = run_tiers_section(console, out_dir, args.seed)
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted; every process was stopped")
+            return 130
+        except RuntimeError as err:
+            console.print(f"[red]cachelane demo: {err}")
+            return 1
+    wall_s = time.perf_counter() - started
+    payload = _payload(args, settings, trace, ideal, summaries, wall_s)
+    if tiers is not None:
+        payload["tiers"] = tiers
+    report.write_json(out_dir / "demo.json", payload)
+    pngs = "demo.png" + ("" if tiers is None else " and demo-tiers.png")
+    console.print(f"wrote {out_dir / 'demo.json'} and {pngs} in {wall_s:.0f} s")
     return 0
 
 

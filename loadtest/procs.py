@@ -236,3 +236,52 @@ def gateway(
         yield GatewayProc(proc, url)
     finally:
         proc.stop()
+
+
+def loopback_urls(count: int) -> list[str]:
+    """`count` loopback base URLs on consecutive ports that were free a moment ago."""
+    port = free_port_run(count)
+    return [f"http://127.0.0.1:{port + i}" for i in range(count)]
+
+
+@contextlib.contextmanager
+def sim_from_config(config: dict[str, Any], log_dir: Path, name: str) -> Iterator[ManagedProcess]:
+    """`python -m loadtest.sim --config FILE`: every loopback replica and remote tier of a gateway
+    config, with its capacities and costs; ready (every /health is 200) on entry."""
+    config_path = log_dir / f"sim-{name}.yaml"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    args = [sys.executable, "-m", "loadtest.sim", "--config", str(config_path)]
+    proc = ManagedProcess(f"sim fleet ({name})", args, log_dir / f"sim-{name}.log")
+    urls = [u for pool in config["pools"] for u in pool["replicas"]]
+    urls += [t["url"] for t in config.get("remote_tiers", []) if t.get("url")]
+    try:
+        proc.start()
+        wait_ready(proc, [f"{u}/health" for u in urls])
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def gateway_from_config(config: dict[str, Any], log_dir: Path, name: str) -> Iterator[GatewayProc]:
+    """`python -m gateway serve --config FILE` with a whole config (its `listen` is set to a free
+    loopback port here), ready (/ready is 200) on entry."""
+    port = free_port()
+    config = {**config, "listen": {"host": "127.0.0.1", "port": port}}
+    config_path = log_dir / f"gateway-{name}.yaml"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    args = [
+        sys.executable, "-m", "gateway", "serve",
+        "--config", str(config_path),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    proc = ManagedProcess(f"gateway ({name})", args, log_dir / f"gateway-{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.start()
+        wait_ready(proc, [f"{url}/ready"])
+        yield GatewayProc(proc, url)
+    finally:
+        proc.stop()

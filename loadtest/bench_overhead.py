@@ -1,0 +1,539 @@
+"""Overhead benchmark: what a router itself costs, against going direct to the replica.
+
+    python -m loadtest.bench_overhead            # ~6 min: every rate, every router
+    python -m loadtest.bench_overhead --quick    # ~1.5 min
+
+1. Added latency. Two zero-delay simulated replicas (--time-factor 0: no prefill or decode
+   sleeps, only the simulator's own Python), reached directly and through cachelane
+   (cache_aware, one worker process), sglang-router and vllm-router (cache_aware). Open loop at
+   fixed rates, streaming and not, over kept-alive connections (as production clients and the
+   openai SDK do). Added latency = router percentile - direct percentile at the same rate.
+2. Maximum throughput: closed loop, CONCURRENCY requests in flight, non-streaming; requests/s
+   and requests per CPU-second of the router process (a worker's ceiling if it had a core).
+3. Decision time in-process (no HTTP): canonical prompt text, block hashes, index lookup
+   (memory, and Redis on a throwaway redis-server) and decide(cache_aware), for 1k/8k/32k-token
+   prompts over 4/16/64 replicas that hold prefixes of different lengths.
+
+Machine caveat: client, routers and replica share the same cores; compare routers as ratios
+within one run, not the absolute numbers across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from loadtest import report, workload
+from loadtest.procs import ManagedProcess, free_port_run, wait_ready
+from loadtest.redis_proc import RedisMissing, RedisServer
+from loadtest.replay import percentile
+from loadtest.routers import RouterSpec, ensure_installed, running_router
+from loadtest.sim.config import SIM_MODEL
+from routing.cost import Load
+from routing.decide import Candidate, Policy, RouteRequest, decide
+from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
+from routing.index import Index, MemoryIndex
+from routing.index_redis import RedisIndex
+from routing.prompt import approx_tokens, chat_text
+from routing.types import Location, Tier
+
+OUT_PATH = Path("results/bench_overhead.json")
+PLOT_PATH = Path("results/bench_overhead.png")
+
+RATES_PER_S = (25, 50, 100, 200, 400)
+QUICK_RATES_PER_S = (50, 100, 200)
+# Up to where this 2-core box saturates (client + router + replica all in Python but the Rust
+# routers); 100 req/s is the issue's target rate.
+RATE_DURATION_S = 6.0  # per rate: 600 requests at 100/s, so p99 rests on ~6 samples above it
+QUICK_RATE_DURATION_S = 3.0
+WARMUP_REQUESTS = 30  # opens the kept-alive connections and warms caches before timing
+PROMPT_TOKENS = 256  # a short chat turn: the proxying cost, not the prompt's size, is measured
+MAX_TOKENS = 8  # a few streamed chunks after the first
+SATURATED_LAG_S = 0.25  # a rate whose p99 send lag exceeds this is past saturation: stop there
+REQUEST_TIMEOUT_S = 10.0
+CONCURRENCY = 32  # closed loop for max throughput: enough to keep one worker busy
+THROUGHPUT_S = 6.0
+QUICK_THROUGHPUT_S = 3.0
+
+DECISION_TOKENS = (1_024, 8_192, 32_768)
+DECISION_REPLICAS = (4, 16, 64)
+DECISION_ITERATIONS = 300  # per cell; p99 over 3 samples above it
+DECISION_BUDGET_S = 3.0  # per cell, so a slow backend cannot stall the run
+SEED = 5
+
+ROUTERS = (
+    RouterSpec("cachelane", "cache_aware"),
+    RouterSpec("sglang", "cache_aware"),
+    RouterSpec("vllm", "cache_aware"),
+)
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+# --- the zero-delay fleet --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def zero_delay_fleet(log_dir: Path, replicas: int = 2) -> Iterator[list[str]]:
+    port = free_port_run(replicas)
+    args = [
+        sys.executable, "-m", "loadtest.sim", "--replicas", str(replicas), "--port", str(port),
+        "--time-factor", "0", "--itl-ms", "0",
+    ]  # fmt: skip
+    proc = ManagedProcess("zero-delay sim", args, log_dir / "sim-zero.log")
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(replicas)]
+    try:
+        proc.start()
+        wait_ready(proc, [f"{u}/health" for u in urls])
+        yield urls
+    finally:
+        proc.stop()
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process (all its threads), from /proc; 0 where there is no /proc."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# --- open-loop client ------------------------------------------------------------------------
+
+
+def _body(i: int, stream: bool) -> dict[str, Any]:
+    rng = random.Random(f"{SEED}-{i}")
+    text = f"Request {i}. " + workload.words_text(rng, PROMPT_TOKENS)
+    body: dict[str, Any] = {
+        "model": SIM_MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": MAX_TOKENS,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+@dataclass
+class Sample:
+    e2e_s: float | None = None
+    ttft_s: float | None = None
+    lag_s: float = 0.0
+    error: str | None = None
+
+
+async def _one(client: httpx.AsyncClient, body: dict[str, Any], sample: Sample) -> None:
+    started = time.perf_counter()
+    try:
+        if body["stream"]:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    sample.error = f"HTTP {resp.status_code}"
+                    return
+                async for line in resp.aiter_lines():
+                    if (
+                        sample.ttft_s is None
+                        and '"content":"' in line
+                        and '"content":""' not in line
+                    ):
+                        sample.ttft_s = time.perf_counter() - started
+        else:
+            resp = await client.post("/v1/chat/completions", json=body)
+            if resp.status_code != 200:
+                sample.error = f"HTTP {resp.status_code}"
+                return
+            sample.ttft_s = time.perf_counter() - started
+        sample.e2e_s = time.perf_counter() - started
+    except httpx.HTTPError as err:
+        sample.error = f"{type(err).__name__}: {err}"
+
+
+@contextlib.asynccontextmanager
+async def _client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(
+        base_url=base_url, limits=limits, timeout=REQUEST_TIMEOUT_S, trust_env=False
+    ) as client:
+        yield client
+
+
+async def open_loop(
+    base_url: str, rate_per_s: float, duration_s: float, stream: bool
+) -> dict[str, Any]:
+    n = int(rate_per_s * duration_s)
+    bodies = [_body(i, stream) for i in range(n + WARMUP_REQUESTS)]
+    samples = [Sample() for _ in range(n)]
+    async with _client(base_url) as client:
+        await asyncio.gather(*(_one(client, b, Sample()) for b in bodies[:WARMUP_REQUESTS]))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        tasks = []
+        for i, sample in enumerate(samples):
+            delay = t0 + i / rate_per_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sample.lag_s = max(0.0, loop.time() - t0 - i / rate_per_s)
+            tasks.append(asyncio.create_task(_one(client, bodies[WARMUP_REQUESTS + i], sample)))
+        await asyncio.wait(tasks, timeout=duration_s + REQUEST_TIMEOUT_S)
+        for task in tasks:
+            task.cancel()
+        elapsed_s = loop.time() - t0
+    ok = [s for s in samples if s.error is None and s.e2e_s is not None]
+    e2e = [s.e2e_s * 1000 for s in ok if s.e2e_s is not None]
+    ttft = [s.ttft_s * 1000 for s in ok if s.ttft_s is not None]
+    return {
+        "rate_per_s": rate_per_s,
+        "stream": stream,
+        "requests": n,
+        "errors": n - len(ok),
+        "achieved_per_s": len(ok) / elapsed_s if elapsed_s else 0.0,
+        "send_lag_p99_ms": percentile([s.lag_s * 1000 for s in samples], 99),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "e2e_p50_ms": percentile(e2e, 50),
+        "e2e_p99_ms": percentile(e2e, 99),
+    }
+
+
+async def closed_loop(base_url: str, duration_s: float) -> tuple[int, int, float]:
+    """(ok, errors, elapsed_s) with CONCURRENCY workers sending non-streaming requests."""
+    counts = {"ok": 0, "err": 0}
+    async with _client(base_url) as client:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + duration_s
+
+        async def worker(w: int) -> None:
+            i = 0
+            while loop.time() < deadline:
+                sample = Sample()
+                await _one(client, _body(w * 100_000 + i, False), sample)
+                counts["ok" if sample.error is None else "err"] += 1
+                i += 1
+
+        started = loop.time()
+        await asyncio.gather(*(worker(w) for w in range(CONCURRENCY)))
+        return counts["ok"], counts["err"], loop.time() - started
+
+
+# --- part 1 and 2: HTTP ----------------------------------------------------------------------
+
+
+def bench_http(
+    console: Console, log_dir: Path, rates: Sequence[int], rate_s: float, tput_s: float
+) -> dict[str, Any]:
+    targets: list[RouterSpec | None] = [None, *ROUTERS]
+    out: dict[str, Any] = {"latency": {}, "throughput": {}, "not_run": {}}
+    with zero_delay_fleet(log_dir) as urls:
+        for spec in targets:
+            label = "direct" if spec is None else spec.label
+            if spec is not None and spec.kind != "cachelane":
+                error = ensure_installed(spec.kind)
+                if error:
+                    out["not_run"][label] = error
+                    console.print(f"[red]{label}: {error}")
+                    continue
+            with contextlib.ExitStack() as stack:
+                try:
+                    if spec is None:
+                        url, pid = urls[0], None
+                    else:
+                        router = stack.enter_context(running_router(spec, urls, log_dir))
+                        url, pid = router.url, router.pid
+                except (RuntimeError, OSError) as err:
+                    out["not_run"][label] = str(err).splitlines()[0]
+                    console.print(f"[red]{label}: {err}")
+                    continue
+                rows = []
+                for stream in (False, True):
+                    for rate in rates:
+                        row = asyncio.run(open_loop(url, rate, rate_s, stream))
+                        rows.append(row)
+                        console.print(
+                            f"  {label:<22} {'stream' if stream else 'plain ':<6} {rate:>4}/s: "
+                            f"TTFT p50 {row['ttft_p50_ms']:.2f} p99 {row['ttft_p99_ms']:.2f} ms,"
+                            f" achieved {row['achieved_per_s']:.0f}/s, errors {row['errors']}"
+                        )
+                        if row["send_lag_p99_ms"] > SATURATED_LAG_S * 1000:
+                            break  # past saturation: higher rates only measure the queue
+                out["latency"][label] = rows
+                cpu_before = cpu_seconds(pid)
+                ok, errors, elapsed_s = asyncio.run(closed_loop(url, tput_s))
+                cpu_s = cpu_seconds(pid) - cpu_before
+                out["throughput"][label] = {
+                    "requests_per_s": ok / elapsed_s,
+                    "errors": errors,
+                    "router_cpu_s": cpu_s if pid else None,
+                    "requests_per_cpu_s": ok / cpu_s if pid and cpu_s else None,
+                }
+    return out
+
+
+def added_latency(http: dict[str, Any]) -> list[dict[str, Any]]:
+    """Router minus direct, per (stream, rate), for the percentiles of TTFT and e2e."""
+    direct = {(r["stream"], r["rate_per_s"]): r for r in http["latency"].get("direct", [])}
+    rows = []
+    for label, runs in http["latency"].items():
+        if label == "direct":
+            continue
+        for r in runs:
+            d = direct.get((r["stream"], r["rate_per_s"]))
+            if d is None:
+                continue
+            rows.append(
+                {
+                    "router": label,
+                    "stream": r["stream"],
+                    "rate_per_s": r["rate_per_s"],
+                    "added_ttft_p50_ms": r["ttft_p50_ms"] - d["ttft_p50_ms"],
+                    "added_ttft_p99_ms": r["ttft_p99_ms"] - d["ttft_p99_ms"],
+                    "added_e2e_p50_ms": r["e2e_p50_ms"] - d["e2e_p50_ms"],
+                    "added_e2e_p99_ms": r["e2e_p99_ms"] - d["e2e_p99_ms"],
+                    "achieved_per_s": r["achieved_per_s"],
+                    "direct_achieved_per_s": d["achieved_per_s"],
+                    "errors": r["errors"],
+                }
+            )
+    return rows
+
+
+# --- part 3: decision time -------------------------------------------------------------------
+
+
+async def _fill(index: Index, hashes: list[int], replicas: int) -> None:
+    for i in range(replicas):
+        blocks = max(1, len(hashes) * (i + 1) // replicas)
+        await index.record(SIM_MODEL, hashes[:blocks], Location(f"r{i}", Tier.HBM))
+
+
+async def bench_decision(backends: dict[str, Index], budget_s: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    rng = random.Random(SEED)
+    for tokens in DECISION_TOKENS:
+        text = workload.words_text(rng, tokens)
+        messages = [{"role": "user", "content": text}]
+        for replicas in DECISION_REPLICAS:
+            # every replica holds a different share of this prompt; half are busy
+            loads = [
+                Load(in_flight=i % 8, pending_prefill_tokens=(i % 4) * 2048)
+                for i in range(replicas)
+            ]
+            candidates = [Candidate(f"r{i}", load=loads[i]) for i in range(replicas)]
+            for name, index in backends.items():
+                namespace = f"{SIM_MODEL}|{name}-{tokens}-{replicas}"
+                hashes = block_hashes(chat_text(messages), namespace=namespace)
+                await _fill(index, hashes, replicas)
+                parts: dict[str, list[float]] = {
+                    "hash": [],
+                    "lookup": [],
+                    "decide": [],
+                    "total": [],
+                }
+                decide_rng = random.Random(SEED)
+                deadline = time.monotonic() + budget_s
+                for i in range(DECISION_ITERATIONS + 10):
+                    if time.monotonic() > deadline:
+                        break
+                    t0 = time.perf_counter()
+                    prompt = chat_text(messages)
+                    hs = block_hashes(prompt, namespace=namespace)
+                    t1 = time.perf_counter()
+                    hits = await index.lookup(SIM_MODEL, hs)
+                    t2 = time.perf_counter()
+                    request = RouteRequest(hs, approx_tokens(prompt), DEFAULT_BLOCK_SIZE_TOKENS)
+                    decide(request, candidates, hits, Policy.CACHE_AWARE, seq=i, rng=decide_rng)
+                    t3 = time.perf_counter()
+                    if i < 10:
+                        continue  # warm-up
+                    parts["hash"].append((t1 - t0) * 1e3)
+                    parts["lookup"].append((t2 - t1) * 1e3)
+                    parts["decide"].append((t3 - t2) * 1e3)
+                    parts["total"].append((t3 - t0) * 1e3)
+                row: dict[str, Any] = {
+                    "backend": name,
+                    "prompt_tokens": tokens,
+                    "replicas": replicas,
+                    "iterations": len(parts["total"]),
+                }
+                for part, values in parts.items():
+                    row[f"{part}_p50_ms"] = statistics.median(values) if values else float("nan")
+                    row[f"{part}_p99_ms"] = percentile(values, 99)
+                rows.append(row)
+    return rows
+
+
+async def run_decision(console: Console, budget_s: float) -> list[dict[str, Any]]:
+    backends: dict[str, Index] = {"memory": MemoryIndex()}
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(RedisServer())
+            backends["redis"] = RedisIndex.from_url(
+                server.url, key_prefix="overhead", socket_timeout_s=5.0
+            )
+        except (RedisMissing, RuntimeError, OSError) as err:
+            console.print(f"[yellow]no Redis for the decision benchmark: {err}")
+        try:
+            return await bench_decision(backends, budget_s)
+        finally:
+            for index in backends.values():
+                await index.close()
+
+
+# --- output ----------------------------------------------------------------------------------
+
+
+def _f(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def print_tables(console: Console, payload: dict[str, Any]) -> None:
+    t = Table(title="added latency vs direct (router percentile - direct percentile, ms)")
+    for c in (
+        "router",
+        "mode",
+        "rate/s",
+        "TTFT p50",
+        "TTFT p99",
+        "e2e p50",
+        "e2e p99",
+        "achieved/s",
+        "err",
+    ):
+        t.add_column(c, justify="left" if c in ("router", "mode") else "right")
+    for r in payload["added"]:
+        t.add_row(
+            r["router"], "stream" if r["stream"] else "plain", str(r["rate_per_s"]),
+            _f(r["added_ttft_p50_ms"]), _f(r["added_ttft_p99_ms"]), _f(r["added_e2e_p50_ms"]),
+            _f(r["added_e2e_p99_ms"]), _f(r["achieved_per_s"], 0), str(r["errors"]),
+        )  # fmt: skip
+    console.print(t)
+    t = Table(title=f"max throughput, closed loop, {CONCURRENCY} in flight, non-streaming")
+    for c in ("target", "req/s", "router CPU s", "req per router CPU-second", "errors"):
+        t.add_column(c, justify="left" if c == "target" else "right")
+    for label, r in payload["http"]["throughput"].items():
+        t.add_row(
+            label, _f(r["requests_per_s"], 0), _f(r["router_cpu_s"]),
+            _f(r["requests_per_cpu_s"], 0), str(r["errors"]),
+        )  # fmt: skip
+    console.print(t)
+    t = Table(title="routing decision in-process: prompt text + hash + lookup + decide (ms)")
+    for c in (
+        "index",
+        "tokens",
+        "replicas",
+        "n",
+        "hash p50",
+        "lookup p50",
+        "decide p50",
+        "total p50",
+        "total p99",
+    ):
+        t.add_column(c, justify="left" if c == "index" else "right")
+    for r in payload["decision"]:
+        t.add_row(
+            r["backend"], str(r["prompt_tokens"]), str(r["replicas"]), str(r["iterations"]),
+            _f(r["hash_p50_ms"], 3), _f(r["lookup_p50_ms"], 3), _f(r["decide_p50_ms"], 3),
+            _f(r["total_p50_ms"], 3), _f(r["total_p99_ms"], 3),
+        )  # fmt: skip
+    console.print(t)
+    for label, why in payload["http"]["not_run"].items():
+        console.print(f"[red]{label} not run: {why}")
+
+
+def plot(path: Path, payload: dict[str, Any]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=False)
+    for ax, stream in zip(axes, (False, True), strict=True):
+        for label in sorted({r["router"] for r in payload["added"]}):
+            rows = [r for r in payload["added"] if r["router"] == label and r["stream"] == stream]
+            xs = [r["rate_per_s"] for r in rows]
+            ax.plot(xs, [r["added_ttft_p50_ms"] for r in rows], "o-", label=f"{label} p50")
+            ax.plot(xs, [r["added_ttft_p99_ms"] for r in rows], "x--", label=f"{label} p99")
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1)
+        ax.set_xlabel("offered requests/s")
+        ax.set_ylabel("added TTFT vs direct (ms, symlog)")
+        ax.set_title("streaming (time to first token)" if stream else "non-streaming (response)")
+        ax.axhline(1, color="tab:red", linewidth=0.8, linestyle=":")
+        ax.axhline(5, color="tab:red", linewidth=0.8, linestyle=":")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_overhead",
+        description="Gateway-added latency and throughput vs direct and vs sglang-router and "
+        "vllm-router; routing decision time in-process.",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer rates, shorter runs")
+    parser.add_argument("--skip-http", action="store_true", help="only the decision benchmark")
+    parser.add_argument("--out", type=Path, default=OUT_PATH)
+    parser.add_argument("--plot", type=Path, default=PLOT_PATH)
+    args = parser.parse_args(argv)
+    console = Console(width=150)
+    log_dir = args.out.parent / "bench_overhead_logs"
+    started = time.perf_counter()
+    rates = QUICK_RATES_PER_S if args.quick else RATES_PER_S
+    rate_s = QUICK_RATE_DURATION_S if args.quick else RATE_DURATION_S
+    tput_s = QUICK_THROUGHPUT_S if args.quick else THROUGHPUT_S
+    http: dict[str, Any] = {"latency": {}, "throughput": {}, "not_run": {}}
+    try:
+        if not args.skip_http:
+            http = bench_http(console, log_dir, rates, rate_s, tput_s)
+        decision = asyncio.run(run_decision(console, DECISION_BUDGET_S / (3 if args.quick else 1)))
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; every process was stopped")
+        return 130
+    payload = {
+        "settings": {
+            "rates_per_s": list(rates),
+            "rate_duration_s": rate_s,
+            "prompt_tokens": PROMPT_TOKENS,
+            "max_tokens": MAX_TOKENS,
+            "concurrency": CONCURRENCY,
+            "cpus": os.cpu_count(),
+            "routers": [asdict(r) | {"label": r.label} for r in ROUTERS],
+        },
+        "http": http,
+        "added": added_latency(http),
+        "decision": decision,
+        "wall_time_s": time.perf_counter() - started,
+    }
+    report.write_json(args.out, payload)
+    clean = report.clean_floats(payload)
+    print_tables(console, payload)
+    if payload["added"]:
+        plot(args.plot, clean)
+    console.print(
+        f"wrote {args.out} ({'and ' + str(args.plot) if payload['added'] else ''}) "
+        f"in {payload['wall_time_s']:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Locust user classes for cachelane: one per workload shape, streaming through raw SSE.
+
+Every request streams (`stream: true`, `stream_options.include_usage`) and reports three Locust
+entries under the shape's name:
+  POST           the full response time (to the end of the stream), failures included;
+  TTFT           time to the first chunk carrying generated text (the role-only first chat
+                 chunk does not count), in ms;
+  cached_tokens  "response time" = the usage's prompt_tokens_details.cached_tokens and
+                 "content size" = prompt_tokens, so avg time / avg size is the prefix hit rate.
+
+Shapes reuse loadtest/workload.py's session generators, so Locust and the replay benchmarks send
+the same kind of text: chat (per-app system prompts, growing conversations), agent (long tool
+prompt, growing scratchpad, /v1/completions), rag (Zipf-popular shared documents, unique
+questions), unique (nothing shared), shared_system (one system prompt for everyone) and voice
+(a latency-critical tenant: short system prompt, short turns, short answers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from locust import HttpUser, between, tag, task
+from requests.exceptions import RequestException
+
+from loadtest import workload
+from loadtest.scenarios import voice_session
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+TTFT_TYPE = "TTFT"
+CACHED_TYPE = "cached_tokens"
+
+VOICE_MAX_TOKENS = 16  # a voice answer starts speaking after a few tokens; TTFT is what counts
+
+_user_ids = itertools.count()
+_shared_by_seed: dict[int, Any] = {}
+
+
+def shared_prefixes(seed: int) -> Any:
+    """The system prompts, tool prompts and documents every user of this seed shares."""
+    if seed not in _shared_by_seed:
+        _shared_by_seed[seed] = workload._Shared.build(random.Random(f"{seed}-shared"))
+    return _shared_by_seed[seed]
+
+
+def has_text(chunk: dict[str, Any], endpoint: str) -> bool:
+    for choice in chunk.get("choices") or ():
+        if endpoint == "chat":
+            if (choice.get("delta") or {}).get("content"):
+                return True
+        elif choice.get("text"):
+            return True
+    return False
+
+
+class StreamingUser(HttpUser):
+    """Base class: one session generator per user, each task sends its next turn."""
+
+    abstract = True
+    shape: ClassVar[str] = ""  # workload.SHAPES key, or "voice"
+    key_option: ClassVar[str] = ""  # parsed option holding this tenant's API key
+    max_tokens: ClassVar[int] = workload.MAX_TOKENS
+
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        self.model: str = getattr(options, "model", workload.DEFAULT_MODEL)
+        self.seed: int = int(getattr(options, "seed", 1))
+        worker = getattr(self.environment.runner, "worker_index", 0)
+        self.rng = random.Random(f"{self.seed}-{worker}-{self.shape}-{next(_user_ids)}")
+        key = getattr(options, self.key_option, "") or getattr(options, "api_key", "")
+        self.headers = {"authorization": f"Bearer {key}"} if key else {}
+        self.turns: Iterator[workload.Request] = iter(())
+
+    def new_session(self) -> Iterator[workload.Request]:
+        factory = workload.SHAPES[self.shape]
+        return factory(random.Random(self.rng.getrandbits(64)), shared_prefixes(self.seed))
+
+    def next_request(self) -> workload.Request:
+        request = next(self.turns, None)
+        if request is None:
+            self.turns = self.new_session()
+            request = next(self.turns)
+        return request
+
+    def send_turn(self) -> None:
+        request = self.next_request()
+        endpoint = request["endpoint"]
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if endpoint == "chat":
+            body["messages"] = request["messages"]
+        else:
+            body["prompt"] = request["prompt"]
+        self.stream(PATHS[endpoint], endpoint, body)
+
+    def stream(self, path: str, endpoint: str, body: dict[str, Any]) -> None:
+        name = self.shape
+        started = time.perf_counter()
+        ttft_ms: float | None = None
+        usage: dict[str, Any] | None = None
+        size = 0
+        with self.client.post(
+            path, json=body, headers=self.headers, stream=True, catch_response=True, name=name
+        ) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                return
+            problem = None
+            try:
+                # chunk_size=None: each HTTP chunk as it arrives (a size would wait to fill it)
+                for line in resp.iter_lines(chunk_size=None):
+                    size += len(line)
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        problem = f"stream error: {str(chunk['error'])[:200]}"
+                        break
+                    if ttft_ms is None and has_text(chunk, endpoint):
+                        ttft_ms = (time.perf_counter() - started) * 1000
+                    usage = chunk.get("usage") or usage
+            except (RequestException, ValueError) as err:
+                problem = f"{type(err).__name__}: {err}"
+            resp.request_meta["response_time"] = (time.perf_counter() - started) * 1000
+            resp.request_meta["response_length"] = size
+            if problem is None and usage is None:
+                problem = "no usage chunk in the stream"
+            if problem is not None:
+                resp.failure(problem)
+                return
+            resp.success()
+        self.report(name, ttft_ms, usage)
+
+    def report(self, name: str, ttft_ms: float | None, usage: dict[str, Any] | None) -> None:
+        fire = self.environment.events.request.fire
+        if ttft_ms is not None:
+            fire(
+                request_type=TTFT_TYPE,
+                name=name,
+                response_time=ttft_ms,
+                response_length=0,
+                exception=None,
+                context={},
+            )
+        if usage is not None:
+            details = usage.get("prompt_tokens_details") or {}
+            fire(
+                request_type=CACHED_TYPE,
+                name=name,
+                response_time=int(details.get("cached_tokens") or 0),
+                response_length=int(usage.get("prompt_tokens") or 0),
+                exception=None,
+                context={},
+            )
+
+
+class ChatUser(StreamingUser):
+    """Multi-turn chat: 8 apps with their own system prompts; conversations grow every turn."""
+
+    shape = "chat"
+    key_option = "chat_api_key"
+    weight = 3
+    wait_time = between(0.5, 2.0)
+
+    @tag("chat", "standard")
+    @task
+    def turn(self) -> None:
+        self.send_turn()
+
+
+class AgentUser(StreamingUser):
+    """Agentic loop: a long tool prompt and a scratchpad that grows every step."""
+
+    shape = "agentic"
+    key_option = "agent_api_key"
+    weight = 3
+    wait_time = between(0.2, 1.0)
+
+    @tag("agent", "standard")
+    @task
+    def step(self) -> None:
+        self.send_turn()
+
+
+class RagUser(StreamingUser):
+    """RAG: one of 80 shared documents (Zipf popularity) plus a unique question."""
+
+    shape = "rag"
+    key_option = "rag_api_key"
+    weight = 2
+    wait_time = between(0.5, 2.0)
+
+    @tag("rag", "standard")
+    @task
+    def ask(self) -> None:
+        self.send_turn()
+
+
+class UniqueUser(StreamingUser):
+    """Unique single-turn prompts: nothing to reuse, for any router."""
+
+    shape = "unique"
+    key_option = "unique_api_key"
+    weight = 1
+    wait_time = between(0.5, 2.0)
+
+    @tag("unique", "standard")
+    @task
+    def one_off(self) -> None:
+        self.send_turn()
+
+
+class SharedSystemUser(StreamingUser):
+    """Every conversation shares one long system prompt (the hot-spot case)."""
+
+    shape = "shared_system"
+    key_option = "chat_api_key"
+    weight = 1
+    wait_time = between(0.5, 2.0)
+
+    @tag("shared_system", "standard")
+    @task
+    def turn(self) -> None:
+        self.send_turn()
+
+
+class VoiceUser(StreamingUser):
+    """A latency-critical voice tenant: short turns, short answers; its TTFT is what matters."""
+
+    shape = "voice"
+    key_option = "voice_api_key"
+    max_tokens = VOICE_MAX_TOKENS
+    weight = 1
+    wait_time = between(0.3, 1.0)
+
+    def new_session(self) -> Iterator[workload.Request]:
+        return voice_session(random.Random(self.rng.getrandbits(64)), self.seed)
+
+    @tag("voice", "critical")
+    @task
+    def speak(self) -> None:
+        self.send_turn()
+
+
+STANDARD_USERS: tuple[type[StreamingUser], ...] = (
+    ChatUser,
+    AgentUser,
+    RagUser,
+    UniqueUser,
+    SharedSystemUser,
+)
+ALL_USERS: tuple[type[StreamingUser], ...] = (*STANDARD_USERS, VoiceUser)

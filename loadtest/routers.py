@@ -1,0 +1,126 @@
+"""The routers the benchmarks compare: cachelane, sglang-router and vllm-router, as processes.
+
+sglang-router and vllm-router are installed from PyPI into their own venv (ROUTERS_VENV), never
+into cachelane's: `ensure_installed()` creates it and pip-installs the pinned versions, once. A
+router that fails to install or start is reported by the caller, who goes on with the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.procs import ManagedProcess, wait_ready
+from loadtest.redis_proc import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+ROUTERS_VENV = REPO / ".venv-routers"
+
+EXTERNAL_PACKAGES = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
+# The versions DESIGN.md's facts were observed on; pinned so a run compares like with like.
+
+EXTERNAL_POLICIES = {
+    "sglang": ("cache_aware", "round_robin", "power_of_two"),
+    "vllm": ("cache_aware", "round_robin", "consistent_hash"),
+}
+CACHELANE_POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
+
+PIP_TIMEOUT_S = 600.0  # wheels of both routers are ~10-20 MB each; a slow mirror takes minutes
+START_TIMEOUT_S = 30.0  # both Rust routers probe every worker first; ~1 s here
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    kind: str  # cachelane | sglang | vllm
+    policy: str
+    config: Path | None = None  # cachelane only: a YAML config instead of --replicas
+    label_suffix: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{self.policy}{self.label_suffix}"
+
+
+def ensure_installed(kind: str) -> str | None:
+    """Install one external router into ROUTERS_VENV if needed; None if ready, else why not."""
+    exe = ROUTERS_VENV / "bin" / f"{kind}-router"
+    if exe.exists():
+        return None
+    try:
+        if not (ROUTERS_VENV / "bin" / "pip").exists():
+            subprocess.run(
+                [sys.executable, "-m", "venv", str(ROUTERS_VENV)],
+                check=True,
+                capture_output=True,
+                timeout=PIP_TIMEOUT_S,
+            )
+        subprocess.run(
+            [str(ROUTERS_VENV / "bin" / "pip"), "install", "-q", EXTERNAL_PACKAGES[kind]],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=PIP_TIMEOUT_S,
+        )
+    except subprocess.CalledProcessError as err:
+        tail = (err.stderr or "").strip().splitlines()[-3:]
+        return f"pip install {EXTERNAL_PACKAGES[kind]} failed: {' | '.join(tail)}"
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"cannot install {EXTERNAL_PACKAGES[kind]}: {err}"
+    return None if exe.exists() else f"{exe} missing after pip install"
+
+
+def router_args(spec: RouterSpec, replica_urls: Sequence[str], port: int) -> list[str]:
+    if spec.kind == "cachelane":
+        where = (
+            ["--config", str(spec.config)]
+            if spec.config
+            else ["--replicas", ",".join(replica_urls)]
+        )
+        return [
+            sys.executable, "-m", "gateway", "serve", *where,
+            "--policy", spec.policy, "--port", str(port), "--log-level", "warning",
+        ]  # fmt: skip
+    exe = str(ROUTERS_VENV / "bin" / f"{spec.kind}-router")
+    # Each Rust router also serves Prometheus metrics on a fixed default port (29000): two at
+    # once collide, so every start gets a free one.
+    common = [
+        "--worker-urls", *replica_urls, "--policy", spec.policy,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    if spec.kind == "sglang":
+        return [exe, "launch", *common, "--log-level", "warn"]
+    if spec.kind == "vllm":
+        return [exe, *common, "--log-level", "warning"]
+    raise ValueError(f"unknown router kind {spec.kind!r}")
+
+
+@dataclass(frozen=True)
+class RunningRouter:
+    url: str
+    pid: int | None  # for reading its CPU time (/proc/PID/stat)
+
+
+@contextlib.contextmanager
+def running_router(
+    spec: RouterSpec, replica_urls: Sequence[str], log_dir: Path
+) -> Iterator[RunningRouter]:
+    """Start the router, wait until it answers (cachelane /ready, the others /v1/models), yield
+    its URL and pid, stop it."""
+    port = free_port()
+    name = spec.label.replace(":", "-")
+    proc = ManagedProcess(
+        spec.label, router_args(spec, replica_urls, port), log_dir / f"{name}.log"
+    )
+    url = f"http://127.0.0.1:{port}"
+    ready = f"{url}/ready" if spec.kind == "cachelane" else f"{url}/v1/models"
+    try:
+        proc.start()
+        wait_ready(proc, [ready], timeout_s=START_TIMEOUT_S)
+        yield RunningRouter(url, proc.pid)
+    finally:
+        proc.stop()
