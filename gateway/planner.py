@@ -241,7 +241,13 @@ class Planner:
             return None
         remote = Location(tier, Tier.REMOTE)
         held_blocks = next((i for i, h in enumerate(hits) if remote not in h), len(hits))
-        verdict = should_write(prompt_tokens, held_blocks * self._block_size, reuse, replica.costs)
+        verdict = should_write(
+            prompt_tokens,
+            held_blocks * self._block_size,
+            len(hits) * self._block_size,  # the prefix any location holds: what was shared
+            reuse,
+            replica.costs,
+        )
         if replica.pool.remote_write != "reuse":
             verdict = replace(
                 verdict, write=replica.pool.remote_write == "always" and (verdict.new_tokens > 0)

@@ -6,9 +6,14 @@ requests of the same family seen within the window: a family seen k times recent
 about k more times. Writing n new tokens costs one network transfer; each future reuse saves
 recomputing the prefix minus fetching it back:
 
-    write  iff  expected_reuse * max(0, recompute_s(n) - fetch_s(n)) > write_s(n_new)
+    write  iff  expected_reuse * max(0, recompute_s(s) - fetch_s(s)) > write_s(n_new)
 
-Unique prompts (k = 0) are never written; long prefixes of busy families are.
+where s is the part of the prompt that earlier requests shared (the leading blocks some location
+holds, per the index): a family's count says the first blocks come back, the index says how far
+the shared part goes. Unique prompts (k = 0) are never written, nor are one-off prompts behind a
+common short instruction (s too short for a fetch to pay); long prefixes of busy families are.
+A prefix evicted everywhere before it comes back is not seen as shared (a missed write, never a
+wasted one).
 """
 
 from __future__ import annotations
@@ -52,13 +57,21 @@ def transfer_s(tokens: int, costs: PoolCosts) -> float:
 
 
 def should_write(
-    prompt_tokens: int, remote_tokens: int, expected_reuse: float, costs: PoolCosts
+    prompt_tokens: int,
+    remote_tokens: int,
+    shared_tokens: int,
+    expected_reuse: float,
+    costs: PoolCosts,
 ) -> AdmissionVerdict:
-    """`remote_tokens`: leading tokens of the prompt the remote tier already holds."""
+    """`remote_tokens`: leading tokens of the prompt the remote tier already holds.
+    `shared_tokens`: leading tokens earlier requests had in common with this one (held
+    somewhere, per the index). Only that part has shown reuse: one-off prompts behind a common
+    instruction share the instruction, not the rest, and a write of them would never be read."""
     new_tokens = max(0, prompt_tokens - remote_tokens)
     if new_tokens == 0:
         return AdmissionVerdict(False, expected_reuse, 0.0, 0.0, 0)
-    saved_per_reuse = prompt_tokens / costs.prefill_tokens_per_s - transfer_s(prompt_tokens, costs)
+    reused = min(shared_tokens, prompt_tokens)
+    saved_per_reuse = reused / costs.prefill_tokens_per_s - transfer_s(reused, costs)
     gain_s = expected_reuse * max(0.0, saved_per_reuse)
     cost_s = transfer_s(new_tokens, costs)
     return AdmissionVerdict(gain_s > cost_s, expected_reuse, gain_s, cost_s, new_tokens)

@@ -7,23 +7,30 @@ COSTS = PoolCosts()
 
 
 @pytest.mark.parametrize(
-    ("prompt", "remote", "reuse", "write"),
+    ("prompt", "remote", "shared", "reuse", "write"),
     [
-        (8000, 0, 0, False),
-        (8000, 0, 1, True),
-        (500, 0, 5, False),
-        (2000, 0, 1, False),
-        (2000, 0, 3, True),
-        (8000, 8000, 10, False),
-        (8000, 7000, 1, True),
+        (8000, 0, 0, 0, False),
+        (8000, 0, 8000, 1, True),
+        (500, 0, 500, 5, False),
+        (2000, 0, 2000, 1, False),
+        (2000, 0, 2000, 3, True),
+        (8000, 8000, 8000, 10, False),
+        (8000, 7000, 8000, 1, True),
+        (8000, 0, 200, 50, False),
     ],
     ids=[
-        "unique-never", "long-reused-once", "short-fetch-never-pays", "2k-once-not-enough",
-        "2k-thrice", "already-remote", "small-new-tail",
+        "unique-never",
+        "long-reused-once",
+        "short-fetch-never-pays",
+        "2k-once-not-enough",
+        "2k-thrice",
+        "already-remote",
+        "small-new-tail",
+        "one-offs-behind-a-short-header",
     ],
 )
-def test_should_write(prompt: int, remote: int, reuse: float, write: bool) -> None:
-    assert should_write(prompt, remote, reuse, COSTS).write is write
+def test_should_write(prompt: int, remote: int, shared: int, reuse: float, write: bool) -> None:
+    assert should_write(prompt, remote, shared, reuse, COSTS).write is write
 
 
 def test_reuse_window_slides() -> None:

@@ -5,7 +5,7 @@ import pytest
 from routing.cost import Load
 from routing.decide import Candidate, Policy, PoolRules, RouteRequest, decide
 from routing.filters import Eligibility, Fallback, eligible, should_shed
-from routing.types import Location, Tier, TenantClass
+from routing.types import Location, TenantClass, Tier
 
 PINNED = PoolRules("pinned", pinned=True, hbm_only=True, max_in_flight=2, lend_below=0.5)
 PINNED_NO_LEND = PoolRules("pinned", pinned=True, hbm_only=True, max_in_flight=2)
