@@ -23,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics
 from gateway.planner import Plan
+from gateway.registry import replica_name
 from gateway.state import Gateway
 
 log = logging.getLogger("cachelane.app")
@@ -43,9 +44,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
             write=30.0,
             pool=up.connect_timeout_s,
         )
-        # trust_env=False: replica traffic never goes through an HTTP(S)_PROXY from the environment
-        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-            gw = Gateway(config, client)
+        async with contextlib.AsyncExitStack() as stack:
+            # trust_env=False: replica traffic never goes through an HTTP(S)_PROXY from the env
+            def new_client() -> httpx.AsyncClient:
+                return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+            client = await stack.enter_async_context(new_client())
+            upstream = {
+                replica_name(str(url).rstrip("/")): await stack.enter_async_context(new_client())
+                for pool in config.pools
+                for url in pool.replicas
+            }
+            gw = Gateway(config, client, upstream)
             app.state.gw = gw
             for replica in gw.registry.replicas.values():
                 gw.metrics.replica_healthy.labels(replica.name).set(0)

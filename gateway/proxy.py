@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import anyio
 import httpx
@@ -74,14 +74,14 @@ def _upstream_headers(resp: httpx.Response) -> dict[str, str]:
 class Proxy:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        clients: Mapping[str, httpx.AsyncClient],
         registry: Registry,
         planner: Planner,
         metrics: Metrics,
         *,
         retries: int,
     ) -> None:
-        self._client = client
+        self._clients = clients  # one connection pool per replica, by replica name
         self._registry = registry
         self._planner = planner
         self._metrics = metrics
@@ -100,14 +100,15 @@ class Proxy:
             attempts += 1
             reservation = self._reserve(plan, replica)
             await self._planner.record_sent(plan, replica)
-            request = self._client.build_request(
+            client = self._clients[replica.name]
+            request = client.build_request(
                 "POST",
                 replica.url + path,
                 content=upstream_body(plan, replica, raw_body),
                 headers=upstream_request_headers(plan),
             )
             try:
-                resp = await self._client.send(request, stream=True)
+                resp = await client.send(request, stream=True)
             except _RETRYABLE as err:
                 reservation.release()
                 await self._registry.mark_failed(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -99,7 +100,15 @@ def shared_redis(config: GatewayConfig) -> Any | None:
 class Gateway:
     """Everything one running gateway owns; created in the lifespan, read by the handlers."""
 
-    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        client: httpx.AsyncClient,
+        upstream: Mapping[str, httpx.AsyncClient],
+    ) -> None:
+        """`client` serves health checks, scrapes and warms; `upstream` the proxied requests, one
+        pool per replica (httpcore scans a pool's every connection for each queued request, so
+        one shared pool costs O(all connections) per request; per replica it is O(its own))."""
         self.config = config
         self.metrics = Metrics()
         self.registry = Registry(config, on_change=self._replica_changed)
@@ -116,7 +125,7 @@ class Gateway:
         self.reuse = ReuseCounter(self.metrics, redis=self.redis)
         self.planner = Planner(config, self.registry, self.index, self.reuse, self.metrics)
         self.proxy = Proxy(
-            client, self.registry, self.planner, self.metrics, retries=config.upstream.retries
+            upstream, self.registry, self.planner, self.metrics, retries=config.upstream.retries
         )
         self.health = HealthChecker(
             self.registry,

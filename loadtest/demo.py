@@ -181,7 +181,8 @@ def run_demo(args: argparse.Namespace) -> int:
             for policy in policies:
                 rs, replay_s = _run_policy(console, fleet, policy, trace, out_dir)
                 results[policy] = rs
-                summaries[policy] = summarize(rs, replay_s)
+                names = [u.removeprefix("http://") for u in fleet.urls]
+                summaries[policy] = summarize(rs, replay_s, names)
                 report.write_results_jsonl(out_dir / f"requests-{policy}.jsonl", rs)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every process was stopped")

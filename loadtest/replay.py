@@ -220,13 +220,21 @@ class Summary:
         return asdict(self)
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float) -> Summary:
+def summarize(
+    results: Sequence[RequestResult],
+    duration_s: float,
+    replicas: Sequence[str] = (),
+) -> Summary:
+    """`replicas`: every replica of the fleet, so one that served nothing counts as 0 in the
+    balance ratio (without it, a full hot spot on one replica would read as perfectly even)."""
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     ttft_ms = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     e2e_ms = [r.e2e_s * 1000 for r in ok if r.e2e_s is not None]
-    per_replica = dict(sorted(Counter(r.replica for r in ok).items()))
+    counts = Counter({name: 0 for name in replicas})
+    counts.update(r.replica for r in ok)
+    per_replica = dict(sorted(counts.items()))
     mean = sum(per_replica.values()) / len(per_replica) if per_replica else 0.0
     duration_s = max(duration_s, 1e-9)
     return Summary(
