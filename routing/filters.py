@@ -1,12 +1,12 @@
 """Which replicas a request may use, by tenant class. Runs before decide(); pure.
 
-  critical  only pinned pools (HBM-only, provisioned up front), and only replicas under their
-            admission cap, so their latency stays predictable. With no pinned replica admitted,
-            the configured fallback applies: `spill` to the shared pools counting HBM hits only,
-            or `reject` (the gateway answers 503 with Retry-After). With no pinned pool at all,
-            critical requests use the shared pools, HBM hits only.
-  standard  the shared pools; a pinned replica only if its pool lends idle capacity and the
-  batch     replica is below `lend_below` of its admission cap.
+critical  only pinned pools (HBM-only, provisioned up front), and only replicas under their
+          admission cap, so their latency stays predictable. With no pinned replica admitted,
+          the configured fallback applies: `spill` to the shared pools counting HBM hits only,
+          or `reject` (the gateway answers 503 with Retry-After). With no pinned pool at all,
+          critical requests use the shared pools, HBM hits only.
+standard  the shared pools; a pinned replica only if its pool lends idle capacity and the
+batch     replica is below `lend_below` of its admission cap.
 """
 
 from __future__ import annotations
@@ -62,10 +62,7 @@ def eligible(
         if fallback is Fallback.SPILL:
             return Eligibility(tuple(shared), hbm_only=True, fallback=Fallback.SPILL)
         return Eligibility((), hbm_only=True, fallback=Fallback.REJECT)
-    lent = [
-        c for c in pinned
-        if c.pool.lend_below is not None and admitted(c, c.pool.lend_below)
-    ]
+    lent = [c for c in pinned if c.pool.lend_below is not None and admitted(c, c.pool.lend_below)]
     return Eligibility(tuple(shared + lent), hbm_only=False)
 
 

@@ -42,8 +42,11 @@ def replica():  # type: ignore[no-untyped-def]
     ("engine", "now_s", "expected"),
     [
         (None, 0.0, Load(1, 1000, 0)),
-        (EngineLoad(running=5, waiting=3, kv_usage=0.1, scraped_at_s=0.0), 1.0,
-         Load(8, 1000 + 2 * 1000, 0)),
+        (
+            EngineLoad(running=5, waiting=3, kv_usage=0.1, scraped_at_s=0.0),
+            1.0,
+            Load(8, 1000 + 2 * 1000, 0),
+        ),
         (EngineLoad(running=5, waiting=3, kv_usage=0.1, scraped_at_s=0.0), 60.0, Load(1, 1000, 0)),
         (EngineLoad(running=0, waiting=0, kv_usage=0.0, scraped_at_s=0.0), 1.0, Load(1, 1000, 0)),
     ],

@@ -21,22 +21,70 @@ def names(e: Eligibility) -> list[str]:
 
 
 CASES = [
-    ("critical-goes-pinned", [cand("p", PINNED), cand("s", SHARED)], TenantClass.CRITICAL,
-     Fallback.SPILL, True, (["p"], True, None)),
-    ("critical-pinned-full-spills", [cand("p", PINNED, 2), cand("s", SHARED)],
-     TenantClass.CRITICAL, Fallback.SPILL, True, (["s"], True, Fallback.SPILL)),
-    ("critical-pinned-full-rejects", [cand("p", PINNED, 2), cand("s", SHARED)],
-     TenantClass.CRITICAL, Fallback.REJECT, True, ([], True, Fallback.REJECT)),
-    ("critical-pinned-down-spills", [cand("s", SHARED)], TenantClass.CRITICAL, Fallback.SPILL,
-     True, (["s"], True, Fallback.SPILL)),
-    ("critical-no-pinned-pool", [cand("s", SHARED)], TenantClass.CRITICAL, Fallback.REJECT,
-     False, (["s"], True, None)),
-    ("standard-never-pinned", [cand("p", PINNED_NO_LEND), cand("s", SHARED)],
-     TenantClass.STANDARD, Fallback.SPILL, True, (["s"], False, None)),
-    ("standard-borrows-idle-pinned", [cand("p", PINNED), cand("s", SHARED)],
-     TenantClass.STANDARD, Fallback.SPILL, True, (["s", "p"], False, None)),
-    ("standard-not-when-pinned-busy", [cand("p", PINNED, 1), cand("s", SHARED)],
-     TenantClass.BATCH, Fallback.SPILL, True, (["s"], False, None)),
+    (
+        "critical-goes-pinned",
+        [cand("p", PINNED), cand("s", SHARED)],
+        TenantClass.CRITICAL,
+        Fallback.SPILL,
+        True,
+        (["p"], True, None),
+    ),
+    (
+        "critical-pinned-full-spills",
+        [cand("p", PINNED, 2), cand("s", SHARED)],
+        TenantClass.CRITICAL,
+        Fallback.SPILL,
+        True,
+        (["s"], True, Fallback.SPILL),
+    ),
+    (
+        "critical-pinned-full-rejects",
+        [cand("p", PINNED, 2), cand("s", SHARED)],
+        TenantClass.CRITICAL,
+        Fallback.REJECT,
+        True,
+        ([], True, Fallback.REJECT),
+    ),
+    (
+        "critical-pinned-down-spills",
+        [cand("s", SHARED)],
+        TenantClass.CRITICAL,
+        Fallback.SPILL,
+        True,
+        (["s"], True, Fallback.SPILL),
+    ),
+    (
+        "critical-no-pinned-pool",
+        [cand("s", SHARED)],
+        TenantClass.CRITICAL,
+        Fallback.REJECT,
+        False,
+        (["s"], True, None),
+    ),
+    (
+        "standard-never-pinned",
+        [cand("p", PINNED_NO_LEND), cand("s", SHARED)],
+        TenantClass.STANDARD,
+        Fallback.SPILL,
+        True,
+        (["s"], False, None),
+    ),
+    (
+        "standard-borrows-idle-pinned",
+        [cand("p", PINNED), cand("s", SHARED)],
+        TenantClass.STANDARD,
+        Fallback.SPILL,
+        True,
+        (["s", "p"], False, None),
+    ),
+    (
+        "standard-not-when-pinned-busy",
+        [cand("p", PINNED, 1), cand("s", SHARED)],
+        TenantClass.BATCH,
+        Fallback.SPILL,
+        True,
+        (["s"], False, None),
+    ),
 ]
 
 
@@ -65,8 +113,11 @@ def test_hbm_only_pool_ignores_cpu_tier() -> None:
 
 @pytest.mark.parametrize(
     ("klass", "pending", "shed"),
-    [(TenantClass.BATCH, 300_000, True), (TenantClass.BATCH, 0, False),
-     (TenantClass.STANDARD, 300_000, False)],
+    [
+        (TenantClass.BATCH, 300_000, True),
+        (TenantClass.BATCH, 0, False),
+        (TenantClass.STANDARD, 300_000, False),
+    ],
     ids=["batch-overloaded", "batch-idle", "standard-never-shed"],
 )
 def test_should_shed(klass: TenantClass, pending: int, shed: bool) -> None:
