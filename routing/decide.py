@@ -138,21 +138,37 @@ class NoCandidates(Exception):
     """decide() was given no replica to choose from."""
 
 
-def overlap_of(candidate: Candidate, hits: BlockHits, request: RouteRequest) -> Overlap:
+Runs = list[tuple[frozenset[Location], int]]
+
+
+def runs_of(hits: BlockHits) -> Runs:
+    """Consecutive blocks with the same holders, as (holders, count). A shared prefix was recorded
+    block by block at the same places, so a long prompt is a handful of runs, and the overlap of
+    every candidate is computed per run instead of per block."""
+    runs: Runs = []
+    for holders in hits:
+        if runs and (holders is runs[-1][0] or holders == runs[-1][0]):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((holders, 1))
+    return runs
+
+
+def overlap_of(candidate: Candidate, runs: Runs, request: RouteRequest) -> Overlap:
     """Split the prompt into HBM prefix, CPU extension and remote extension for one replica."""
     hbm = Location(candidate.name, Tier.HBM)
     cpu = Location(candidate.name, Tier.CPU)
     remote = Location(candidate.remote_tier, Tier.REMOTE) if candidate.remote_tier else None
     g = c = m = 0
-    for holders in hits:
+    for holders, count in runs:
         if hbm in holders and c == 0 and m == 0:
-            g += 1
+            g += count
         elif request.hbm_only or candidate.pool.hbm_only:
             break
         elif (hbm in holders or cpu in holders) and m == 0:
-            c += 1
+            c += count
         elif remote is not None and (remote in holders or hbm in holders or cpu in holders):
-            m += 1
+            m += count
         else:
             break
     b, n = request.block_size_tokens, request.prompt_tokens
@@ -173,10 +189,11 @@ def decide(
 ) -> Decision:
     if not candidates:
         raise NoCandidates("no eligible replica")
+    runs = runs_of(hits)
     scores = tuple(
         Score(c.name, ov, estimate(ov, c.load, c.costs, correction=c.correction), c.correction)
         for c in candidates
-        for ov in (overlap_of(c, hits, request),)
+        for ov in (overlap_of(c, runs, request),)
     )
     if policy is Policy.ROUND_ROBIN:
         start = seq % len(candidates)

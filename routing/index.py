@@ -93,6 +93,10 @@ class MemoryIndex:
         self._clock = clock
         # (model, hash) -> {location: expiry}
         self._blocks: dict[BlockKey, dict[Location, float]] = {}
+        # (model, hash) -> its holders as a frozenset, while none was added or removed: a lookup
+        # then builds nothing, and consecutive blocks with the same holders share one object
+        # (what decide() groups into runs)
+        self._frozen: dict[BlockKey, frozenset[Location]] = {}
         # location -> LRU of (model, hash), oldest first; with one TTL this is also expiry order
         self._lru: dict[Location, OrderedDict[BlockKey, None]] = {}
 
@@ -102,17 +106,25 @@ class MemoryIndex:
     def lookup_now(self, model: str, hashes: Sequence[int]) -> BlockHits:
         now = self._clock()
         hits: BlockHits = []
+        previous: frozenset[Location] = frozenset()
         for h in hashes:
-            holders = self._blocks.get((model, h))
+            key = (model, h)
+            holders = self._blocks.get(key)
             if not holders:
                 break
             if min(holders.values()) > now:  # the common case, at C speed
-                alive = frozenset(holders)
+                alive = self._frozen.get(key)
+                if alive is None:
+                    alive = frozenset(holders)
+                    if alive == previous:
+                        alive = previous
+                    self._frozen[key] = alive
             else:
                 alive = frozenset(loc for loc, expiry in holders.items() if expiry > now)
             if not alive:
                 break
             hits.append(alive)
+            previous = alive
         return hits
 
     async def record(self, model: str, hashes: Sequence[int], location: Location) -> None:
@@ -134,7 +146,10 @@ class MemoryIndex:
         """Record `keys` at `location`; return the live entries its capacity pushed out."""
         lru = self._lru.setdefault(location, OrderedDict())
         for key in keys:
-            self._blocks.setdefault(key, {})[location] = expiry
+            holders = self._blocks.setdefault(key, {})
+            if location not in holders:
+                self._frozen.pop(key, None)
+            holders[location] = expiry
             lru[key] = None
             lru.move_to_end(key)
         capacity = self._capacity(location)
@@ -171,6 +186,7 @@ class MemoryIndex:
         if holders is None:
             return 0.0
         expiry = holders.pop(location, 0.0)
+        self._frozen.pop(key, None)
         if not holders:
             del self._blocks[key]
         return expiry

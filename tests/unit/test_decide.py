@@ -11,6 +11,7 @@ from routing.decide import (
     RouteRequest,
     decide,
     overlap_of,
+    runs_of,
 )
 from routing.types import BlockHits, Location, Tier
 
@@ -61,12 +62,14 @@ def request(blocks: int, extra_tokens: int = 0, *, hbm_only: bool = False) -> Ro
 )
 def test_overlap_of(block_hits: BlockHits, hbm_only: bool, expected: tuple[int, int, int]) -> None:
     cand = Candidate("a", remote_tier="kv")
-    ov = overlap_of(cand, block_hits, request(4, 7, hbm_only=hbm_only))
+    ov = overlap_of(cand, runs_of(block_hits), request(4, 7, hbm_only=hbm_only))
     assert (ov.hbm_tokens, ov.cpu_tokens, ov.remote_tokens) == expected
 
 
 def test_overlap_is_capped_by_prompt() -> None:
-    ov = overlap_of(Candidate("a"), hits({hbm("a")}, {hbm("a")}), RouteRequest([1, 2], 20, B))
+    runs = runs_of(hits({hbm("a")}, {hbm("a")}))
+    assert runs == [(frozenset({hbm("a")}), 2)]
+    ov = overlap_of(Candidate("a"), runs, RouteRequest([1, 2], 20, B))
     assert ov == Overlap(20, hbm_tokens=20)
 
 
