@@ -82,6 +82,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _route_explain(args: argparse.Namespace) -> int:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -106,17 +107,10 @@ def _route_explain(args: argparse.Namespace) -> int:
         f"est. TTFT {data['est_ttft_ms']} ms, {data['expected_cached_tokens']} cached tokens "
         f"expected (decided in {data['decision_ms']} ms)"
     )
-    table = Table(
-        "replica",
-        "hbm",
-        "cpu",
-        "remote",
-        "queue ms",
-        "swap ms",
-        "remote ms",
-        "prefill ms",
-        "est TTFT ms",
-    )
+    table = Table(title="cached tokens per tier, estimated TTFT terms in ms", box=box.SIMPLE)
+    table.add_column("replica", no_wrap=True)
+    for name in ("hbm", "cpu", "remote", "queue", "swap", "fetch", "prefill", "TTFT", "corr"):
+        table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
     for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
         o, e = c["overlap"], c["estimate_ms"]
         table.add_row(
@@ -129,6 +123,7 @@ def _route_explain(args: argparse.Namespace) -> int:
             f"{e['remote_s']:.2f}",
             f"{e['prefill_s']:.2f}",
             f"{e['ttft']:.2f}",
+            f"{c['correction']:.2f}",
         )
     console.print(table)
     return 0
