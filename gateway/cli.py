@@ -108,8 +108,8 @@ def _route_explain(args: argparse.Namespace) -> int:
         f"expected (decided in {data['decision_ms']} ms)"
     )
     table = Table(title="cached tokens per tier, estimated TTFT terms in ms", box=box.SIMPLE)
-    table.add_column("replica", no_wrap=True)
-    for name in ("hbm", "cpu", "remote", "queue", "swap", "fetch", "prefill", "TTFT", "corr"):
+    table.add_column("replica", no_wrap=True, min_width=15)
+    for name in ("hbm", "cpu", "remote", "queue", "swap", "fetch", "prefill", "TTFT"):
         table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
     for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
         o, e = c["overlap"], c["estimate_ms"]
@@ -122,8 +122,7 @@ def _route_explain(args: argparse.Namespace) -> int:
             f"{e['swap_s']:.2f}",
             f"{e['remote_s']:.2f}",
             f"{e['prefill_s']:.2f}",
-            f"{e['ttft']:.2f}",
-            f"{c['correction']:.2f}",
+            f"{e['ttft']:.2f}" + (f" (x{c['correction']:.2f})" if c["correction"] != 1 else ""),
         )
     console.print(table)
     return 0
