@@ -215,27 +215,12 @@ def gateway(
     """`python -m gateway serve --config FILE` on a free port, ready (/ready is 200). The config
     is written next to the logs: one pool of `replica_urls`, with `pool`'s extra keys (the
     fleet's capacities, as an operator would configure them)."""
-    port = free_port()
     config = {
-        "listen": {"host": "127.0.0.1", "port": port},
         "routing": {"policy": policy},
         "pools": [{"name": "default", "replicas": list(replica_urls), **(pool or {})}],
     }
-    config_path = log_dir / f"gateway-{policy}.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    args = [
-        sys.executable, "-m", "gateway", "serve",
-        "--config", str(config_path),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    proc = ManagedProcess(f"gateway ({policy})", args, log_dir / f"gateway-{policy}.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.start()
-        wait_ready(proc, [f"{url}/ready"])
-        yield GatewayProc(proc, url)
-    finally:
-        proc.stop()
+    with gateway_from_config(config, log_dir, policy) as gw:
+        yield gw
 
 
 def loopback_urls(count: int) -> list[str]:

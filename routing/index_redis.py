@@ -340,8 +340,12 @@ class RedisIndex:
         raise AssertionError("unreachable")
 
     async def _load_scripts(self) -> None:
+        # All or nothing: a load cut short (a caller's deadline cancels it between the two
+        # scripts) must not leave a half-filled table that every later call trips over.
+        shas = {}
         for name, source in (("holder", _HOLDER_LUA), ("lru", _LRU_LUA)):
-            self._shas[name] = await self._redis.script_load(source)
+            shas[name] = await self._redis.script_load(source)
+        self._shas = shas
 
     def _queue_holder(
         self, pipe: Pipeline, members: list[str], location: Location, expiry: str
