@@ -236,7 +236,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         body = await _read_json(request, gw.config.max_body_bytes)
         plan = await gw.planner.plan(endpoint, body, tenant)
         _count_decision(gw, plan)
-        gw.prewarmer.consider(plan, plan.reuse)
+        gw.prewarmer.consider(plan)
         response = await gw.proxy.forward(endpoint, request.state.raw_body, plan)
         status = response.status_code
         return response

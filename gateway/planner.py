@@ -33,7 +33,7 @@ from routing.admission import AdmissionVerdict, family_key, should_write
 from routing.decide import Decision, Policy, RouteRequest, decide
 from routing.filters import Fallback, eligible, should_shed
 from routing.hashing import block_hashes, token_block_hashes
-from routing.index import Index
+from routing.index import Index, record_prompt
 from routing.kv_events import precise_namespace
 from routing.precise import PromptTokenizer, UnsupportedPrompt
 from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
@@ -54,7 +54,7 @@ class Plan:
     replicas: dict[str, Replica]  # candidates by name, for the proxy's fallbacks
     fallback: Fallback | None
     admission: AdmissionVerdict | None  # None: the chosen pool has no remote tier
-    reuse: int  # earlier requests of this prefix family within the reuse window
+    reuse: int  # earlier requests of this family in the reuse window (0: not counted, see plan())
     decision_s: float
     body: dict[str, Any]
     stream: bool
@@ -159,9 +159,11 @@ class Planner:
                 headers={"retry-after": str(self._config.critical.retry_after_s)},
             )
         chosen = self._registry.replicas[decision.replica]
+        # Reuse counts feed remote-tier admission and prewarming only: with Redis they cost a
+        # round trip, so a request whose pool has no remote tier skips them unless warming is on.
         family = family_key(hashes)
         reuse = 0
-        if family is not None:
+        if family is not None and (chosen.pool.remote_tier or self._config.prewarm.enabled):
             reuse = await (self._reuse.peek(family) if dry_run else self._reuse.seen(family))
         admission = self._admission(chosen, reuse, hits, prompt_tokens, dry_run=dry_run)
         return Plan(
@@ -270,16 +272,13 @@ class Planner:
         if self._precise:
             hit_tokens = plan.decision.score(replica.name).overlap.hbm_tokens
             hbm = plan.hashes[: hit_tokens // self._block_size]
-        # Recorded last block first, so the prompt's first block is the most recent: under the
-        # capacity bound a prompt's tail goes before its prefix, as in vLLM, which frees a
-        # request's blocks tail first (vllm/v1/core/single_type_kv_cache_manager.py, `free`).
         try:
             if hbm:
-                await self._index.record(plan.model, hbm[::-1], Location(replica.name, Tier.HBM))
+                await record_prompt(self._index, plan.model, hbm, Location(replica.name, Tier.HBM))
             tier = replica.pool.remote_tier
             if tier and plan.admission is not None and plan.admission.write:
                 remote = Location(tier, Tier.REMOTE)
-                await self._index.record(plan.model, plan.hashes[::-1], remote)
+                await record_prompt(self._index, plan.model, plan.hashes, remote)
         except Exception as err:
             self._metrics.index_errors.labels("record").inc()
             log.warning("index record failed: %r", err)

@@ -34,7 +34,7 @@ from gateway.proxy import NAMESPACE_HEADER, REMOTE_WRITE_HEADER
 from gateway.registry import Registry, Replica
 from routing.decide import Reason
 from routing.hashing import block_hashes
-from routing.index import Index
+from routing.index import Index, record_prompt
 from routing.prompt import approx_tokens
 from routing.types import Location, TenantClass, Tier
 
@@ -89,9 +89,9 @@ class Prewarmer:
         self._budget_window_start_s = time.monotonic()
         self._budget_used_tokens = 0
 
-    def consider(self, plan: Plan, reuse: int) -> None:
-        """Called after routing `plan` (its family seen `reuse` times before): enqueue warms."""
-        if not self._config.enabled or reuse + 1 < self._config.hot_after:
+    def consider(self, plan: Plan) -> None:
+        """Called after routing `plan`: enqueue the warms its prefix family's heat calls for."""
+        if not self._config.enabled or plan.reuse + 1 < self._config.hot_after:
             return
         decision = plan.decision
         if plan.tenant.tenant_class is TenantClass.CRITICAL:
@@ -197,7 +197,7 @@ class Prewarmer:
             return
         with contextlib.suppress(Exception):
             hbm = Location(job.replica.name, Tier.HBM)
-            await self._index.record(job.model, job.hashes[::-1], hbm)  # as planner.record_sent
+            await record_prompt(self._index, job.model, job.hashes, hbm)
         self._metrics.prewarms.labels(job.trigger, "warmed").inc()
         log.info(
             "prewarmed %d tokens on %s (%s) in %.0f ms",

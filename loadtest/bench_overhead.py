@@ -38,12 +38,12 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest import report, workload
-from loadtest.procs import ManagedProcess, free_port_run, wait_ready
+from loadtest.procs import SimFleetSettings, sim_fleet
 from loadtest.redis_proc import RedisMissing, RedisServer
 from loadtest.replay import percentile
 from loadtest.routers import RouterSpec, ensure_installed, running_router
 from loadtest.sim.config import SIM_MODEL
-from routing.cost import Load
+from routing.cost import HBM_CAPACITY_TOKENS, Load
 from routing.decide import Candidate, Policy, RouteRequest, decide
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
 from routing.index import Index, MemoryIndex
@@ -88,19 +88,12 @@ CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 @contextlib.contextmanager
 def zero_delay_fleet(log_dir: Path, replicas: int = 2) -> Iterator[list[str]]:
-    port = free_port_run(replicas)
-    args = [
-        sys.executable, "-m", "loadtest.sim", "--replicas", str(replicas), "--port", str(port),
-        "--time-factor", "0", "--itl-ms", "0",
-    ]  # fmt: skip
-    proc = ManagedProcess("zero-delay sim", args, log_dir / "sim-zero.log")
-    urls = [f"http://127.0.0.1:{port + i}" for i in range(replicas)]
-    try:
-        proc.start()
-        wait_ready(proc, [f"{u}/health" for u in urls])
-        yield urls
-    finally:
-        proc.stop()
+    """Replicas that answer at once: only the simulator's own Python remains."""
+    settings = SimFleetSettings(
+        replicas=replicas, hbm_capacity_tokens=HBM_CAPACITY_TOKENS, time_factor=0.0, itl_ms=0.0
+    )
+    with sim_fleet(settings, log_dir) as fleet:
+        yield fleet.urls
 
 
 def cpu_seconds(pid: int | None) -> float:

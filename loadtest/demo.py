@@ -176,36 +176,28 @@ def run_demo(args: argparse.Namespace) -> int:
 
     summaries: dict[str, Summary] = {}
     results: dict[str, list[RequestResult]] = {}
+    tiers: dict[str, Any] | None = None
     try:
-        with _sigterm_as_interrupt(), sim_fleet(settings, out_dir) as fleet:
-            for policy in policies:
-                rs, replay_s = _run_policy(console, fleet, policy, trace, out_dir)
-                results[policy] = rs
+        with _sigterm_as_interrupt():
+            with sim_fleet(settings, out_dir) as fleet:
                 names = [u.removeprefix("http://") for u in fleet.urls]
-                summaries[policy] = summarize(rs, replay_s, names)
-                report.write_results_jsonl(out_dir / f"requests-{policy}.jsonl", rs)
+                for policy in policies:
+                    rs, replay_s = _run_policy(console, fleet, policy, trace, out_dir)
+                    results[policy] = rs
+                    summaries[policy] = summarize(rs, replay_s, names)
+                    report.write_results_jsonl(out_dir / f"requests-{policy}.jsonl", rs)
+            report.print_comparison(console, summaries, ideal.hit_rate)
+            report.plot(out_dir / "demo.png", results, summaries, ideal.hit_rate)
+            if not args.skip_tiers:
+                from loadtest.demo_tiers import run_tiers_section
+
+                tiers = run_tiers_section(console, out_dir, args.seed)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every process was stopped")
         return 130
     except RuntimeError as err:
         console.print(f"[red]cachelane demo: {err}")
         return 1
-
-    report.print_comparison(console, summaries, ideal.hit_rate)
-    report.plot(out_dir / "demo.png", results, summaries, ideal.hit_rate)
-    tiers: dict[str, Any] | None = None
-    if not args.skip_tiers:
-        from loadtest.demo_tiers import run_tiers_section
-
-        try:
-            with _sigterm_as_interrupt():
-                tiers = run_tiers_section(console, out_dir, args.seed)
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted; every process was stopped")
-            return 130
-        except RuntimeError as err:
-            console.print(f"[red]cachelane demo: {err}")
-            return 1
     wall_s = time.perf_counter() - started
     payload = _payload(args, settings, trace, ideal, summaries, wall_s)
     if tiers is not None:

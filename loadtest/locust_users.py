@@ -28,6 +28,7 @@ from locust import HttpUser, between, tag, task
 from requests.exceptions import RequestException
 
 from loadtest import workload
+from loadtest.replay import has_text
 from loadtest.scenarios import voice_session
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -46,16 +47,6 @@ def shared_prefixes(seed: int) -> Any:
     if seed not in _shared_by_seed:
         _shared_by_seed[seed] = workload._Shared.build(random.Random(f"{seed}-shared"))
     return _shared_by_seed[seed]
-
-
-def has_text(chunk: dict[str, Any], endpoint: str) -> bool:
-    for choice in chunk.get("choices") or ():
-        if endpoint == "chat":
-            if (choice.get("delta") or {}).get("content"):
-                return True
-        elif choice.get("text"):
-            return True
-    return False
 
 
 class StreamingUser(HttpUser):

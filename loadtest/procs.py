@@ -162,6 +162,7 @@ class SimFleetSettings:
     hbm_capacity_tokens: int
     time_factor: float
     cpu_capacity_tokens: int = 0
+    itl_ms: float | None = None  # None: the simulator's default
 
 
 @dataclass
@@ -188,6 +189,8 @@ def sim_fleet(settings: SimFleetSettings, log_dir: Path) -> Iterator[SimFleet]:
         "--cpu-capacity-tokens", str(settings.cpu_capacity_tokens),
         "--time-factor", str(settings.time_factor),
     ]  # fmt: skip
+    if settings.itl_ms is not None:
+        args += ["--itl-ms", str(settings.itl_ms)]
     proc = ManagedProcess("sim fleet", args, log_dir / "sim.log")
     urls = [f"http://127.0.0.1:{port + i}" for i in range(settings.replicas)]
     try:

@@ -80,7 +80,8 @@ def request_body(record: TraceRecord, model: str) -> dict[str, Any]:
     return body
 
 
-def _has_text(chunk: dict[str, Any], endpoint: str) -> bool:
+def has_text(chunk: dict[str, Any], endpoint: str) -> bool:
+    """Does this streamed chunk carry generated text (not just the role, or usage)?"""
     for choice in chunk.get("choices") or ():
         if endpoint == "chat":
             if (choice.get("delta") or {}).get("content"):
@@ -113,7 +114,7 @@ async def _send(
             if "error" in chunk:
                 result.error = f"stream error: {str(chunk['error'])[:300]}"
                 break
-            if result.ttft_s is None and _has_text(chunk, record["endpoint"]):
+            if result.ttft_s is None and has_text(chunk, record["endpoint"]):
                 result.ttft_s = time.perf_counter() - started
             usage = chunk.get("usage")
             if usage:

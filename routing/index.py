@@ -215,3 +215,10 @@ class MemoryIndex:
     def entries(self) -> int:
         """(block, location) entries held, alive or expired and not yet swept."""
         return sum(len(holders) for holders in self._blocks.values())
+
+
+async def record_prompt(index: Index, model: str, hashes: Sequence[int], where: Location) -> None:
+    """Record a prompt's blocks at `where`, last block first, so its first block is the most
+    recent: under the capacity bound a prompt's tail goes before its prefix, as in vLLM, which
+    frees a request's blocks tail first (vllm/v1/core/single_type_kv_cache_manager.py, `free`)."""
+    await index.record(model, hashes[::-1], where)
