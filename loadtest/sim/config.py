@@ -7,7 +7,9 @@ the gateway's cost model expects unless a test or a demo says otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import get_args
 
+from loadtest.sim.prefill_queue import SchedulingPolicy
 from routing.cost import HBM_CAPACITY_TOKENS, KV_BYTES_PER_TOKEN, PoolCosts
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 
@@ -40,6 +42,9 @@ class SimReplicaSpec:
     itl_s: float = ITL_S
     time_factor: float = 1.0  # every modelled sleep is multiplied by it (0 = no sleeps)
     max_model_len_tokens: int = MAX_MODEL_LEN_TOKENS
+    # Order of the prefill queue, as vLLM's --scheduling-policy (whose default is "fcfs"); with
+    # "priority" the body's "priority" (lower first) orders it, with "fcfs" a non-zero one is a 400.
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # Precise mode: publish vLLM-format KV events on tcp://host:kv_events_port (replays on
     # kv_replay_port), and tokenize prompts with this tokenizer.json and chat template (a file or
     # inline) as the engine would, instead of counting characters.
@@ -62,6 +67,10 @@ class SimReplicaSpec:
         _require(self.time_factor >= 0, "time_factor must be >= 0")
         _require(self.max_model_len_tokens > 0, "max_model_len_tokens must be > 0")
         _require(self.costs.prefill_tokens_per_s > 0, "costs.prefill_tokens_per_s must be > 0")
+        _require(
+            self.scheduling_policy in get_args(SchedulingPolicy),
+            f"scheduling_policy must be one of {get_args(SchedulingPolicy)}",
+        )
 
     @property
     def url(self) -> str:

@@ -5,16 +5,17 @@ One request, in order (every sleep is real and multiplied by spec.time_factor):
      in the remote tier (one lookup), the rest u uncached;
   2. swap the c CPU blocks in over PCIe, whose bandwidth is shared with other swap-ins in flight;
   3. fetch the m remote blocks, or recompute them if that is cheaper (they then count as uncached);
-  4. wait for the replica's prefill (one FIFO lock: a GPU prefills one batch at a time; requests
-     count as waiting until they hold it), then prefill the uncached tail;
+  4. wait for the replica's prefill (one slot: a GPU prefills one batch at a time; requests count
+     as waiting until they hold it; granted in arrival order, or by the request's priority with
+     scheduling_policy "priority", see prefill_queue.py), then prefill the uncached tail;
   5. put every prompt block in HBM, demote HBM's overflow to the CPU tier (CPU overflow is dropped),
      and write the prompt's blocks to the remote tier unless told not to;
   6. decode, one token per itl_s, concurrently with other requests.
 Steps 2 and 3 charge exactly routing.cost.estimate()'s swap and remote terms, so the gateway's cost
-model and the simulator agree by construction; queueing is not modelled, it happens at the lock.
+model and the simulator agree by construction; queueing is not modelled, it happens at the slot.
 
 Like vLLM, the last prompt token is always computed (a full hit still prefills one token), so at
-most (prompt_tokens - 1) // block_size_tokens leading blocks are reused. When the lock is acquired,
+most (prompt_tokens - 1) // block_size_tokens leading blocks are reused. When the slot is granted,
 HBM is looked at again: blocks another request prefilled meanwhile are reused (as vLLM's scheduler
 does). Blocks completed during decode are not cached.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from typing import Any
 import xxhash
 
 from loadtest.sim.config import SimReplicaSpec
+from loadtest.sim.prefill_queue import PrefillQueue
 from loadtest.sim.remote import RemoteClient
 from loadtest.sim.tiers import BlockLRU
 from routing.cost import Load, Overlap, estimate
@@ -101,6 +104,9 @@ class EngineStats:
     remote_bytes_skipped: int = 0  # a write was declined (x-cachelane-remote-write: 0)
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # Wall time from joining the prefill queue to holding the slot (modelled time * time_factor)
+    queue_wait_s_sum: float = 0.0
+    queue_wait_count: int = 0
 
 
 class SimEngine:
@@ -122,11 +128,11 @@ class SimEngine:
         self.cpu = BlockLRU(spec.cpu_capacity_tokens // bs) if spec.cpu_capacity_tokens else None
         self.remote = remote
         self.stats = EngineStats()
-        self.running = 0  # requests holding or past the prefill lock
-        self.waiting = 0  # requests admitted, not yet holding the prefill lock
+        self.running = 0  # requests holding or past the prefill slot
+        self.waiting = 0  # requests admitted, not yet holding the prefill slot
         self.active_tokens = 0  # prompt + generated tokens of the running requests
         self._swaps_in_flight = 0
-        self._prefill_lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
+        self._prefill = PrefillQueue(spec.scheduling_policy)
 
     @property
     def hbm_usage(self) -> float:
@@ -226,9 +232,9 @@ class SimEngine:
             self.events([AllBlocksCleared()])
 
     @asynccontextmanager
-    async def admit(self, prompt: Prompt) -> AsyncIterator[SimRequest]:
+    async def admit(self, prompt: Prompt, *, priority: int = 0) -> AsyncIterator[SimRequest]:
         """One request's stay on the replica; load counts are released however it ends."""
-        request = SimRequest(self, prompt)
+        request = SimRequest(self, prompt, priority)
         self.waiting += 1
         try:
             yield request
@@ -245,9 +251,10 @@ class SimEngine:
 
 
 class SimRequest:
-    def __init__(self, engine: SimEngine, prompt: Prompt) -> None:
+    def __init__(self, engine: SimEngine, prompt: Prompt, priority: int = 0) -> None:
         self._engine = engine
         self.prompt = prompt
+        self.priority = priority  # orders the prefill queue under scheduling_policy "priority"
         self.running = False
         self.held_tokens = 0
 
@@ -279,7 +286,10 @@ class SimRequest:
         if fetched:
             await eng.sleep(cost.remote_s)
 
-        async with eng._prefill_lock:
+        queued_at = time.monotonic()
+        async with eng._prefill.slot(self.priority):
+            eng.stats.queue_wait_s_sum += time.monotonic() - queued_at
+            eng.stats.queue_wait_count += 1
             eng.waiting -= 1
             eng.running += 1
             self.running = True

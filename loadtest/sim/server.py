@@ -9,6 +9,8 @@
 
 Request headers the gateway sends: x-cachelane-namespace (the block hashes' namespace, default the
 model name) and x-cachelane-remote-write: 0 (do not write this prompt's KV to the remote tier).
+The body's "priority" (an int, default 0) orders the prefill queue under spec.scheduling_policy
+"priority"; under "fcfs" a non-zero one is refused, as vLLM does. /prefetch ignores it.
 
 With spec.tokenizer_path the replica tokenizes like vLLM (chat template, token ids, the body's
 cache_salt) and ignores the namespace header; with spec.kv_events_port it publishes vLLM-format
@@ -26,7 +28,12 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 
 from loadtest.sim import protocol
 from loadtest.sim.config import SimReplicaSpec
@@ -99,14 +106,17 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         body = await _json_body(request)
         text = _prompt_text(spec, kind, body)
         max_tokens = _max_tokens(kind, body)
+        priority = _priority(spec, body)
         prompt = _fitting_prompt(engine, request, kind, text, max_tokens, body)
         remote_write = request.headers.get(REMOTE_WRITE_HEADER, "1").strip() != "0"
         if body.get("stream"):
             options = body.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            chunks = _stream(engine, kind, prompt, max_tokens, remote_write, include_usage)
+            chunks = _stream(
+                engine, kind, prompt, max_tokens, priority, remote_write, include_usage
+            )
             return StreamingResponse(chunks, media_type="text/event-stream")
-        async with engine.admit(prompt) as req:
+        async with engine.admit(prompt, priority=priority) as req:
             result = await req.prefill(remote_write=remote_write)
             text_out = "".join([protocol.token_text(i) async for i in req.decode(max_tokens)])
         usage = protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens)
@@ -120,11 +130,12 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         kind: Kind,
         prompt: Prompt,
         max_tokens: int,
+        priority: int,
         remote_write: bool,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         out = ChunkWriter(kind, spec.model, include_usage=include_usage)
-        async with engine.admit(prompt) as req:
+        async with engine.admit(prompt, priority=priority) as req:
             result = await req.prefill(remote_write=remote_write)
             if kind is Kind.CHAT:
                 yield out.role()
@@ -288,6 +299,22 @@ def _max_tokens(kind: Kind, body: dict[str, Any]) -> int:
     return value
 
 
+def _priority(spec: SimReplicaSpec, body: dict[str, Any]) -> int:
+    value = body.get("priority", 0)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ApiError(
+            400, "'priority' must be an integer.", code="invalid_value", param="priority"
+        )
+    if value != 0 and spec.scheduling_policy != "priority":
+        raise ApiError(  # vLLM's wording (its v1 engine's input processor)
+            400,
+            f"Got priority {value} but Priority scheduling is not enabled.",
+            code="invalid_value",
+            param="priority",
+        )
+    return value
+
+
 def _fitting_prompt(
     engine: SimEngine,
     request: Request,
@@ -320,6 +347,19 @@ class _EngineCollector:
         self._engine = engine
         self._labels = ["model_name", "engine"]
         self._values = [engine.spec.model, "0"]
+        spec, bs = engine.spec, engine.spec.block_size_tokens
+        num_gpu_blocks = spec.hbm_capacity_tokens // bs
+        num_cpu_blocks = spec.cpu_capacity_tokens // bs if engine.cpu is not None else None
+        # vLLM labels this gauge with CacheConfig's fields (str() of each) and the engine index,
+        # without model_name; these are the fields the simulator has.
+        self._cache_config = {
+            "block_size": str(bs),
+            "enable_prefix_caching": "True",
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "num_cpu_blocks": str(num_cpu_blocks),  # "None" without a CPU tier, as vLLM's
+            "kv_cache_size_tokens": str(num_gpu_blocks * bs),
+            "engine": "0",
+        }
 
     def collect(self) -> Iterator[Metric]:
         e, s = self._engine, self._engine.stats
@@ -384,3 +424,18 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=self._labels)
             counter.add_metric(self._values, value)
             yield counter
+        wait = SummaryMetricFamily(
+            "cachelane_sim_queue_wait_seconds",
+            "Wall time from joining the prefill queue to holding the prefill (scaled by "
+            "time_factor like every modelled sleep)",
+            labels=self._labels,
+        )
+        wait.add_metric(self._values, s.queue_wait_count, s.queue_wait_s_sum)
+        yield wait
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(self._cache_config),
+        )
+        info.add_metric(list(self._cache_config.values()), 1.0)
+        yield info

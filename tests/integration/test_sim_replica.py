@@ -350,3 +350,99 @@ async def test_serve_fleet_serves_until_cancelled() -> None:
         fleet.cancel()
         await asyncio.gather(fleet, return_exceptions=True)
     assert fleet.cancelled()
+
+
+async def wait_for_load(base_url: str, running: int, waiting: int) -> None:
+    """Until one scrape shows exactly this many running and waiting requests (10 s at most)."""
+    async with asyncio.timeout(10):
+        while True:
+            m = await metrics(base_url)
+            if (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (
+                running,
+                waiting,
+            ):
+                return
+            await asyncio.sleep(0.005)
+
+
+async def test_priority_policy_prefills_a_later_urgent_request_first() -> None:
+    # Slowed down so the order shows: the blocker's 6k-token prefill holds the slot ~1 s, long
+    # enough to queue the others behind it; each queued 500-token prefill then takes ~80 ms.
+    slow = spec("sim-prio", scheduling_policy="priority", time_factor=5.0)
+    order: list[str] = []
+
+    async def complete(http: httpx.AsyncClient, name: str, prompt: str, priority: int) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "priority": priority}
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        order.append(name)
+
+    async with (
+        running_app(create_sim_app(slow)) as url,
+        httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as http,
+    ):
+        tasks = [asyncio.create_task(complete(http, "blocker", SYSTEM, 0))]
+        await wait_for_load(url, running=1, waiting=0)
+        for i in range(3):
+            filler = f"queued {i} " + "word " * 400
+            tasks.append(asyncio.create_task(complete(http, f"normal-{i}", filler, 0)))
+            await wait_for_load(url, running=1, waiting=i + 1)  # arrival order is fixed
+        urgent = "urgent " + "word " * 400
+        tasks.append(asyncio.create_task(complete(http, "urgent", urgent, -1)))
+        await wait_for_load(url, running=1, waiting=4)  # the blocker still holds the slot
+        async with asyncio.timeout(20):
+            await asyncio.gather(*tasks)
+        m = await metrics(url)
+    assert order == ["blocker", "urgent", "normal-0", "normal-1", "normal-2"]
+    assert m["cachelane_sim_queue_wait_seconds_count"] == 5
+    assert m["cachelane_sim_queue_wait_seconds_sum"] > 0
+
+
+async def test_fcfs_refuses_a_priority_like_vllm(sim: str) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with httpx.AsyncClient(base_url=sim, trust_env=False) as http:
+        refused = await http.post("/v1/chat/completions", json={**chat, "priority": 1})
+        streamed = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "stream": True, "priority": -2},
+        )
+        default = await http.post("/v1/chat/completions", json={**chat, "priority": 0})
+        bad = [
+            await http.post("/v1/chat/completions", json={**chat, "priority": value})
+            for value in ("high", 1.5, True, None)
+        ]
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        "Got priority 1 but Priority scheduling is not enabled."
+    )
+    assert refused.json()["error"]["param"] == "priority"
+    assert streamed.status_code == 400
+    assert default.status_code == 200
+    assert [r.status_code for r in bad] == [400] * 4
+    assert {r.json()["error"]["code"] for r in bad} == {"invalid_value"}
+
+
+def cache_config_info(text: str) -> dict[str, str]:
+    [family] = [
+        f for f in text_string_to_metric_families(text) if f.name == "vllm:cache_config_info"
+    ]
+    [sample] = family.samples
+    assert sample.value == 1.0
+    return sample.labels
+
+
+async def test_metrics_carry_vllm_cache_config_info(sim: str) -> None:
+    tiered = spec("sim-cfg", hbm_capacity_tokens=4096, cpu_capacity_tokens=8000)
+    async with (
+        running_app(create_sim_app(tiered)) as url,
+        httpx.AsyncClient(trust_env=False) as http,
+    ):
+        default = cache_config_info((await http.get(f"{sim}/metrics")).text)
+        with_cpu = cache_config_info((await http.get(f"{url}/metrics")).text)
+    assert default["block_size"] == str(BLOCK)
+    assert default["num_gpu_blocks"] == str(spec("x").hbm_capacity_tokens // BLOCK)
+    assert default["num_cpu_blocks"] == "None"
+    assert default["engine"] == "0"
+    assert with_cpu["num_gpu_blocks"] == "256"
+    assert with_cpu["num_cpu_blocks"] == "500"
+    assert with_cpu["kv_cache_size_tokens"] == "4096"
