@@ -137,9 +137,9 @@ DESCRIPTIONS: dict[str, str] = {
     "where expected reuse pays for the write, routing/admission.py), `always` or `never` "
     "(baselines).",
     "pools[].models": "Models the pool serves. Empty: read from each replica's /v1/models.",
-    "pools[].hbm_capacity_tokens": "Tokens of KV one replica's HBM holds. Default: Llama-3.1-8B "
-    "BF16 on one H200 (routing/cost.py). Set it from vLLM's log line `GPU KV cache size: N "
-    "tokens`.",
+    "pools[].hbm_capacity_tokens": "Tokens of KV one replica's HBM holds. Unset: read from the "
+    "engine's `vllm:cache_config_info` metric (num_gpu_blocks x block_size), and until the first "
+    "scrape Llama-3.1-8B BF16 on one H200 (routing/cost.py).",
     "pools[].cpu_capacity_tokens": "Tokens of KV in one replica's CPU offload tier (e.g. "
     "LMCache max_local_cpu_size / KV bytes per token). 0: no CPU tier.",
     "pools[].remote_tier": "Name of the remote tier (remote_tiers[].name) the replicas read and "
@@ -147,7 +147,10 @@ DESCRIPTIONS: dict[str, str] = {
     "pools[].max_prompt_tokens": "Longest prompt the replicas accept; longer requests get 400 "
     "from the gateway. Unset: no check.",
     "pools[].costs": "The cost model's constants for this pool; defaults describe Llama-3.1-8B "
-    "BF16 on one H200, sources in routing/cost.py.",
+    "BF16 on one H200, sources in routing/cost.py. With routing.calibration: fit they only seed "
+    "each replica's fitted costs.",
+    "pools[].costs.fixed_s": "Per-request overhead outside the prefill, seconds (~3 ms on "
+    "loopback, routing/cost.py).",
     "pools[].costs.kv_bytes_per_token": "KV bytes per token (8B BF16: 32 layers x 8 KV heads x "
     "128 dims x 2 (K,V) x 2 bytes = 128 KiB).",
     "pools[].costs.prefill_tokens_per_s": "Prefill rate of uncached tokens (~30k/s for 8B on "
@@ -164,6 +167,9 @@ DESCRIPTIONS: dict[str, str] = {
     "pools[].sim.itl_s": "Simulated decode time per output token. Unset: the simulator's default "
     "(10 ms, loadtest/sim/config.py).",
     "pools[].sim.time_factor": "Multiplies every simulated delay (0.1 runs 10x faster).",
+    "pools[].sim.scheduling_policy": "`fcfs` or `priority` (vLLM's --scheduling-policy): with "
+    "`priority` the prefill queue is ordered by the request's `priority` (lower first), then "
+    "arrival.",
 }
 
 

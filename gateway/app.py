@@ -143,7 +143,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body = await _read_json(request, gw.config.max_body_bytes)
         endpoint = "chat" if "messages" in body else "completions"
         plan = await gw.planner.plan(endpoint, body, tenant, dry_run=True)
-        return explain(plan) | {"load": gw.loads()}
+        return explain(plan) | {"load": gw.loads(), "costs": gw.learner.describe()}
 
     return app
 
@@ -181,14 +181,14 @@ def explain(plan: Plan) -> dict[str, Any]:
                 "replica": s.replica,
                 "overlap": asdict(s.overlap),
                 "estimate_ms": {
+                    "fixed_s": ms(s.estimate.fixed_s),
                     "queue_s": ms(s.estimate.queue_s),
                     "swap_s": ms(s.estimate.swap_s),
                     "remote_s": ms(s.estimate.remote_s),
                     "prefill_s": ms(s.estimate.prefill_s),
                     "ttft": ms(s.estimate.ttft_s),
-                    "raw_ttft": ms(s.raw_ttft_s),
                 },
-                "correction": round(s.correction, 4),
+                "queue_tokens": round(s.estimate.queue_tokens),
                 "remote_fetch": s.estimate.remote_fetch,
                 "expected_cached_tokens": s.expected_cached_tokens,
             }

@@ -1,36 +1,194 @@
-"""Self-calibration: learn, per replica, how far the cost model's TTFT estimates are off.
+"""Calibration: keep each replica's cost terms true to what the gateway observes.
 
-Each streamed request's observed time to first byte is compared with the estimate made when it
-was routed; the correction is a moving geometric mean of observed / raw estimate, and it scales
-every future estimate for that replica (routing/cost.py `correction`). Non-streamed responses
-arrive whole, so their first byte includes the decode; only prefill-only ones (max_tokens <= 1,
-such as prewarms) are used.
+After every streamed request the gateway knows what the request cost (tokens queued ahead,
+prefilled, swapped in, fetched: the decision's estimate, corrected by the engine's own
+`usage.prompt_tokens_details.cached_tokens` when the stream carries it) and its time to first
+byte. `routing.calibration` says what is done with that:
+
+  fit         routing/learn.py fits each replica's terms online. A replica with fewer than
+              MIN_OWN_SAMPLES observations uses its pool's fit (every replica of the pool feeds
+              it), so a new replica starts from what its siblings taught.
+  correction  one multiplicative factor per replica, a moving geometric mean of observed /
+              estimated TTFT bounded to CORRECTION_BOUNDS (the earlier scheme; a baseline).
+  none        the pool's configured constants.
+
+Non-streamed responses arrive whole, so their first byte includes the decode; only prefill-only
+ones (max_tokens <= 1, such as prewarms) are observations.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from gateway.metrics import Metrics
 from gateway.registry import Replica
+from routing.cost import CostTerms
+from routing.decide import Score
+from routing.learn import TERMS, OnlineFit, Sample
+
+Mode = Literal["fit", "correction", "none"]
+
+MIN_OWN_SAMPLES = 20
+# Below 20 observations a replica's own 4-term fit is still mostly prior; its pool's is not.
 
 MIN_ESTIMATE_S = 0.005
-# Below 5 ms the observation is dominated by the network round trip and the first decode step,
-# which the cost model does not try to predict.
+# correction mode: below 5 ms the observation is dominated by the network round trip and the first
+# decode step, which a single factor cannot separate from the prefill.
+EWMA_WEIGHT = 0.05  # correction mode: ~the last 20 observations
+CORRECTION_BOUNDS = (0.25, 4.0)  # correction mode: a 4x miss was taken for misconfiguration
 
-EWMA_WEIGHT = 0.05  # ~the last 20 observations: follows a slow GPU within seconds, not one outlier
-CORRECTION_BOUNDS = (0.25, 4.0)  # a 4x miss means misconfiguration; do not chase it further
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    replica: Replica
+    score: Score  # the decision's view of this replica when the request was sent
+    observed_s: float  # time to first byte
+    cached_tokens: int | None  # what the engine reported, when the response carried usage
 
 
-def observe(
-    replica: Replica, raw_estimate_s: float, estimate_s: float, observed_s: float, metrics: Metrics
-) -> None:
-    if estimate_s > 0:
-        metrics.estimate_ratio.labels(replica.name).observe(observed_s / estimate_s)
-    if raw_estimate_s < MIN_ESTIMATE_S or observed_s <= 0:
-        return
-    low, high = CORRECTION_BOUNDS
-    ratio = min(high, max(low, observed_s / raw_estimate_s))
-    log_c = (1 - EWMA_WEIGHT) * math.log(replica.correction) + EWMA_WEIGHT * math.log(ratio)
-    replica.correction = min(high, max(low, math.exp(log_c)))
-    metrics.correction.labels(replica.name).set(replica.correction)
+def sample_of(score: Score, observed_s: float, cached_tokens: int | None) -> Sample:
+    """The regression sample of one request: the tokens the decision expected in each tier,
+    moved to "prefilled" (or from it) by what the engine says it actually reused."""
+    o, e = score.overlap, score.estimate
+    fetched = o.remote_tokens if e.remote_fetch else 0
+    uncached = o.prompt_tokens - o.hbm_tokens - o.cpu_tokens - fetched
+    swapped = o.cpu_tokens
+    if cached_tokens is not None:
+        missing = (o.hbm_tokens + swapped + fetched) - cached_tokens
+        if missing > 0:  # the engine reused less than expected: the rest was prefilled
+            from_fetch = min(missing, fetched)
+            from_swap = min(missing - from_fetch, swapped)
+            fetched -= from_fetch
+            swapped -= from_swap
+            uncached += missing
+        elif missing < 0:  # it held more than the index knew
+            uncached = max(0, uncached + missing)
+    share = e.swap_tokens / o.cpu_tokens if o.cpu_tokens else 1.0  # 1 + swap-ins sharing PCIe
+    return Sample(
+        queued_tokens=e.queue_tokens,
+        uncached_tokens=float(uncached),
+        swapped_tokens=float(swapped * share),
+        fetched_tokens=float(fetched),
+        observed_s=observed_s,
+    )
+
+
+class CostLearner:
+    """Per-replica cost terms for the decision, learned as `routing.calibration` says."""
+
+    def __init__(self, mode: Mode, replicas: Iterable[Replica], metrics: Metrics) -> None:
+        self.mode = mode
+        self._metrics = metrics
+        self._replicas = {r.name: r for r in replicas}
+        self._own: dict[str, OnlineFit] = {}
+        self._pooled: dict[str, OnlineFit] = {}
+        for r in self._replicas.values():
+            seed = CostTerms.seed(r.costs)
+            self._own[r.name] = OnlineFit(seed)
+            self._pooled.setdefault(r.pool.name, OnlineFit(seed))
+            r.terms = None if mode == "none" else seed
+            self._export(r)
+
+    def observe(self, ob: Observation) -> None:
+        replica, est_s = ob.replica, ob.score.estimate.ttft_s
+        if ob.observed_s > 0:
+            self._metrics.estimate_error.labels(replica.name).observe(
+                abs(est_s - ob.observed_s) / ob.observed_s
+            )
+            self._metrics.estimate_ratio.labels(replica.name).observe(
+                ob.observed_s / est_s if est_s > 0 else 0.0
+            )
+        if self.mode == "fit":
+            sample = sample_of(ob.score, ob.observed_s, ob.cached_tokens)
+            if self._own[replica.name].update(sample):
+                self._pooled[replica.pool.name].update(sample)
+                self._refresh_pool(replica.pool.name)
+        elif self.mode == "correction":
+            self._correct(replica, est_s, ob.observed_s)
+
+    def _correct(self, replica: Replica, est_s: float, observed_s: float) -> None:
+        if est_s < MIN_ESTIMATE_S or observed_s <= 0:
+            return
+        low, high = CORRECTION_BOUNDS
+        ratio = min(high, max(low, observed_s / est_s))  # est_s already carries the factor
+        factor = replica.correction * ratio
+        log_c = (1 - EWMA_WEIGHT) * math.log(replica.correction) + EWMA_WEIGHT * math.log(factor)
+        replica.correction = min(high, max(low, math.exp(log_c)))
+        replica.terms = CostTerms.seed(replica.costs).scaled(replica.correction)
+        self._metrics.correction.labels(replica.name).set(replica.correction)
+        self._export(replica)
+
+    def _refresh_pool(self, pool: str) -> None:
+        for r in self._replicas.values():
+            if r.pool.name == pool:
+                r.terms = self.terms_of(r.name)
+                self._export(r)
+
+    def terms_of(self, replica: str) -> CostTerms:
+        r = self._replicas[replica]
+        if self.mode == "none":
+            return CostTerms.seed(r.costs)
+        if self.mode == "correction":
+            return CostTerms.seed(r.costs).scaled(r.correction)
+        own = self._own[replica]
+        if own.samples >= MIN_OWN_SAMPLES:
+            return own.terms()
+        pooled = self._pooled[r.pool.name].terms()
+        return CostTerms(*pooled.as_vector(), samples=own.samples)
+
+    def _export(self, r: Replica) -> None:
+        terms = self.terms_of(r.name)
+        for name, value in zip(TERMS, terms.as_vector(), strict=True):
+            self._metrics.cost_fit.labels(r.name, name).set(value)
+        self._metrics.cost_fit_samples.labels(r.name).set(self._own[r.name].samples)
+
+    def describe(self) -> dict[str, Any]:
+        """For /debug/route and route-explain: the terms in use per replica, and their source."""
+        out: dict[str, Any] = {"mode": self.mode, "replicas": {}}
+        for name, r in self._replicas.items():
+            terms = self.terms_of(name)
+            own = self._own[name].samples
+            source = {
+                "none": "config",
+                "correction": "config x correction",
+                "fit": "own fit" if own >= MIN_OWN_SAMPLES else f"pool {r.pool.name!r} fit",
+            }[self.mode]
+            out["replicas"][name] = {
+                "source": source,
+                "samples": own,
+                "pool_samples": self._pooled[r.pool.name].samples,
+                "fixed_ms": round(terms.fixed_s * 1000, 3),
+                "prefill_tokens_per_s": round(1 / terms.prefill_s_per_token, 1),
+                "swap_tokens_per_s": round(1 / terms.swap_s_per_token, 1),
+                "fetch_tokens_per_s": round(1 / terms.fetch_s_per_token, 1),
+            }
+        return out
+
+    def states(self) -> dict[str, dict[str, object]]:
+        """The fits' states, by replica and by pool (key "pool:NAME"), for sharing."""
+        out = {name: fit.to_dict() for name, fit in self._own.items()}
+        out |= {f"pool:{name}": fit.to_dict() for name, fit in self._pooled.items()}
+        return out
+
+    def resume(self, states: dict[str, dict[str, object]]) -> int:
+        """Adopt states another gateway shared (only where they have more samples than ours);
+        returns how many fits were adopted."""
+        adopted = 0
+        for key, data in states.items():
+            pool = key.removeprefix("pool:") if key.startswith("pool:") else None
+            table = self._pooled if pool is not None else self._own
+            name = pool if pool is not None else key
+            mine = table.get(name)
+            if mine is None:
+                continue
+            theirs = OnlineFit.from_dict(mine.seed, data)
+            if theirs.samples > mine.samples:
+                table[name] = theirs
+                adopted += 1
+        if adopted and self.mode == "fit":
+            for pool in self._pooled:
+                self._refresh_pool(pool)
+        return adopted

@@ -109,7 +109,7 @@ def _route_explain(args: argparse.Namespace) -> int:
     )
     table = Table(title="cached tokens per tier, estimated TTFT terms in ms", box=box.SIMPLE)
     table.add_column("replica", no_wrap=True, min_width=15)
-    for name in ("hbm", "cpu", "remote", "queue", "swap", "fetch", "prefill", "TTFT"):
+    for name in ("hbm", "cpu", "remote", "fixed", "queue", "swap", "fetch", "prefill", "TTFT"):
         table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
     for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
         o, e = c["overlap"], c["estimate_ms"]
@@ -118,13 +118,33 @@ def _route_explain(args: argparse.Namespace) -> int:
             str(o["hbm_tokens"]),
             str(o["cpu_tokens"]),
             str(o["remote_tokens"]),
+            f"{e['fixed_s']:.2f}",
             f"{e['queue_s']:.2f}",
             f"{e['swap_s']:.2f}",
             f"{e['remote_s']:.2f}",
             f"{e['prefill_s']:.2f}",
-            f"{e['ttft']:.2f}" + (f" (x{c['correction']:.2f})" if c["correction"] != 1 else ""),
+            f"{e['ttft']:.2f}",
         )
     console.print(table)
+    costs = data.get("costs")
+    if costs:
+        fits = Table(
+            title=f"cost terms in use (routing.calibration: {costs['mode']})", box=box.SIMPLE
+        )
+        fits.add_column("replica", no_wrap=True, min_width=15)
+        for name in ("source", "samples", "fixed ms", "prefill tok/s", "swap tok/s", "fetch tok/s"):
+            fits.add_column(name, justify="right", no_wrap=True)
+        for name, f in sorted(costs["replicas"].items()):
+            fits.add_row(
+                name,
+                f["source"],
+                str(f["samples"]),
+                f"{f['fixed_ms']:.1f}",
+                f"{f['prefill_tokens_per_s']:,.0f}",
+                f"{f['swap_tokens_per_s']:,.0f}",
+                f"{f['fetch_tokens_per_s']:,.0f}",
+            )
+        console.print(fits)
     return 0
 
 

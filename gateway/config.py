@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
 from routing.cost import (
+    FIXED_S,
     HBM_CAPACITY_TOKENS,
     KV_BYTES_PER_TOKEN,
     PCIE_GBPS,
@@ -50,6 +51,7 @@ class CostsConfig(Strict):
     remote_gbps: PositiveFloat = REMOTE_GBPS
     remote_fixed_s: Annotated[float, Field(ge=0)] = REMOTE_FIXED_S
     prefill_chunk_tokens: PositiveInt = PREFILL_CHUNK_TOKENS
+    fixed_s: Annotated[float, Field(ge=0)] = FIXED_S
 
     def to_pool_costs(self) -> PoolCosts:
         return PoolCosts(**self.model_dump())
@@ -146,6 +148,7 @@ class SimConfig(Strict):
 
     itl_s: PositiveFloat | None = None
     time_factor: PositiveFloat = 1.0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # vLLM's --scheduling-policy default
 
 
 class AdmissionConfig(Strict):
@@ -167,7 +170,12 @@ class PoolConfig(Strict):
     # all of them, or none (the last two are baselines for comparison)
     remote_write: Literal["reuse", "always", "never"] = "reuse"
     models: list[str] = Field(default_factory=list)  # empty: discovered from /v1/models
-    hbm_capacity_tokens: PositiveInt = HBM_CAPACITY_TOKENS
+    hbm_capacity_tokens: PositiveInt | None = Field(
+        default=None,
+        description="KV tokens one replica's HBM holds. Unset: read from the engine's "
+        "vllm:cache_config_info (num_gpu_blocks x block_size), and until then "
+        f"{HBM_CAPACITY_TOKENS} (routing/cost.py HBM_CAPACITY_TOKENS).",
+    )
     cpu_capacity_tokens: Annotated[int, Field(ge=0)] = 0  # 0: no CPU offload tier
     remote_tier: str | None = None
     max_prompt_tokens: PositiveInt | None = None
@@ -208,6 +216,13 @@ class RoutingConfig(Strict):
     )
     block_size_tokens: PositiveInt = DEFAULT_BLOCK_SIZE_TOKENS
     seed: int = 0
+    calibration: Literal["fit", "correction", "none"] = Field(
+        default="fit",
+        description="How estimates follow the fleet. fit: each replica's costs (fixed overhead, "
+        "per prefill / swapped / fetched token) fitted online from observed TTFTs, seeded from "
+        "the pool's costs. correction: one bounded multiplicative factor per replica (the older "
+        "scheme, kept as a baseline). none: the pool's costs as configured.",
+    )
 
 
 class HealthConfig(Strict):

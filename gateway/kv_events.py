@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
+from routing.cost import HBM_CAPACITY_TOKENS
 from routing.index import Index
 from routing.kv_events import (
     END_OF_REPLAY_SEQ,
@@ -214,7 +215,8 @@ class KvEvents:
                 continue
             replay_endpoint = events.replay_endpoint_for(url)
             replay = _replayer(self._ctx, replay_endpoint) if replay_endpoint else None
-            capacity = MAP_SLACK * (pool.hbm_capacity_tokens + pool.cpu_capacity_tokens) // block
+            hbm = pool.hbm_capacity_tokens or HBM_CAPACITY_TOKENS  # a bound on the map, not routing
+            capacity = MAP_SLACK * (hbm + pool.cpu_capacity_tokens) // block
             feed = ReplicaFeed(
                 name,
                 model=pool.models[0],

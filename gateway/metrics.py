@@ -126,7 +126,37 @@ class Metrics:
         )
         self.correction = Gauge(
             "cachelane_replica_correction",
-            "Self-calibration factor on the replica's estimates (1 = the cost model is right)",
+            "Bounded correction factor on the replica's estimates (routing.calibration: "
+            "correction; 1 = the cost model is right)",
+            ["replica"],
+            registry=r,
+        )
+        self.estimate_error = Histogram(
+            "cachelane_ttft_estimate_error",
+            "|estimated - observed| / observed TTFT of streamed requests, per replica",
+            ["replica"],
+            buckets=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0),
+            registry=r,
+        )
+        self.estimated_queue = Histogram(
+            "cachelane_estimated_queue_seconds",
+            "The queue term of the chosen replica's estimate at dispatch (compare with the "
+            "engine's vllm:request_queue_time_seconds)",
+            ["replica"],
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.cost_fit = Gauge(
+            "cachelane_cost_fit",
+            "The replica's cost terms in use: fixed_s (seconds per request) and seconds per "
+            "prefill, swapped and fetched token; fitted online from observed TTFTs",
+            ["replica", "term"],
+            registry=r,
+        )
+        self.cost_fit_samples = Gauge(
+            "cachelane_cost_fit_samples",
+            "Observations the replica's own cost fit has folded in (below the pooled threshold "
+            "the pool's fit is used)",
             ["replica"],
             registry=r,
         )

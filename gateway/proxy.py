@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Mapping
 
 import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from gateway import calibration
+from gateway.calibration import CostLearner, Observation
 from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
@@ -35,6 +36,16 @@ NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in thi
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def cached_tokens_in(chunk: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` if this piece of a response carries it."""
+    if b"cached_tokens" not in chunk:
+        return None
+    match = _CACHED_TOKENS.search(chunk)
+    return int(match.group(1)) if match else None
 
 
 def decision_headers(plan: Plan, replica: Replica) -> dict[str, str]:
@@ -78,6 +89,7 @@ class Proxy:
         registry: Registry,
         planner: Planner,
         metrics: Metrics,
+        learner: CostLearner,
         *,
         retries: int,
     ) -> None:
@@ -85,6 +97,7 @@ class Proxy:
         self._registry = registry
         self._planner = planner
         self._metrics = metrics
+        self._learner = learner
         self._retries = retries
 
     async def forward(self, endpoint: str, raw_body: bytes, plan: Plan) -> Response:
@@ -137,9 +150,11 @@ class Proxy:
             except httpx.HTTPError as err:
                 raise upstream_error(replica.name, err) from err
             finally:
-                self._observe(reservation, plan, calibrate=_prefill_only(plan))
+                ttft_s = self._first_byte(reservation, plan)
                 reservation.release()
                 await resp.aclose()
+            if _prefill_only(plan) and resp.status_code < 400:
+                self._learn(reservation, plan, ttft_s, cached_tokens_in(content))
             return Response(content, status_code=resp.status_code, headers=headers)
         if last_error is not None:
             raise upstream_error(plan.decision.replica, last_error)
@@ -151,7 +166,7 @@ class Proxy:
         swaps = 1 if score.overlap.cpu_tokens else 0
         return self._registry.reserve(replica, prefill_tokens=prefill, swaps=swaps)
 
-    def _observe(self, reservation: Reservation, plan: Plan, *, calibrate: bool) -> None:
+    def _first_byte(self, reservation: Reservation, plan: Plan) -> float:
         ttft_s = reservation.first_byte()
         replica = reservation.replica
         self._metrics.ttft_seconds.labels(replica.name).observe(ttft_s)
@@ -159,19 +174,31 @@ class Proxy:
         self._metrics.tenant_ttft_seconds.labels(tenant.name, tenant.tenant_class.value).observe(
             ttft_s
         )
-        if calibrate:
-            score = plan.decision.score(replica.name)
-            calibration.observe(
-                replica, score.raw_ttft_s, score.estimate.ttft_s, ttft_s, self._metrics
-            )
+        score = plan.decision.score(replica.name)
+        self._metrics.estimated_queue.labels(replica.name).observe(score.estimate.queue_s)
+        return ttft_s
+
+    def _learn(
+        self, reservation: Reservation, plan: Plan, ttft_s: float, cached: int | None
+    ) -> None:
+        replica = reservation.replica
+        score = plan.decision.score(replica.name)
+        self._learner.observe(Observation(replica, score, ttft_s, cached))
 
     async def _relay(
         self, resp: httpx.Response, reservation: Reservation, plan: Plan
     ) -> AsyncIterator[bytes]:
+        """Relay the stream byte for byte; the TTFT is learned from when it ends (the engine's
+        usage, if the client asked for it, comes in the last chunk), however it ends."""
+        ttft_s: float | None = None
+        cached: int | None = None
         try:
             async for chunk in resp.aiter_raw():
-                if reservation.first_byte_s is None:
-                    self._observe(reservation, plan, calibrate=True)
+                if ttft_s is None:
+                    ttft_s = self._first_byte(reservation, plan)
+                found = cached_tokens_in(chunk)
+                if found is not None:
+                    cached = found
                 yield chunk
         except httpx.HTTPError as err:
             api_error: ApiError = upstream_error(reservation.replica.name, err)
@@ -180,6 +207,8 @@ class Proxy:
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
             reservation.release()
+            if ttft_s is not None:
+                self._learn(reservation, plan, ttft_s, cached)
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
 

@@ -18,7 +18,7 @@ import httpx
 
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.scraper import EngineLoad
-from routing.cost import Load, PoolCosts
+from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts
 from routing.decide import Candidate, PoolRules
 
 log = logging.getLogger("cachelane.registry")
@@ -41,9 +41,11 @@ class Replica:
     swaps_in_flight: int = 0
     awaiting_first_byte: int = 0
     last_error: str | None = None
-    correction: float = 1.0
+    correction: float = 1.0  # routing.calibration: correction (gateway/calibration.py)
+    terms: CostTerms | None = None  # cost terms in use (gateway/calibration.py); None: the seed
     engine: EngineLoad | None = None  # last scrape of the engine's own metrics
     mean_prefill_tokens: float = 0.0  # moving average of uncached tokens per request sent
+    head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
 
     def load(self, now_s: float, stale_after_s: float) -> Load:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
@@ -55,7 +57,43 @@ class Replica:
             in_flight = max(in_flight, round(e.running + e.waiting))
             foreign_waiting = max(0.0, e.waiting - self.awaiting_first_byte)
             pending += round(foreign_waiting * self.mean_prefill_tokens)
-        return Load(in_flight, pending, self.swaps_in_flight)
+        busy_s = time.perf_counter() - self.head_since_s if self.awaiting_first_byte else 0.0
+        return Load(in_flight, pending, self.swaps_in_flight, busy_s)
+
+    def hbm_capacity_tokens(self) -> int:
+        """The config's figure, else what the engine reports, else the default."""
+        if self.pool.hbm_capacity_tokens is not None:
+            return self.pool.hbm_capacity_tokens
+        reported = self.engine.hbm_capacity_tokens if self.engine is not None else None
+        return reported if reported is not None else HBM_CAPACITY_TOKENS
+
+    def observe_engine(self, scraped: EngineLoad, block_size_tokens: int | None = None) -> None:
+        """Take a scrape of the engine's metrics; say once when its KV layout disagrees with the
+        config (a wrong block size makes every hash miss in precise mode)."""
+        first_layout = scraped.gpu_blocks is not None and (
+            self.engine is None or self.engine.gpu_blocks != scraped.gpu_blocks
+        )
+        self.engine = scraped
+        if not first_layout:
+            return
+        log.info(
+            "replica %s: the engine holds %d KV blocks of %s tokens in HBM (%s)",
+            self.name,
+            scraped.gpu_blocks,
+            scraped.block_size_tokens,
+            "used as its HBM capacity"
+            if self.pool.hbm_capacity_tokens is None
+            else f"the config says {self.pool.hbm_capacity_tokens} tokens",
+        )
+        size = scraped.block_size_tokens
+        if block_size_tokens is not None and size is not None and size != block_size_tokens:
+            log.warning(
+                "replica %s: the engine's block size is %d tokens, routing.block_size_tokens is "
+                "%d: set them equal, or prefix hits will be mispredicted",
+                self.name,
+                size,
+                block_size_tokens,
+            )
 
     def candidate(self, now_s: float, stale_after_s: float) -> Candidate:
         return Candidate(
@@ -63,9 +101,13 @@ class Replica:
             load=self.load(now_s, stale_after_s),
             costs=self.costs,
             remote_tier=None if self.pool.hbm_only else self.pool.remote_tier,
-            correction=self.correction,
+            terms=self.terms,
             pool=self.rules,
         )
+
+
+def _no_listener() -> None:
+    pass
 
 
 @dataclass
@@ -73,6 +115,7 @@ class Reservation:
     replica: Replica
     prefill_tokens: int
     swaps: int
+    on_drop: Callable[[], None] = _no_listener  # told whenever this reservation's load drops
     started_s: float = field(default_factory=time.perf_counter)
     first_byte_s: float | None = None
     done: bool = False
@@ -81,9 +124,8 @@ class Reservation:
         """Mark the first byte from the replica; returns the observed TTFT in seconds."""
         if self.first_byte_s is None:
             self.first_byte_s = time.perf_counter()
-            self.replica.pending_prefill_tokens -= self.prefill_tokens
-            self.replica.swaps_in_flight -= self.swaps
-            self.replica.awaiting_first_byte -= 1
+            self._prefill_done(self.first_byte_s)
+            self.on_drop()
         return self.first_byte_s - self.started_s
 
     def release(self) -> None:
@@ -91,11 +133,17 @@ class Reservation:
             return
         self.done = True
         if self.first_byte_s is None:
-            self.replica.pending_prefill_tokens -= self.prefill_tokens
-            self.replica.swaps_in_flight -= self.swaps
-            self.replica.awaiting_first_byte -= 1
+            self._prefill_done(time.perf_counter())
             self.first_byte_s = -1.0
         self.replica.in_flight -= 1
+        self.on_drop()
+
+    def _prefill_done(self, now_s: float) -> None:
+        r = self.replica
+        r.pending_prefill_tokens -= self.prefill_tokens
+        r.swaps_in_flight -= self.swaps
+        r.awaiting_first_byte -= 1
+        r.head_since_s = now_s  # a serial prefill moves on to the next request in its queue
 
 
 def replica_name(url: str) -> str:
@@ -111,6 +159,7 @@ class Registry:
         self.replicas: dict[str, Replica] = {}
         self._fail_after = config.health.fail_after
         self._on_change = on_change
+        self.on_load_drop: Callable[[], None] = _no_listener  # flow control's kick
         for pool in config.pools:
             costs = pool.costs.to_pool_costs()
             rules = PoolRules(
@@ -129,6 +178,8 @@ class Registry:
                 )
 
     def reserve(self, replica: Replica, *, prefill_tokens: int, swaps: int) -> Reservation:
+        if not replica.awaiting_first_byte:
+            replica.head_since_s = time.perf_counter()
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
         replica.pending_prefill_tokens += prefill_tokens
@@ -136,7 +187,7 @@ class Registry:
         replica.mean_prefill_tokens += PREFILL_EWMA_WEIGHT * (
             prefill_tokens - replica.mean_prefill_tokens
         )
-        return Reservation(replica, prefill_tokens, swaps)
+        return Reservation(replica, prefill_tokens, swaps, on_drop=self.on_load_drop)
 
     def known_models(self) -> set[str]:
         return {m for r in self.replicas.values() for m in r.models}

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 from fastapi import Request
 
+from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.kv_events import KvEvents
@@ -40,6 +41,7 @@ def build_index(
     routes on its own view, and `on_error(op, error)` hears of every failed Redis call."""
     block = config.routing.block_size_tokens
     pools = {name: r.pool for name, r in registry.replicas.items()}
+    replicas = registry.replicas
     remote_caps = {t.name: t.capacity_tokens // block for t in config.remote_tiers}
 
     def capacity_blocks(loc: Location) -> int | None:
@@ -48,7 +50,10 @@ def build_index(
         pool = pools.get(loc.holder)
         if pool is None:
             return None
-        tokens = pool.hbm_capacity_tokens if loc.tier is Tier.HBM else pool.cpu_capacity_tokens
+        if loc.tier is Tier.HBM:
+            tokens = replicas[loc.holder].hbm_capacity_tokens()  # may come from the engine
+        else:
+            tokens = pool.cpu_capacity_tokens
         if config.routing.mode == "precise":
             # The engines' BlockRemoved events do the evicting; the bound only caps what missed
             # removals could leave behind, so it must never bind before the engine's own LRU.
@@ -124,8 +129,16 @@ class Gateway:
         self.tenants = TenantStore(config.tenants, self.redis)
         self.reuse = ReuseCounter(self.metrics, redis=self.redis)
         self.planner = Planner(config, self.registry, self.index, self.reuse, self.metrics)
+        self.learner = CostLearner(
+            config.routing.calibration, self.registry.replicas.values(), self.metrics
+        )
         self.proxy = Proxy(
-            upstream, self.registry, self.planner, self.metrics, retries=config.upstream.retries
+            upstream,
+            self.registry,
+            self.planner,
+            self.metrics,
+            self.learner,
+            retries=config.upstream.retries,
         )
         self.health = HealthChecker(
             self.registry,
@@ -148,6 +161,7 @@ class Gateway:
             interval_s=em.interval_s,
             timeout_s=em.timeout_s,
             stale_after_s=em.stale_after_s,
+            block_size_tokens=config.routing.block_size_tokens,
         )
 
     def _index_failed(self, op: str, err: BaseException) -> None:

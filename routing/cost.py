@@ -1,15 +1,19 @@
 """The tier cost model: estimated time to first token of a request on one replica.
 
-    est_ttft = t_queue + t_swap + t_remote + t_prefill
+    est_ttft = t_fixed + t_queue + t_swap + t_remote + t_prefill
 
-    t_queue   = prefill tokens already waiting on the replica / prefill rate
-                + running requests * (prefill chunks of this request) * one decode token each
-    t_swap    = CPU-tier tokens * KV bytes per token / (PCIe bandwidth / (1 + swap-ins in flight))
-    t_remote  = min(remote fixed cost + remote tokens * KV bytes per token / network bandwidth,
-                    remote tokens / prefill rate)            # fetch only when it beats recompute
-    t_prefill = uncached tokens / prefill rate
+    t_fixed   = per-request overhead outside the prefill (HTTP, tokenizing, scheduling)
+    t_queue   = (prefill tokens waiting on the replica + running requests * this request's prefill
+                 chunks, one decode token each) * s per prefill token - time the replica has
+                 already spent on the head of that queue
+    t_swap    = CPU-tier tokens * (1 + swap-ins sharing PCIe) * s per swapped token
+    t_remote  = min(remote fixed cost + remote tokens * s per fetched token,
+                    remote tokens * s per prefill token)      # fetch only when it beats recompute
+    t_prefill = uncached tokens * s per prefill token
 
-Constants are per pool (config); the defaults describe Llama-3.1-8B in BF16 on one H200.
+The per-token costs are `CostTerms`: seeded from a pool's configured constants (`PoolCosts`, whose
+defaults describe Llama-3.1-8B in BF16 on one H200) and then fitted per replica from observed
+TTFTs (routing/learn.py), since fleets differ from any default by 10-100x.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ PREFILL_CHUNK_TOKENS = 8_192
 # with >= 70 GiB (vllm/engine/arg_utils.py, default_max_num_batched_tokens); each chunk shares a
 # step with every running decode.
 
+FIXED_S = 0.003
+# Per-request overhead outside the prefill: ~3 ms measured on this project's loopback set-up
+# (loadtest/bench_overhead.py: the gateway adds ~2 ms, the replica's HTTP + JSON ~1 ms). Real
+# engines add tokenization and scheduling; the fit learns their figure.
+
 HBM_CAPACITY_TOKENS = 800_000
 # Llama-3.1-8B BF16 on one H200: 141 GB HBM (NVIDIA H200 datasheet) * 0.9 (vLLM's default
 # gpu_memory_utilization) - 16.1 GB of weights (8.03e9 parameters * 2 bytes) - ~5 GB for the
@@ -53,6 +62,47 @@ class PoolCosts:
     remote_gbps: float = REMOTE_GBPS
     remote_fixed_s: float = REMOTE_FIXED_S
     prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS
+    fixed_s: float = FIXED_S
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    """The cost model's linear terms for one replica: seeded from its pool's constants, then
+    fitted (routing/learn.py). `samples` is how many observations the fit has folded in."""
+
+    fixed_s: float
+    prefill_s_per_token: float
+    swap_s_per_token: float  # with the PCIe link to itself
+    fetch_s_per_token: float
+    samples: int = 0
+
+    @classmethod
+    def seed(cls, costs: PoolCosts) -> CostTerms:
+        return cls(
+            fixed_s=costs.fixed_s,
+            prefill_s_per_token=1.0 / costs.prefill_tokens_per_s,
+            swap_s_per_token=costs.kv_bytes_per_token / (costs.pcie_gbps * 1e9),
+            fetch_s_per_token=costs.kv_bytes_per_token / (costs.remote_gbps * 1e9),
+        )
+
+    def as_vector(self) -> tuple[float, float, float, float]:
+        return (
+            self.fixed_s,
+            self.prefill_s_per_token,
+            self.swap_s_per_token,
+            self.fetch_s_per_token,
+        )
+
+    def scaled(self, factor: float) -> CostTerms:
+        """Every term `factor` times slower (the bounded-correction baseline)."""
+        f = factor
+        return CostTerms(
+            self.fixed_s * f,
+            self.prefill_s_per_token * f,
+            self.swap_s_per_token * f,
+            self.fetch_s_per_token * f,
+            samples=self.samples,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +112,7 @@ class Load:
     in_flight: int = 0  # requests sent and not finished
     pending_prefill_tokens: int = 0  # uncached prompt tokens sent and not yet past first token
     swaps_in_flight: int = 0  # requests still swapping KV in from the CPU tier
+    busy_s: float = 0.0  # how long the replica has been prefilling the head of its queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,44 +135,48 @@ class Overlap:
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
+    fixed_s: float
     queue_s: float
     swap_s: float
     remote_s: float
     prefill_s: float
     remote_fetch: bool  # True when fetching from the remote tier beats recomputing those tokens
+    queue_tokens: float = 0.0  # prefill tokens believed ahead of the request (t_queue's input)
+    swap_tokens: float = 0.0  # CPU-tier tokens x (1 + swap-ins sharing PCIe) (t_swap's input)
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.swap_s + self.remote_s + self.prefill_s
+        return self.fixed_s + self.queue_s + self.swap_s + self.remote_s + self.prefill_s
 
 
 def estimate(
-    overlap: Overlap, load: Load, costs: PoolCosts, *, correction: float = 1.0
+    overlap: Overlap, load: Load, costs: PoolCosts, terms: CostTerms | None = None
 ) -> Estimate:
-    """Estimated TTFT terms. `correction` (self-calibration: observed / estimated TTFT on this
-    replica, 1.0 = none) scales every term, as if the replica's rates were that much slower."""
-    rate = costs.prefill_tokens_per_s
+    """Estimated TTFT terms on one replica; `terms` default to the seed of `costs`."""
+    t = terms if terms is not None else CostTerms.seed(costs)
+    per_token = t.prefill_s_per_token
     uncached = overlap.uncached_tokens
     chunks = -(-max(uncached, 1) // costs.prefill_chunk_tokens)
-    queue_s = (load.pending_prefill_tokens + load.in_flight * chunks) / rate
+    waiting = load.pending_prefill_tokens + load.in_flight * chunks
+    queue_tokens = max(0.0, waiting - load.busy_s / per_token) if waiting else 0.0
 
-    swap_bytes_per_s = costs.pcie_gbps * 1e9 / (1 + load.swaps_in_flight)
-    swap_s = overlap.cpu_tokens * costs.kv_bytes_per_token / swap_bytes_per_s
+    swap_tokens = overlap.cpu_tokens * (1 + load.swaps_in_flight)
 
     remote_s = 0.0
     remote_fetch = False
     if overlap.remote_tokens:
-        fetch_s = costs.remote_fixed_s + overlap.remote_tokens * costs.kv_bytes_per_token / (
-            costs.remote_gbps * 1e9
-        )
-        recompute_s = overlap.remote_tokens / rate
+        fetch_s = costs.remote_fixed_s + overlap.remote_tokens * t.fetch_s_per_token
+        recompute_s = overlap.remote_tokens * per_token
         remote_fetch = fetch_s < recompute_s
         remote_s = min(fetch_s, recompute_s)
 
     return Estimate(
-        queue_s=queue_s * correction,
-        swap_s=swap_s * correction,
-        remote_s=remote_s * correction,
-        prefill_s=uncached / rate * correction,
+        fixed_s=t.fixed_s,
+        queue_s=queue_tokens * per_token,
+        swap_s=swap_tokens * t.swap_s_per_token,
+        remote_s=remote_s,
+        prefill_s=uncached * per_token,
         remote_fetch=remote_fetch,
+        queue_tokens=queue_tokens,
+        swap_tokens=swap_tokens,
     )

@@ -27,7 +27,7 @@ from enum import StrEnum
 
 import xxhash
 
-from routing.cost import Estimate, Load, Overlap, PoolCosts, estimate
+from routing.cost import CostTerms, Estimate, Load, Overlap, PoolCosts, estimate
 from routing.types import BlockHits, Location, Tier
 
 PREFIX_KEY_BLOCKS = 4
@@ -83,7 +83,7 @@ class Candidate:
     load: Load = field(default_factory=Load)
     costs: PoolCosts = field(default_factory=PoolCosts)
     remote_tier: str | None = None  # remote tier this replica's pool reads, if any
-    correction: float = 1.0  # self-calibration factor on the pool's rates
+    terms: CostTerms | None = None  # learned costs (routing/learn.py); None: the seed of `costs`
     pool: PoolRules = field(default_factory=PoolRules)
 
 
@@ -99,13 +99,7 @@ class RouteRequest:
 class Score:
     replica: str
     overlap: Overlap
-    estimate: Estimate  # with the replica's self-calibration correction applied
-    correction: float = 1.0
-
-    @property
-    def raw_ttft_s(self) -> float:
-        """The cost model's estimate before self-calibration."""
-        return self.estimate.ttft_s / self.correction
+    estimate: Estimate
 
     @property
     def expected_cached_tokens(self) -> int:
@@ -191,7 +185,7 @@ def decide(
         raise NoCandidates("no eligible replica")
     runs = runs_of(hits)
     scores = tuple(
-        Score(c.name, ov, estimate(ov, c.load, c.costs, correction=c.correction), c.correction)
+        Score(c.name, ov, estimate(ov, c.load, c.costs, c.terms))
         for c in candidates
         for ov in (overlap_of(c, runs, request),)
     )

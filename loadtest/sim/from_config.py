@@ -13,6 +13,7 @@ from loadtest.sim.config import (
     RemoteTierSpec,
     SimReplicaSpec,
 )
+from routing.cost import HBM_CAPACITY_TOKENS
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
@@ -59,12 +60,13 @@ def specs_from_config(config: GatewayConfig) -> tuple[list[SimReplicaSpec], Remo
                     port=port,
                     model=pool.models[0] if pool.models else SIM_MODEL,
                     block_size_tokens=config.routing.block_size_tokens,
-                    hbm_capacity_tokens=pool.hbm_capacity_tokens,
+                    hbm_capacity_tokens=pool.hbm_capacity_tokens or HBM_CAPACITY_TOKENS,
                     cpu_capacity_tokens=pool.cpu_capacity_tokens,
                     remote_url=remote_urls.get(pool.remote_tier or ""),
                     costs=pool.costs.to_pool_costs(),
                     itl_s=pool.sim.itl_s if pool.sim.itl_s is not None else ITL_S,
                     time_factor=pool.sim.time_factor,
+                    scheduling_policy=pool.sim.scheduling_policy,
                     max_model_len_tokens=pool.max_prompt_tokens or MAX_MODEL_LEN_TOKENS,
                     kv_events_port=_zmq_port(events.endpoint_for(str(raw))) if events else None,
                     kv_replay_port=_zmq_port(replay) if replay else None,

@@ -6,13 +6,14 @@ from routing.cost import (
     PREFILL_TOKENS_PER_S,
     REMOTE_FIXED_S,
     REMOTE_GBPS,
+    CostTerms,
     Load,
     Overlap,
     PoolCosts,
     estimate,
 )
 
-COSTS = PoolCosts()
+COSTS = PoolCosts(fixed_s=0.0)  # the per-token terms alone; the overhead has its own test
 
 
 @pytest.mark.parametrize(
@@ -66,8 +67,24 @@ def test_running_decodes_interfere_per_prefill_chunk() -> None:
     assert busy == pytest.approx(100 * 3 / PREFILL_TOKENS_PER_S)  # 3 chunks of 8192
 
 
-def test_correction_slows_every_rate() -> None:
-    base = estimate(Overlap(3000, cpu_tokens=1000), Load(), COSTS).ttft_s
-    assert estimate(Overlap(3000, cpu_tokens=1000), Load(), COSTS, correction=2.0).ttft_s == (
-        pytest.approx(2 * base)
-    )
+def test_fixed_overhead_is_added_once() -> None:
+    with_fixed = estimate(Overlap(3000), Load(), PoolCosts(fixed_s=0.05))
+    assert with_fixed.ttft_s == pytest.approx(0.05 + 3000 / PREFILL_TOKENS_PER_S)
+
+
+def test_progress_on_the_queue_head_shortens_the_wait() -> None:
+    """30k tokens queued at 30k tokens/s, of which the replica has worked 0.4 s: 0.6 s left."""
+    load = Load(pending_prefill_tokens=30_000, busy_s=0.4)
+    e = estimate(Overlap(0), load, COSTS)
+    assert e.queue_s == pytest.approx(0.6)
+    assert e.queue_tokens == pytest.approx(18_000)
+    assert estimate(Overlap(0), Load(pending_prefill_tokens=300, busy_s=5.0), COSTS).queue_s == 0
+
+
+def test_terms_replace_the_seed() -> None:
+    """A replica fitted 10x slower than its pool's constants is estimated 10x slower."""
+    seed = CostTerms.seed(COSTS)
+    overlap, load = Overlap(3000, cpu_tokens=1000, remote_tokens=0), Load()
+    base = estimate(overlap, load, COSTS).ttft_s
+    assert estimate(overlap, load, COSTS, seed.scaled(10.0)).ttft_s == pytest.approx(10 * base)
+    assert estimate(overlap, load, COSTS, seed).ttft_s == pytest.approx(base)

@@ -1,3 +1,6 @@
+import dataclasses
+import time
+
 import pytest
 
 from gateway.config import parse_config
@@ -59,4 +62,36 @@ def test_load_combines_own_and_engine(
     r.mean_prefill_tokens = 1000
     r.in_flight, r.pending_prefill_tokens, r.awaiting_first_byte = 1, 1000, 1
     r.engine = engine
-    assert r.load(now_s, stale_after_s=5.0) == expected
+    r.head_since_s = time.perf_counter()
+    load = r.load(now_s, stale_after_s=5.0)
+    assert 0 <= load.busy_s < 1.0
+    assert dataclasses.replace(load, busy_s=0.0) == expected
+
+
+CACHE_CONFIG_TEXT = """\
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2048",num_cpu_blocks="None"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+"""
+
+
+def test_engine_kv_layout_is_the_hbm_capacity_unless_configured() -> None:
+    scraped = parse_engine_load(CACHE_CONFIG_TEXT, now_s=1.0)
+    assert (scraped.gpu_blocks, scraped.block_size_tokens) == (2048, 16)
+    r = replica()
+    assert r.hbm_capacity_tokens() == 800_000, "the default until the engine has said"
+    r.observe_engine(scraped, block_size_tokens=16)
+    assert r.hbm_capacity_tokens() == 2048 * 16
+    config = parse_config(
+        {"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"], "hbm_capacity_tokens": 99}]}
+    )
+    configured = next(iter(Registry(config).replicas.values()))
+    configured.observe_engine(scraped)
+    assert configured.hbm_capacity_tokens() == 99, "the config wins"
+
+
+def test_a_block_size_mismatch_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    r = replica()
+    with caplog.at_level("WARNING", logger="cachelane.registry"):
+        r.observe_engine(parse_engine_load(CACHE_CONFIG_TEXT, now_s=1.0), block_size_tokens=32)
+    assert "block size is 16 tokens, routing.block_size_tokens is 32" in caplog.text

@@ -1,0 +1,142 @@
+"""The online cost fit (routing/learn.py) on synthetic replicas: seeded, robust, bounded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from routing.cost import CostTerms, PoolCosts
+from routing.learn import FORGETTING, MAX_FIXED_S, RATE_BOUND, OnlineFit, Sample
+
+SEED = CostTerms.seed(PoolCosts())
+
+
+def truth(slowdown: float, fixed_s: float = 0.02) -> CostTerms:
+    return CostTerms(
+        fixed_s,
+        SEED.prefill_s_per_token * slowdown,
+        SEED.swap_s_per_token * slowdown,
+        SEED.fetch_s_per_token * slowdown,
+    )
+
+
+def request(rng: random.Random, terms: CostTerms, noise: float = 0.05) -> Sample:
+    """A request of a mixed trace: queued work, an uncached tail, sometimes a swap or a fetch."""
+    queued = rng.choice([0, 0, 0, rng.uniform(0, 8000)])
+    uncached = rng.uniform(50, 4000)
+    swapped = rng.choice([0.0, 0.0, rng.uniform(500, 6000)])
+    fetched = rng.choice([0.0, 0.0, rng.uniform(1000, 8000)])
+    t = terms
+    ttft = (
+        t.fixed_s
+        + t.prefill_s_per_token * (queued + uncached)
+        + t.swap_s_per_token * swapped
+        + t.fetch_s_per_token * fetched
+    )
+    return Sample(queued, uncached, swapped, fetched, ttft * rng.lognormvariate(0, noise))
+
+
+def rel_errors(fit: OnlineFit, rng: random.Random, terms: CostTerms, n: int = 200) -> list[float]:
+    samples = [request(rng, terms, noise=0.0) for _ in range(n)]
+    return sorted(abs(fit.predict_s(s) - s.observed_s) / s.observed_s for s in samples)
+
+
+def p90(values: list[float]) -> float:
+    return values[int(0.9 * (len(values) - 1))]
+
+
+@pytest.mark.parametrize("slowdown", [0.5, 3.0, 10.0, 100.0], ids=lambda s: f"x{s:g}")
+def test_converges_within_50_requests(slowdown: float) -> None:
+    rng = random.Random(1)
+    real = truth(slowdown)
+    fit = OnlineFit(SEED)
+    for _ in range(50):
+        fit.update(request(rng, real))
+    assert p90(rel_errors(fit, rng, real)) < 0.15
+    assert fit.terms().prefill_s_per_token == pytest.approx(real.prefill_s_per_token, rel=0.15)
+
+
+def test_cold_start_is_the_seed() -> None:
+    fit = OnlineFit(SEED)
+    assert fit.terms().as_vector() == pytest.approx(SEED.as_vector())
+    assert fit.samples == 0
+
+
+def test_unexcited_terms_stay_at_their_seed() -> None:
+    """A pool without CPU or remote tier never swaps nor fetches: those terms keep the seed."""
+    rng = random.Random(2)
+    real = truth(10.0)
+    fit = OnlineFit(SEED)
+    for _ in range(300):
+        s = request(rng, real)
+        fit.update(Sample(s.queued_tokens, s.uncached_tokens, 0.0, 0.0, s.observed_s))
+    assert fit.terms().swap_s_per_token == pytest.approx(SEED.swap_s_per_token, rel=0.05)
+    assert fit.terms().fetch_s_per_token == pytest.approx(SEED.fetch_s_per_token, rel=0.05)
+    assert fit.terms().prefill_s_per_token == pytest.approx(real.prefill_s_per_token, rel=0.15)
+
+
+def test_follows_drift() -> None:
+    """A replica that becomes 4x slower is followed within ~2 memories of the forgetting."""
+    rng = random.Random(3)
+    fit = OnlineFit(SEED)
+    for _ in range(200):
+        fit.update(request(rng, truth(3.0)))
+    slower = truth(12.0)
+    for _ in range(round(2 / (1 - FORGETTING))):
+        fit.update(request(rng, slower))
+    assert p90(rel_errors(fit, rng, slower)) < 0.2
+
+
+def test_outliers_do_not_drag_the_rates() -> None:
+    rng = random.Random(4)
+    real = truth(5.0)
+    fit = OnlineFit(SEED)
+    for i in range(400):
+        s = request(rng, real)
+        if i > 20 and i % 10 == 0:  # 10% of requests stall for 20x their time
+            s = Sample(s.queued_tokens, s.uncached_tokens, s.swapped_tokens, s.fetched_tokens,
+                       s.observed_s * 20)  # fmt: skip
+        fit.update(s)
+    assert fit.terms().prefill_s_per_token == pytest.approx(real.prefill_s_per_token, rel=0.25)
+    assert p90(rel_errors(fit, rng, real)) < 0.3
+
+
+@pytest.mark.parametrize(
+    "observed_s",
+    [0.0, -1.0, 1e-6, 1e6, float("nan")],
+    ids=["zero", "negative", "sub-ms", "hung", "nan"],
+)
+def test_unusable_observations_are_rejected(observed_s: float) -> None:
+    fit = OnlineFit(SEED)
+    assert not fit.update(Sample(0, 100, 0, 0, observed_s))
+    assert fit.samples == 0 and fit.rejected == 1
+    assert fit.terms().as_vector() == pytest.approx(SEED.as_vector())
+
+
+def test_terms_stay_positive_and_bounded() -> None:
+    """Adversarial samples (a huge prompt served in 1 ms, then a tiny one in 10 min) cannot push a
+    rate negative or past its bounds."""
+    fit = OnlineFit(SEED)
+    for i in range(100):
+        if i % 2:
+            fit.update(Sample(0, 1_000_000, 1_000_000, 1_000_000, 0.001))
+        else:
+            fit.update(Sample(0, 1, 0, 0, 600.0))
+        t = fit.terms()
+        assert 0 <= t.fixed_s <= MAX_FIXED_S
+        for got, seed in zip(t.as_vector()[1:], SEED.as_vector()[1:], strict=True):
+            assert seed / RATE_BOUND * 0.999 <= got <= seed * RATE_BOUND * 1.001
+
+
+def test_state_round_trips_and_refuses_another_seed() -> None:
+    rng = random.Random(5)
+    fit = OnlineFit(SEED)
+    for _ in range(60):
+        fit.update(request(rng, truth(7.0)))
+    again = OnlineFit.from_dict(SEED, fit.to_dict())
+    assert again.samples == 60
+    assert again.terms().as_vector() == pytest.approx(fit.terms().as_vector())
+    other_seed = CostTerms.seed(PoolCosts(prefill_tokens_per_s=1000.0))
+    assert OnlineFit.from_dict(other_seed, fit.to_dict()).samples == 0
+    assert OnlineFit.from_dict(SEED, {"theta": "junk"}).samples == 0
