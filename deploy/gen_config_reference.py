@@ -88,11 +88,19 @@ DESCRIPTIONS: dict[str, str] = {
     "no admin API.",
     "admin.api_key": "The admin key itself (at least 8 characters).",
     "critical": "What happens to critical tenants when their pinned pool cannot take them.",
-    "critical.fallback": "spill: use the shared pools, counting only HBM hits (no swap or remote "
-    "waits); reject: answer 503 with Retry-After. Either way it is counted "
-    "(cachelane_critical_fallbacks_total).",
+    "critical.fallback": "spill: use the shared pools with the full cost model (CPU and remote "
+    "hits count: HBM-only is the pinned pool's property, not the tenant's); reject: 503 with "
+    "Retry-After. Either way it is counted (cachelane_critical_fallbacks_total).",
     "critical.retry_after_s": "Retry-After seconds on a rejected critical request.",
     "overload": "Load shedding.",
+    "classes": "Flow control per tenant class (when flow_control.enabled): requests wait in the "
+    "gateway, critical first, round robin between tenants, while every replica's estimated TTFT "
+    "is over the class's budget.",
+    "classes.critical": "Critical: never held by default; with a ttft_budget_ms, a critical request "
+    "whose best pinned replica is estimated over it spills to the shared pools if one is faster.",
+    "classes.standard": "Standard: held while every replica is estimated over 1 s to first token.",
+    "classes.batch": "Batch: held sooner (500 ms) than standard, so standard goes first.",
+    "flow_control": "Class-aware flow control in the gateway (gateway/flow.py).",
     "overload.batch_max_queue_s": "A batch request is shed (503) when even its best replica has "
     "more than this many seconds of prefill queued.",
     "prewarm": "Warming hot prefixes onto replicas before they are needed (never on the request "

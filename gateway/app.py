@@ -66,6 +66,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             ]
             if config.prewarm.enabled:
                 tasks.append(asyncio.create_task(gw.prewarmer.run(), name="prewarm"))
+            if gw.flow is not None:
+                tasks.append(asyncio.create_task(gw.flow.run(), name="flow-control"))
             if config.engine_metrics.enabled:
                 tasks.append(asyncio.create_task(gw.scraper.run(), name="engine-metrics"))
             if gw.kv_events is not None:
@@ -127,6 +129,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         }
         if gw.kv_events is not None:
             body["kv_events"] = gw.kv_events.status()
+        if gw.flow is not None:
+            body["flow_control"] = gw.flow.stats()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -234,7 +238,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     try:
         tenant = gw.authenticate(request)
         body = await _read_json(request, gw.config.max_body_bytes)
-        plan = await gw.planner.plan(endpoint, body, tenant)
+        plan = await gw.hold(await gw.planner.plan(endpoint, body, tenant))
         _count_decision(gw, plan)
         gw.prewarmer.consider(plan)
         response = await gw.proxy.forward(endpoint, request.state.raw_body, plan)

@@ -166,6 +166,12 @@ class PoolConfig(Strict):
     admission: AdmissionConfig = AdmissionConfig()
     lend_below: Annotated[float, Field(gt=0, le=1)] | None = None  # standard may borrow it below
     cache_salt: bool = False  # add a per-tenant "cache_salt" to request bodies (vLLM >= 0.9)
+    engine_priority: bool = Field(
+        default=False,
+        description="Send each request's class as vLLM's `priority` (critical -1, standard 0, "
+        "batch 1; lower runs first). Only for engines started with --scheduling-policy "
+        "priority: vLLM rejects the field otherwise.",
+    )
     # which prompts the replicas write to the remote tier: by expected reuse (routing/admission.py),
     # all of them, or none (the last two are baselines for comparison)
     remote_write: Literal["reuse", "always", "never"] = "reuse"
@@ -278,6 +284,47 @@ class CriticalConfig(Strict):
     retry_after_s: PositiveInt = 1
 
 
+class ClassConfig(Strict):
+    """Flow control for one tenant class (gateway/flow.py)."""
+
+    ttft_budget_ms: PositiveFloat | None = Field(
+        default=None,
+        description="Dispatch a request while some eligible replica's estimated TTFT is within "
+        "this budget (or its prefill queue is empty); otherwise hold it in the gateway, in its "
+        "class's queue, until one is. Unset: never held.",
+    )
+    max_wait_s: PositiveFloat = Field(
+        default=30.0,
+        description="Longest a request waits in the gateway's queue; then 503 with Retry-After.",
+    )
+    max_queue: Annotated[int, Field(ge=0)] = Field(
+        default=1024,
+        description="Requests of the class the gateway holds at most; past it, 503 at once.",
+    )
+
+
+class ClassesConfig(Strict):
+    """Per-class flow control; classes are served critical first, then standard, then batch,
+    round robin between the tenants of a class."""
+
+    critical: ClassConfig = ClassConfig(max_wait_s=10.0)
+    standard: ClassConfig = ClassConfig(ttft_budget_ms=1000.0, max_wait_s=30.0)
+    # 1 s of estimated TTFT: enough queued prefill to keep an engine's batches full (a busy 8B
+    # replica prefills ~30k tokens in that time, routing/cost.py), short enough that a critical
+    # request dispatched past the held ones waits for little.
+    batch: ClassConfig = ClassConfig(ttft_budget_ms=500.0, max_wait_s=60.0)
+    # batch holds back sooner than standard, so standard is dispatched first under load.
+
+
+class FlowControlConfig(Strict):
+    enabled: bool = Field(
+        default=True,
+        description="Hold requests in per-class queues in the gateway when every replica's "
+        "estimated TTFT is over the class's budget (classes.*), instead of piling them onto "
+        "the engines' queues.",
+    )
+
+
 class PrewarmConfig(Strict):
     enabled: bool = False
     hot_after: PositiveInt = 3  # requests of a prefix family in the reuse window before it is hot
@@ -304,6 +351,8 @@ class GatewayConfig(Strict):
     tenants: list[TenantConfig] = Field(default_factory=list)  # empty: no authentication
     admin: AdminConfig = AdminConfig()
     critical: CriticalConfig = CriticalConfig()
+    classes: ClassesConfig = ClassesConfig()
+    flow_control: FlowControlConfig = FlowControlConfig()
     overload: OverloadConfig = OverloadConfig()
     prewarm: PrewarmConfig = PrewarmConfig()
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES

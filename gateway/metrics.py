@@ -131,6 +131,36 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.critical_routed = Counter(
+            "cachelane_critical_routed",
+            "Critical requests by where they went: the pinned pool, or spilled to shared pools",
+            ["where"],
+            registry=r,
+        )
+        self.pinned_share = Gauge(
+            "cachelane_pinned_share",
+            "Share of critical requests the pinned pool took over the last report window (60 s)",
+            registry=r,
+        )
+        self.flow_waiting = Gauge(
+            "cachelane_flow_waiting",
+            "Requests held in the gateway's flow-control queue, by class",
+            ["tenant_class"],
+            registry=r,
+        )
+        self.flow_wait_seconds = Histogram(
+            "cachelane_flow_wait_seconds",
+            "Time requests waited in the gateway's flow-control queue, by class",
+            ["tenant_class"],
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.flow_shed = Counter(
+            "cachelane_flow_shed",
+            "Requests turned away by flow control (503 with Retry-After), by class and reason",
+            ["tenant_class", "reason"],
+            registry=r,
+        )
         self.estimate_error = Histogram(
             "cachelane_ttft_estimate_error",
             "|estimated - observed| / observed TTFT of streamed requests, per replica",

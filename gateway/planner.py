@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import xxhash
@@ -26,18 +26,20 @@ import xxhash
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import ApiError, bad_request, no_replica
 from gateway.metrics import Metrics
+from gateway.pinning import PinnedPoolWatch
 from gateway.registry import Registry, Replica
 from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
 from routing.admission import AdmissionVerdict, family_key, should_write
+from routing.cost import estimate
 from routing.decide import Decision, Policy, RouteRequest, decide
-from routing.filters import Fallback, eligible, should_shed
+from routing.filters import Eligibility, Fallback, eligible, should_shed
 from routing.hashing import block_hashes, token_block_hashes
 from routing.index import Index, record_prompt
 from routing.kv_events import precise_namespace
 from routing.precise import PromptTokenizer, UnsupportedPrompt
 from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
-from routing.types import BlockHits, Location, Tier
+from routing.types import BlockHits, Location, TenantClass, Tier
 
 log = logging.getLogger("cachelane.planner")
 
@@ -58,6 +60,7 @@ class Plan:
     decision_s: float
     body: dict[str, Any]
     stream: bool
+    hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
 
 
 def prompt_of(endpoint: str, body: dict[str, Any]) -> str:
@@ -94,6 +97,7 @@ class Planner:
         self._seq = 0
         self._precise = config.routing.mode == "precise"
         self._tokenizers = load_tokenizers(config) if self._precise else {}
+        self.pinned = PinnedPoolWatch(metrics)
 
     @property
     def policy(self) -> Policy:
@@ -128,36 +132,10 @@ class Planner:
             namespace = namespace_of(model, tenant)
             hashes = block_hashes(text, block_size_tokens=self._block_size, namespace=namespace)
         self._check_length(model, prompt_tokens, endpoint)
-        replicas = self._registry.healthy_for(model)
-        if not replicas:
+        if not self._registry.healthy_for(model):
             raise no_replica(model)
         hits = await self._lookup(model, hashes)
-        now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
-        allowed = eligible(
-            [r.candidate(now_s, stale_s) for r in replicas],
-            tenant.tenant_class,
-            self._config.critical.fallback,
-            pinned_pool_exists=self._registry.has_pinned_pool(model),
-        )
-        if allowed.fallback is not None and not dry_run:
-            self._metrics.critical_fallbacks.labels(allowed.fallback.value).inc()
-        if not allowed.candidates:
-            raise self._rejection(model, allowed.fallback)
-        request = RouteRequest(hashes, prompt_tokens, self._block_size, hbm_only=allowed.hbm_only)
-        decision = decide(
-            request, allowed.candidates, hits, self._policy, seq=self._seq, rng=self._rng
-        )
-        if not dry_run:
-            self._seq += 1
-        if should_shed(decision, tenant.tenant_class, self._config.overload.batch_max_queue_s):
-            self._metrics.shed.labels(tenant.tenant_class.value).inc()
-            raise ApiError(
-                503,
-                "the fleet is overloaded and batch traffic is shed first; retry later",
-                code="overloaded",
-                type="service_unavailable",
-                headers={"retry-after": str(self._config.critical.retry_after_s)},
-            )
+        decision, allowed = self._route(model, tenant, hashes, prompt_tokens, hits, dry_run=dry_run)
         chosen = self._registry.replicas[decision.replica]
         # Reuse counts feed remote-tier admission and prewarming only: with Redis they cost a
         # round trip, so a request whose pool has no remote tier skips them unless warming is on.
@@ -174,14 +152,113 @@ class Planner:
             hashes=hashes,
             prompt_tokens=prompt_tokens,
             decision=decision,
-            replicas={c.name: self._registry.replicas[c.name] for c in allowed.candidates},
+            replicas=self._replicas_of(decision),
             fallback=allowed.fallback,
             admission=admission,
             reuse=reuse,
             decision_s=time.perf_counter() - started,
             body=body,
             stream=bool(body.get("stream")),
+            hits=hits,
         )
+
+    def replan(self, plan: Plan) -> Plan:
+        """The same request decided again on the load of now (after it waited in flow control),
+        with the index hits it looked up. Synchronous: the caller reserves right after."""
+        started = time.perf_counter()
+        # counted as a dry run: the first plan of this request was counted already
+        decision, allowed = self._route(
+            plan.model, plan.tenant, plan.hashes, plan.prompt_tokens, plan.hits, dry_run=True
+        )
+        self._seq += 1
+        chosen = self._registry.replicas[decision.replica]
+        admission = self._admission(chosen, plan.reuse, plan.hits, plan.prompt_tokens, dry_run=True)
+        return replace(
+            plan,
+            decision=decision,
+            replicas=self._replicas_of(decision),
+            fallback=allowed.fallback,
+            admission=admission,
+            decision_s=plan.decision_s + time.perf_counter() - started,
+        )
+
+    def within_budget(self, plan: Plan, budget_s: float) -> bool:
+        """Flow control's test: may this request go now? Yes if one of its candidates, at its
+        current load, is estimated to give the first token within `budget_s`, or has an empty
+        prefill queue (a request whose own prefill is longer than the budget must still go)."""
+        now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
+        for score in plan.decision.scores:
+            replica = self._registry.replicas[score.replica]
+            if not replica.healthy:
+                continue
+            e = estimate(score.overlap, replica.load(now_s, stale_s), replica.costs, replica.terms)
+            if e.ttft_s <= budget_s or e.queue_tokens < 1:
+                return True
+        return False
+
+    def _replicas_of(self, decision: Decision) -> dict[str, Replica]:
+        return {s.replica: self._registry.replicas[s.replica] for s in decision.scores}
+
+    def _route(
+        self,
+        model: str,
+        tenant: Tenant,
+        hashes: list[int],
+        prompt_tokens: int,
+        hits: BlockHits,
+        *,
+        dry_run: bool,
+    ) -> tuple[Decision, Eligibility]:
+        """Filters, then decide(), then the critical spill and batch shedding. Synchronous."""
+        replicas = self._registry.healthy_for(model)
+        if not replicas:
+            raise no_replica(model)
+        now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
+        klass = tenant.tenant_class
+        allowed = eligible(
+            [r.candidate(now_s, stale_s) for r in replicas],
+            klass,
+            self._config.critical.fallback,
+            pinned_pool_exists=self._registry.has_pinned_pool(model),
+            lend=not self.pinned.reclaimed(now_s),
+        )
+        if not allowed.candidates:
+            if not dry_run and allowed.fallback is not None:
+                self._metrics.critical_fallbacks.labels(allowed.fallback.value).inc()
+            raise self._rejection(model, allowed.fallback)
+        request = RouteRequest(hashes, prompt_tokens, self._block_size)
+        decision = decide(
+            request, allowed.candidates, hits, self._policy, seq=self._seq, rng=self._rng
+        )
+        budget = self._config.classes.critical.ttft_budget_ms
+        if allowed.overflow and budget is not None and decision.est_ttft_s * 1000 > budget:
+            # the pinned pool is too slow for this one: the shared pools, full cost model
+            wider = decide(
+                request,
+                allowed.candidates + allowed.overflow,
+                hits,
+                self._policy,
+                seq=self._seq,
+                rng=self._rng,
+            )
+            if wider.replica not in {c.name for c in allowed.candidates}:
+                decision, allowed = wider, replace(allowed, fallback=Fallback.SPILL)
+        if not dry_run:
+            self._seq += 1
+            if allowed.fallback is not None:
+                self._metrics.critical_fallbacks.labels(allowed.fallback.value).inc()
+            if klass is TenantClass.CRITICAL and self._registry.has_pinned_pool(model):
+                self.pinned.served(self._registry.replicas[decision.replica].pool, now_s)
+        if should_shed(decision, klass, self._config.overload.batch_max_queue_s):
+            self._metrics.shed.labels(klass.value).inc()
+            raise ApiError(
+                503,
+                "the fleet is overloaded and batch traffic is shed first; retry later",
+                code="overloaded",
+                type="service_unavailable",
+                headers={"retry-after": str(self._config.critical.retry_after_s)},
+            )
+        return decision, allowed
 
     def _precise_prompt(
         self, endpoint: str, body: dict[str, Any], model: str, cache_salt: str

@@ -16,6 +16,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import anyio
 import httpx
@@ -26,6 +27,7 @@ from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.registry import Registry, Replica, Reservation
+from routing.types import TenantClass
 
 log = logging.getLogger("cachelane.proxy")
 
@@ -71,11 +73,22 @@ def upstream_request_headers(plan: Plan) -> dict[str, str]:
     return headers
 
 
+ENGINE_PRIORITY = {TenantClass.CRITICAL: -1, TenantClass.STANDARD: 0, TenantClass.BATCH: 1}
+# vLLM's `priority` (--scheduling-policy priority): lower runs first, requests without it are 0, so
+# standard traffic and clients that go direct rank alike, critical before them, batch after.
+
+
 def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
-    """The client's bytes as they came, unless the pool isolates tenants with vLLM's cache_salt."""
-    if not replica.pool.cache_salt:
+    """The client's bytes as they came, unless the pool isolates tenants with vLLM's cache_salt
+    or schedules by the class's priority."""
+    extra: dict[str, Any] = {}
+    if replica.pool.cache_salt:
+        extra["cache_salt"] = plan.cache_salt
+    if replica.pool.engine_priority:
+        extra["priority"] = ENGINE_PRIORITY[plan.tenant.tenant_class]
+    if not extra:
         return raw_body
-    return json.dumps({**plan.body, "cache_salt": plan.cache_salt}).encode()
+    return json.dumps({**plan.body, **extra}).encode()
 
 
 def _upstream_headers(resp: httpx.Response) -> dict[str, str]:

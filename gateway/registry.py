@@ -159,7 +159,7 @@ class Registry:
         self.replicas: dict[str, Replica] = {}
         self._fail_after = config.health.fail_after
         self._on_change = on_change
-        self.on_load_drop: Callable[[], None] = _no_listener  # flow control's kick
+        self.on_load_change: Callable[[], None] = _no_listener  # flow control's kick
         for pool in config.pools:
             costs = pool.costs.to_pool_costs()
             rules = PoolRules(
@@ -187,7 +187,8 @@ class Registry:
         replica.mean_prefill_tokens += PREFILL_EWMA_WEIGHT * (
             prefill_tokens - replica.mean_prefill_tokens
         )
-        return Reservation(replica, prefill_tokens, swaps, on_drop=self.on_load_drop)
+        self.on_load_change()
+        return Reservation(replica, prefill_tokens, swaps, on_drop=self.on_load_change)
 
     def known_models(self) -> set[str]:
         return {m for r in self.replicas.values() for m in r.models}

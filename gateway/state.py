@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -14,9 +15,10 @@ from fastapi import Request
 from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
+from gateway.flow import ClassLimits, FlowControl, Shed
 from gateway.kv_events import KvEvents
 from gateway.metrics import Metrics
-from gateway.planner import Planner
+from gateway.planner import Plan, Planner
 from gateway.prewarm import Prewarmer
 from gateway.proxy import Proxy
 from gateway.registry import HealthChecker, Registry, Replica
@@ -85,6 +87,10 @@ def build_index(
     return local
 
 
+def _depth_of(flow: FlowControl, klass: str) -> float:
+    return float(flow.waiting()[klass])
+
+
 def shared_redis(config: GatewayConfig) -> Any | None:
     """A Redis client for tenants and reuse counts when the index lives in Redis."""
     if config.index.backend != "redis":
@@ -129,6 +135,22 @@ class Gateway:
         self.tenants = TenantStore(config.tenants, self.redis)
         self.reuse = ReuseCounter(self.metrics, redis=self.redis)
         self.planner = Planner(config, self.registry, self.index, self.reuse, self.metrics)
+        self.flow: FlowControl | None = None
+        if config.flow_control.enabled:
+            classes = config.classes
+            self.flow = FlowControl(
+                {
+                    klass: ClassLimits(c.max_queue, c.max_wait_s)
+                    for klass in TenantClass
+                    for c in (getattr(classes, klass.value),)
+                }
+            )
+            flow = self.flow
+            self.registry.on_load_change = flow.kick
+            for klass in TenantClass:
+                self.metrics.flow_waiting.labels(klass.value).set_function(
+                    functools.partial(_depth_of, flow, klass.value)
+                )
         self.learner = CostLearner(
             config.routing.calibration, self.registry.replicas.values(), self.metrics
         )
@@ -163,6 +185,48 @@ class Gateway:
             stale_after_s=em.stale_after_s,
             block_size_tokens=config.routing.block_size_tokens,
         )
+
+    async def hold(self, plan: Plan) -> Plan:
+        """Flow control: wait, in the class's queue, until the request fits its class's TTFT
+        budget somewhere (critical first, then standard, then batch; round robin between
+        tenants); then decide again on the load of now. Raises 503 with Retry-After when the
+        queue is full or the wait passed the class's maximum."""
+        klass = plan.tenant.tenant_class
+        budget_ms = getattr(self.config.classes, klass.value).ttft_budget_ms
+        if self.flow is None or budget_ms is None:
+            return plan
+        flow, budget_s = self.flow, budget_ms / 1000
+
+        def ready() -> bool:
+            return not flow.higher_class_waiting(klass) and self.planner.within_budget(
+                plan, budget_s
+            )
+
+        try:
+            waited_s = await flow.admit(plan.tenant.name, klass, ready)
+        except Shed as err:
+            self.metrics.flow_shed.labels(klass.value, err.reason).inc()
+            raise ApiError(
+                503,
+                f"the fleet is saturated and this {klass.value} request "
+                + (
+                    "found its class's queue full"
+                    if err.reason == "queue_full"
+                    else "waited its class's maximum"
+                )
+                + "; retry later",
+                code="overloaded",
+                type="service_unavailable",
+                headers={"retry-after": str(err.retry_after_s)},
+            ) from None
+        self.metrics.flow_wait_seconds.labels(klass.value).observe(waited_s)
+        if waited_s == 0:
+            return plan
+        try:
+            return self.planner.replan(plan)
+        except BaseException:
+            flow.kick()  # it will not reserve: let the next one go
+            raise
 
     def _index_failed(self, op: str, err: BaseException) -> None:
         self.metrics.index_errors.labels(op).inc()

@@ -92,7 +92,6 @@ class RouteRequest:
     hashes: Sequence[int]
     prompt_tokens: int
     block_size_tokens: int
-    hbm_only: bool = False  # critical tenants: CPU and remote tiers count for nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +156,7 @@ def overlap_of(candidate: Candidate, runs: Runs, request: RouteRequest) -> Overl
     for holders, count in runs:
         if hbm in holders and c == 0 and m == 0:
             g += count
-        elif request.hbm_only or candidate.pool.hbm_only:
+        elif candidate.pool.hbm_only:
             break
         elif (hbm in holders or cpu in holders) and m == 0:
             c += count

@@ -1,12 +1,17 @@
 """Which replicas a request may use, by tenant class. Runs before decide(); pure.
 
-critical  only pinned pools (HBM-only, provisioned up front), and only replicas under their
-          admission cap, so their latency stays predictable. With no pinned replica admitted,
-          the configured fallback applies: `spill` to the shared pools counting HBM hits only,
-          or `reject` (the gateway answers 503 with Retry-After). With no pinned pool at all,
-          critical requests use the shared pools, HBM hits only.
-standard  the shared pools; a pinned replica only if its pool lends idle capacity and the
-batch     replica is below `lend_below` of its admission cap.
+critical  the pinned pools first (HBM-only, provisioned up front), and only replicas under their
+          admission cap, so their latency stays predictable. The shared pools are the critical
+          request's `overflow`: the planner spills there, with the full cost model, when even
+          the best pinned replica's estimate is over the class's TTFT budget. With no pinned
+          replica admitted, the configured fallback applies: `spill` to the shared pools, or
+          `reject` (the gateway answers 503 with Retry-After). With no pinned pool at all,
+          critical requests use the shared pools. HBM-only is a property of a pool, not of a
+          tenant: wherever a critical request goes, CPU and remote hits count as they would for
+          anyone.
+standard  the shared pools; a pinned replica only while its pool lends idle capacity (the replica
+batch     is below `lend_below` of its admission cap) and the caller says lending is on (the
+          planner turns it off while critical traffic is spilling out of the pinned pool).
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ class Fallback(StrEnum):
 @dataclass(frozen=True, slots=True)
 class Eligibility:
     candidates: tuple[Candidate, ...]
-    hbm_only: bool  # count HBM hits only (critical tenants)
     fallback: Fallback | None = None  # set when a critical request left the pinned pool
+    overflow: tuple[Candidate, ...] = ()  # critical: shared replicas to spill to when over budget
 
 
 def admitted(c: Candidate, fraction: float = 1.0) -> bool:
@@ -48,6 +53,7 @@ def eligible(
     fallback: Fallback,
     *,
     pinned_pool_exists: bool,
+    lend: bool = True,
 ) -> Eligibility:
     """`candidates` are the healthy replicas serving the model; `pinned_pool_exists` says whether
     the config has a pinned pool for it at all (down is not the same as absent)."""
@@ -55,15 +61,19 @@ def eligible(
     shared = [c for c in candidates if not c.pool.pinned]
     if tenant_class is TenantClass.CRITICAL:
         if not pinned_pool_exists:
-            return Eligibility(tuple(shared), hbm_only=True)
+            return Eligibility(tuple(shared))
         open_pinned = [c for c in pinned if admitted(c)]
         if open_pinned:
-            return Eligibility(tuple(open_pinned), hbm_only=True)
+            return Eligibility(tuple(open_pinned), overflow=tuple(shared))
         if fallback is Fallback.SPILL:
-            return Eligibility(tuple(shared), hbm_only=True, fallback=Fallback.SPILL)
-        return Eligibility((), hbm_only=True, fallback=Fallback.REJECT)
-    lent = [c for c in pinned if c.pool.lend_below is not None and admitted(c, c.pool.lend_below)]
-    return Eligibility(tuple(shared + lent), hbm_only=False)
+            return Eligibility(tuple(shared), fallback=Fallback.SPILL)
+        return Eligibility((), fallback=Fallback.REJECT)
+    lent = [
+        c
+        for c in pinned
+        if lend and c.pool.lend_below is not None and admitted(c, c.pool.lend_below)
+    ]
+    return Eligibility(tuple(shared + lent))
 
 
 def should_shed(decision: Decision, tenant_class: TenantClass, max_queue_s: float) -> bool:

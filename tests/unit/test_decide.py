@@ -7,6 +7,7 @@ from routing.decide import (
     Candidate,
     NoCandidates,
     Policy,
+    PoolRules,
     Reason,
     RouteRequest,
     decide,
@@ -33,12 +34,12 @@ def hits(*blocks: set[Location]) -> BlockHits:
     return [frozenset(b) for b in blocks]
 
 
-def request(blocks: int, extra_tokens: int = 0, *, hbm_only: bool = False) -> RouteRequest:
-    return RouteRequest(list(range(blocks)), blocks * B + extra_tokens, B, hbm_only=hbm_only)
+def request(blocks: int, extra_tokens: int = 0) -> RouteRequest:
+    return RouteRequest(list(range(blocks)), blocks * B + extra_tokens, B)
 
 
 @pytest.mark.parametrize(
-    ("block_hits", "hbm_only", "expected"),
+    ("block_hits", "hbm_only_pool", "expected"),
     [
         (hits(), False, (0, 0, 0)),
         (hits({hbm("a")}, {hbm("a")}), False, (32, 0, 0)),
@@ -57,12 +58,14 @@ def request(blocks: int, extra_tokens: int = 0, *, hbm_only: bool = False) -> Ro
         "cpu-first-block",
         "other-replica-only",
         "remote-then-hbm",
-        "critical-counts-hbm-only",
+        "hbm-only-pool",
     ],
 )
-def test_overlap_of(block_hits: BlockHits, hbm_only: bool, expected: tuple[int, int, int]) -> None:
-    cand = Candidate("a", remote_tier="kv")
-    ov = overlap_of(cand, runs_of(block_hits), request(4, 7, hbm_only=hbm_only))
+def test_overlap_of(
+    block_hits: BlockHits, hbm_only_pool: bool, expected: tuple[int, int, int]
+) -> None:
+    cand = Candidate("a", remote_tier="kv", pool=PoolRules(hbm_only=hbm_only_pool))
+    ov = overlap_of(cand, runs_of(block_hits), request(4, 7))
     assert (ov.hbm_tokens, ov.cpu_tokens, ov.remote_tokens) == expected
 
 

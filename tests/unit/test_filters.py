@@ -27,7 +27,7 @@ CASES = [
         TenantClass.CRITICAL,
         Fallback.SPILL,
         True,
-        (["p"], True, None),
+        (["p"], ["s"], None),
     ),
     (
         "critical-pinned-full-spills",
@@ -35,7 +35,7 @@ CASES = [
         TenantClass.CRITICAL,
         Fallback.SPILL,
         True,
-        (["s"], True, Fallback.SPILL),
+        (["s"], [], Fallback.SPILL),
     ),
     (
         "critical-pinned-full-rejects",
@@ -43,7 +43,7 @@ CASES = [
         TenantClass.CRITICAL,
         Fallback.REJECT,
         True,
-        ([], True, Fallback.REJECT),
+        ([], [], Fallback.REJECT),
     ),
     (
         "critical-pinned-down-spills",
@@ -51,7 +51,7 @@ CASES = [
         TenantClass.CRITICAL,
         Fallback.SPILL,
         True,
-        (["s"], True, Fallback.SPILL),
+        (["s"], [], Fallback.SPILL),
     ),
     (
         "critical-no-pinned-pool",
@@ -59,7 +59,7 @@ CASES = [
         TenantClass.CRITICAL,
         Fallback.REJECT,
         False,
-        (["s"], True, None),
+        (["s"], [], None),
     ),
     (
         "standard-never-pinned",
@@ -67,7 +67,7 @@ CASES = [
         TenantClass.STANDARD,
         Fallback.SPILL,
         True,
-        (["s"], False, None),
+        (["s"], [], None),
     ),
     (
         "standard-borrows-idle-pinned",
@@ -75,7 +75,7 @@ CASES = [
         TenantClass.STANDARD,
         Fallback.SPILL,
         True,
-        (["s", "p"], False, None),
+        (["s", "p"], [], None),
     ),
     (
         "standard-not-when-pinned-busy",
@@ -83,7 +83,7 @@ CASES = [
         TenantClass.BATCH,
         Fallback.SPILL,
         True,
-        (["s"], False, None),
+        (["s"], [], None),
     ),
 ]
 
@@ -98,10 +98,28 @@ def test_eligible(
     klass: TenantClass,
     fallback: Fallback,
     exists: bool,
-    expected: tuple[list[str], bool, Fallback | None],
+    expected: tuple[list[str], list[str], Fallback | None],
 ) -> None:
     e = eligible(candidates, klass, fallback, pinned_pool_exists=exists)
-    assert (names(e), e.hbm_only, e.fallback) == expected
+    assert (names(e), [c.name for c in e.overflow], e.fallback) == expected
+
+
+def test_lending_can_be_turned_off() -> None:
+    """While critical traffic spills out of the pinned pool, the planner reclaims it at once."""
+    both = [cand("p", PINNED), cand("s", SHARED)]
+    assert names(eligible(both, TenantClass.STANDARD, Fallback.SPILL, pinned_pool_exists=True,
+                          lend=False)) == ["s"]  # fmt: skip
+
+
+def test_spilled_critical_counts_cpu_and_remote_hits() -> None:
+    """HBM-only is the pinned pool's property: on a shared replica a critical request's CPU-tier
+    prefix is worth its swap-in, as for anyone."""
+    hits = [frozenset({Location("s", Tier.CPU)})] * 100
+    req = RouteRequest(list(range(100)), 1600, 16)
+    spilled = eligible([cand("p", PINNED, 2), cand("s", SHARED)], TenantClass.CRITICAL,
+                       Fallback.SPILL, pinned_pool_exists=True)  # fmt: skip
+    d = decide(req, spilled.candidates, hits, Policy.CACHE_AWARE, seq=0, rng=random.Random(0))
+    assert d.replica == "s" and d.score().overlap.cpu_tokens == 1600
 
 
 def test_hbm_only_pool_ignores_cpu_tier() -> None:
