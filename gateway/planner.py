@@ -5,12 +5,11 @@ lookup, a snapshot of replica load, the reuse count) and the bookkeeping after i
 index entries), and nothing else. The same plan serves real requests and /debug/route.
 
 Precise mode (routing.mode: precise) hashes the engine's token ids (the pool's tokenizer and chat
-template, routing/precise.py) in the namespace routing/kv_events.py explains, and records no
-speculative entries: the engines' KV events are the truth, and a guessed entry under a key the
-engine never reports (a template or tokenizer mismatch) would never be evicted by an event. It
-only refreshes the TTL of the hit prefix on the chosen replica: blocks the events said are there,
-which this request now touches (and which the engine re-stores, with an event, if it had just
-evicted them).
+template, routing/precise.py) in the namespace routing/kv_events.py explains. The engines' KV
+events are the truth, so it writes no index entries of its own: it refreshes the TTL of the hit
+prefix on the chosen replica (blocks the events said are there, which this request now touches)
+and marks the rest of the prompt as speculative (routing/speculative.py) until the engine's
+BlockStored confirms it, so that a follow-up sent before the event arrives still finds it.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from routing.index import Index, record_prompt
 from routing.kv_events import precise_namespace
 from routing.precise import PromptTokenizer, UnsupportedPrompt
 from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
+from routing.speculative import SpeculativeIndex
 from routing.types import BlockHits, Location, TenantClass, Tier
 
 log = logging.getLogger("cachelane.planner")
@@ -85,8 +85,10 @@ class Planner:
         index: Index,
         reuse: ReuseCounter,
         metrics: Metrics,
+        speculative: SpeculativeIndex | None = None,
     ) -> None:
         self._config = config
+        self._speculative = speculative
         self._registry = registry
         self._index = index
         self._reuse = reuse
@@ -343,12 +345,15 @@ class Planner:
 
     async def record_sent(self, plan: Plan, replica: Replica) -> None:
         """Approximate mode: after this request the replica holds the prompt's blocks in HBM,
-        and the remote tier holds them too if the write was admitted. Precise mode: only the
-        HBM hit prefix is refreshed (see the module docstring)."""
+        and the remote tier holds them too if the write was admitted. Precise mode: the HBM hit
+        prefix is refreshed and the rest marked speculative (see the module docstring)."""
         hbm = plan.hashes
         if self._precise:
-            hit_tokens = plan.decision.score(replica.name).overlap.hbm_tokens
-            hbm = plan.hashes[: hit_tokens // self._block_size]
+            hit_blocks = plan.decision.score(replica.name).overlap.hbm_tokens // self._block_size
+            hbm = plan.hashes[:hit_blocks]
+            if self._speculative is not None:
+                where = Location(replica.name, Tier.HBM)
+                self._speculative.speculate(plan.model, plan.hashes[hit_blocks:], where)
         try:
             if hbm:
                 await record_prompt(self._index, plan.model, hbm, Location(replica.name, Tier.HBM))

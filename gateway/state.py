@@ -27,6 +27,7 @@ from gateway.scraper import Scraper
 from gateway.tenants import CLASS_HEADER, Tenant, TenantStore
 from routing.index import Index, MemoryIndex
 from routing.index_resilient import ErrorHook, ResilientIndex
+from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
 
 log = logging.getLogger("cachelane.state")
@@ -128,13 +129,19 @@ class Gateway:
             index = self.index
             self.metrics.index_degraded.set_function(lambda: float(index.degraded))
         self.kv_events: KvEvents | None = None
+        # precise mode: routing also sees what was just sent, until the engines' events settle it
+        self.speculative: SpeculativeIndex | None = None
+        routing_index: Index = self.index
         if config.routing.mode == "precise":
+            self.speculative = routing_index = SpeculativeIndex(self.index)
             replicas = [(r.name, r.url, r.pool) for r in self.registry.replicas.values()]
-            self.kv_events = KvEvents(config, replicas, self.index, self.metrics)
+            self.kv_events = KvEvents(config, replicas, routing_index, self.metrics)
         self.redis = shared_redis(config)
         self.tenants = TenantStore(config.tenants, self.redis)
         self.reuse = ReuseCounter(self.metrics, redis=self.redis)
-        self.planner = Planner(config, self.registry, self.index, self.reuse, self.metrics)
+        self.planner = Planner(
+            config, self.registry, routing_index, self.reuse, self.metrics, self.speculative
+        )
         self.flow: FlowControl | None = None
         if config.flow_control.enabled:
             classes = config.classes
@@ -253,7 +260,10 @@ class Gateway:
                 self.kv_events.feeds[replica.name].replica_down()
             # Its cache may be gone (restart) or unreachable; stale entries would route to it.
             try:
-                await self.index.drop_replica(replica.name)
+                if self.speculative is not None:
+                    await self.speculative.drop_replica(replica.name)
+                else:
+                    await self.index.drop_replica(replica.name)
             except Exception as err:
                 self.metrics.index_errors.labels("drop_replica").inc()
                 log.warning("could not drop %s from the index: %r", replica.name, err)
