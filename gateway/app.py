@@ -66,6 +66,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             ]
             if config.prewarm.enabled:
                 tasks.append(asyncio.create_task(gw.prewarmer.run(), name="prewarm"))
+            if gw.fit_store is not None:
+                await gw.fit_store.load()
+                tasks.append(asyncio.create_task(gw.fit_store.run(), name="cost-fit-sharing"))
             if gw.flow is not None:
                 tasks.append(asyncio.create_task(gw.flow.run(), name="flow-control"))
             if config.engine_metrics.enabled:

@@ -15,6 +15,7 @@ from fastapi import Request
 from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
+from gateway.fit_store import FitStore
 from gateway.flow import ClassLimits, FlowControl, Shed
 from gateway.kv_events import KvEvents
 from gateway.metrics import Metrics
@@ -160,6 +161,11 @@ class Gateway:
                 )
         self.learner = CostLearner(
             config.routing.calibration, self.registry.replicas.values(), self.metrics
+        )
+        self.fit_store = (
+            FitStore(self.redis, self.learner)
+            if self.redis is not None and config.routing.calibration == "fit"
+            else None
         )
         self.proxy = Proxy(
             upstream,

@@ -128,3 +128,26 @@ async def test_gateway_b_sees_the_load_gateway_a_put_on_a_replica(
             assert loads[name]["in_flight"] >= n  # ... and sees them through the engine
         idle = set(loads) - set(held)
         assert all(loads[name]["in_flight"] == 0 for name in idle)
+
+
+async def test_a_new_gateway_starts_with_the_shared_cost_fits(own_redis: RedisServer) -> None:
+    async with two_gateways(own_redis.url, replicas=1) as (_, gateway_urls, apps):
+        async with client(gateway_urls[0]) as a:
+            for i in range(25):
+                stream = await a.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"{i} " + "fresh words here. " * 40}],
+                    max_tokens=2,
+                    stream=True,
+                )
+                async for _ in stream:
+                    pass
+        learned = apps[0].state.gw.learner.describe()["replicas"]
+        (name,) = learned
+        assert learned[name]["samples"] == 25
+        await apps[0].state.gw.fit_store.save()
+        late = create_app(apps[0].state.gw.config)
+        async with running_app(late):
+            warm = late.state.gw.learner.describe()["replicas"][name]
+        assert warm["samples"] == 25 and warm["source"] == "own fit"
+        assert warm["prefill_tokens_per_s"] == learned[name]["prefill_tokens_per_s"]
