@@ -96,8 +96,9 @@ DESCRIPTIONS: dict[str, str] = {
     "classes": "Flow control per tenant class (when flow_control.enabled): requests wait in the "
     "gateway, critical first, round robin between tenants, while every replica's estimated TTFT "
     "is over the class's budget.",
-    "classes.critical": "Critical: never held by default; with a ttft_budget_ms, a critical request "
-    "whose best pinned replica is estimated over it spills to the shared pools if one is faster.",
+    "classes.critical": "Critical: never held by default; with a ttft_budget_ms, a critical "
+    "request whose best pinned replica is estimated over it spills to the shared pools if one is "
+    "faster.",
     "classes.standard": "Standard: held while every replica is estimated over 1 s to first token.",
     "classes.batch": "Batch: held sooner (500 ms) than standard, so standard goes first.",
     "flow_control": "Class-aware flow control in the gateway (gateway/flow.py).",

@@ -50,7 +50,9 @@ FIXED_PRIOR_S = 0.5
 # Prior standard deviation of the fixed overhead, in seconds (the seed is a few ms): a CPU build of
 # vLLM spends tens to hundreds of ms per request outside the prefill.
 
-K_HUBER = 2.5  # residuals past 2.5 robust scales are down-weighted (95% efficiency under noise)
+K_HUBER = 1.345
+# Residuals past 1.345 robust scales are down-weighted: Huber's constant for 95% efficiency under
+# Gaussian noise, and TTFT noise on a shared host is far from Gaussian (long right tail).
 SCALE_WINDOW = 21
 # The robust scale is 1.4826 x the median |residual| of the last 21 samples (the MAD's normal
 # consistency factor): fewer than 11 outliers in 21 cannot move it, while a real shift (a
@@ -58,7 +60,9 @@ SCALE_WINDOW = 21
 # follows drift instead of explaining it away as outliers.
 MAD_TO_SIGMA = 1.4826
 MIN_SCALE = 0.02  # relative: a 2% spread is the floor of what a TTFT is measured to
-WARMUP_SAMPLES = SCALE_WINDOW  # no down-weighting before the scale has a window of evidence
+WARMUP_SAMPLES = 5
+# No down-weighting for the first 5 samples: the scale needs a few residuals. While the seed is
+# far off every residual is large, so the scale is too, and nothing is down-weighted anyway.
 
 RATE_BOUND = 1000.0  # a rate stays within 1/1000x .. 1000x of its seed
 MAX_FIXED_S = 30.0  # an overhead above 30 s is a broken replica, not a cost
