@@ -1,0 +1,636 @@
+"""How true is the gateway's TTFT estimate when the fleet is slower than the gateway believes?
+
+    python -m loadtest.bench_estimate [--quick] [--speeds 3,10] [--modes none,correction,fit]
+
+For each speed s, one simulated fleet (4 replicas with a small HBM tier, a CPU tier and one shared
+remote tier) whose costs are s times slower than routing/cost.py's defaults: prefill, PCIe and the
+remote network all divided by s (the remote tier's fixed cost per fetch stays). Each arm is a fresh
+gateway on that fleet with the same pool topology but no `costs` block (it starts from the
+defaults, as a user who does not know their GPU's prefill rate would) and `routing.calibration`
+set to the arm's mode; arm `true` states the sim's real costs with calibration `none` (the
+reference for routing quality). Before each arm every replica's prefix cache and the remote tier
+are emptied, and the same seeded trace (multi-turn chat and RAG questions about shared documents)
+is replayed open-loop.
+
+Per request, from the client's side: the gateway's estimate (x-cachelane-est-ttft-ms) against the
+observed time to the first SSE chunk, as |est - obs| / obs. Reported: p50 / p90 of that error over
+the first 50 requests (while calibration learns) and over the rest, est / obs p50 (the bias), the
+prefix hit rate from the usage chunks, client TTFT p50 / p99, the prefill utilisation the sims
+saw, and how the prompt tokens split over HBM / CPU / remote / computed.
+
+Prints a table, writes results/bench_estimate.json and results/bench_estimate.png (rolling p90
+of the error over the request index, one line per arm, one panel per speed). The machine's cores
+are shared by the sims, the gateway and this client: compare arms within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from loadtest import report, workload
+from loadtest.demo import _sigterm_as_interrupt
+from loadtest.procs import gateway_from_config, loopback_urls, sim_from_config
+from loadtest.replay import PATHS, REPLICA_HEADER, percentile, request_body
+from loadtest.sim.config import ITL_S, SIM_MODEL
+from loadtest.tier_arms import scrape
+from loadtest.workload import TraceRecord
+from routing.cost import PCIE_GBPS, PREFILL_TOKENS_PER_S, REMOTE_GBPS
+
+EST_HEADER = "x-cachelane-est-ttft-ms"
+
+SPEEDS = (3.0, 10.0)
+MODES = ("none", "correction", "fit")  # routing.calibration
+TRUE_ARM = "true"  # the sim's real costs in the gateway config, calibration none
+
+DURATION_S = 30.0
+QUICK_DURATION_S = 4.0
+# 30 s arms: ~300 requests at the rate below (so ~250 "after the first 50"); 2 speeds x 4 arms plus
+# ~3 s of start-up and drain each is ~4.5 minutes. --quick checks the machinery only.
+
+FIRST_N = 50  # "while calibrating": the first 50 requests of an arm; the rest are "after"
+ROLLING_WINDOW = 25  # requests per point of the plot's rolling p90
+
+WEIGHTS: dict[str, float] = {"chat": 0.5, "rag": 0.5}
+# Multi-turn chat (8 apps' system prompts, conversations growing turn by turn) and questions about
+# 80 shared documents (Zipf popularity): long shared prefixes that outgrow HBM (evicted to the CPU
+# tier, then out of it, found again in the remote tier) next to hot ones that stay in HBM.
+MAX_TOKENS = 16  # TTFT is the subject; short answers keep the client's CPU cost low
+
+TARGET_UTILISATION = 0.65
+MISS_FACTOR = 1.2
+PROBE_RATE_PER_S = 10.0
+PROBE_DURATION_S = 20.0
+MIN_RATE_PER_S = 2.0
+MAX_RATE_PER_S = 16.0
+# The trace's rate is set so that prefill is moderately busy at the slowest speed asked for:
+#   utilisation = uncached tokens per second / (replicas * PREFILL_TOKENS_PER_S / speed).
+# Uncached tokens per request come from a 20 s probe trace of this mix: its ideal misses
+# (workload.ideal_hits: one unlimited shared cache; ~650 of ~2.3k prompt tokens per request) times
+# MISS_FACTOR for what a real fleet loses on top (evictions whose blocks the remote tier did not
+# keep, remote hits cheaper to recompute, concurrent first requests for one prefix): ~780. At
+# speed 10 the fleet prefills 4 x 3k = 12k tokens/s, and 0.65 of it is ~7.8k tokens/s: ~10 req/s,
+# ~300 requests per 30 s arm; the sims measured 0.51-0.58 at 0.6 (reported per arm as `util`).
+# At speed 3 the same trace uses ~0.2 of the fleet. Remote fetches and swap-ins do not hold the
+# prefill lock, so they are not counted. Smaller prompts are not an option without forking
+# loadtest/workload.py's sizes, hence the longer arms. MAX_RATE_PER_S bounds what two shared cores
+# drive through one gateway (a single fast speed would otherwise ask for ~40 req/s).
+
+MAX_IN_FLIGHT = 256  # far above rate x latency; only stops a runaway
+DRAIN_TIMEOUT_S = 30.0  # after the last arrival, how long stragglers may take before cancellation
+CONNECT_TIMEOUT_S = 5.0
+HTTP_TIMEOUT_S = 5.0  # one reset on loopback
+
+SIM_COUNTERS = (
+    "vllm:prompt_tokens",
+    "vllm:prefix_cache_hits",
+    "cachelane_sim_swap_in_tokens",
+    "cachelane_sim_remote_fetch_tokens",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    replicas: int = 4
+    hbm_capacity_tokens: int = 12_000
+    cpu_capacity_tokens: int = 8_000
+    # As tier_arms.ReuseSetup: 4 x (12k + 8k) = 80k tokens of HBM and CPU in the fleet against
+    # ~10-20 live conversations of 1-7k tokens each and ~160k tokens of documents, so prefixes move
+    # HBM -> CPU -> out, and a later turn or question finds them in HBM, the CPU or the remote tier.
+
+
+def sim_costs(speed: float) -> dict[str, float]:
+    """routing/cost.py's defaults, every rate divided by `speed` (the fixed remote cost stays)."""
+    return {
+        "prefill_tokens_per_s": PREFILL_TOKENS_PER_S / speed,
+        "pcie_gbps": PCIE_GBPS / speed,
+        "remote_gbps": REMOTE_GBPS / speed,
+    }
+
+
+def fleet_config(
+    setup: Setup,
+    replicas: Sequence[str],
+    remote: str,
+    *,
+    calibration: str,
+    costs: bool,
+    speed: float,
+) -> dict[str, Any]:
+    """One config for both sides: the sims read `costs` and `sim`, the gateway the rest. Without
+    `costs` the pool has routing/cost.py's defaults."""
+    pool: dict[str, Any] = {
+        "name": "fleet",
+        "replicas": list(replicas),
+        "models": [SIM_MODEL],
+        "hbm_capacity_tokens": setup.hbm_capacity_tokens,
+        "cpu_capacity_tokens": setup.cpu_capacity_tokens,
+        "remote_tier": "kv",
+    }
+    if costs:
+        pool["costs"] = sim_costs(speed)
+    return {
+        "routing": {"calibration": calibration},
+        "remote_tiers": [{"name": "kv", "url": remote}],
+        "pools": [pool],
+    }
+
+
+def sim_config(setup: Setup, replicas: Sequence[str], remote: str, speed: float) -> dict[str, Any]:
+    config = fleet_config(setup, replicas, remote, calibration="none", costs=True, speed=speed)
+    config["pools"][0]["sim"] = {"time_factor": 1.0}  # real time: the client measures wall clock
+    return config
+
+
+def gateway_config(
+    setup: Setup, replicas: Sequence[str], remote: str, arm: str, speed: float
+) -> dict[str, Any]:
+    if arm == TRUE_ARM:
+        return fleet_config(setup, replicas, remote, calibration="none", costs=True, speed=speed)
+    return fleet_config(setup, replicas, remote, calibration=arm, costs=False, speed=speed)
+
+
+# --- trace -----------------------------------------------------------------------------------
+
+
+def _trace(rate_per_s: float, duration_s: float, seed: int, slowest: float) -> list[TraceRecord]:
+    # The next turn of a conversation starts after a conservative bound on the previous one's
+    # service time at the slowest speed (the whole prompt prefilled, twice the sim's ITL).
+    bound = workload.ServiceBound(
+        prefill_tokens_per_s=PREFILL_TOKENS_PER_S / slowest, itl_s=2 * ITL_S
+    )
+    return workload.generate(
+        WEIGHTS,
+        rate_per_s=rate_per_s,
+        duration_s=duration_s,
+        seed=seed,
+        max_tokens=MAX_TOKENS,
+        bound=bound,
+    )
+
+
+def uncached_per_request(trace: Sequence[TraceRecord]) -> float:
+    hits = workload.ideal_hits(trace)
+    return MISS_FACTOR * (hits.prompt_tokens - hits.cached_tokens) / max(1, len(trace))
+
+
+def fleet_prefill_tokens_per_s(setup: Setup, speed: float) -> float:
+    return setup.replicas * PREFILL_TOKENS_PER_S / speed
+
+
+def pick_rate(setup: Setup, slowest: float, seed: int) -> float:
+    probe = _trace(PROBE_RATE_PER_S, PROBE_DURATION_S, seed, slowest)
+    rate = (
+        TARGET_UTILISATION
+        * fleet_prefill_tokens_per_s(setup, slowest)
+        / uncached_per_request(probe)
+    )
+    return round(min(MAX_RATE_PER_S, max(MIN_RATE_PER_S, rate)), 2)
+
+
+# --- open-loop sender ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Sample:
+    index: int
+    scheduled_s: float
+    send_lag_s: float = 0.0
+    status: int = 0
+    obs_s: float | None = None  # client time to the first SSE chunk
+    est_s: float | None = None  # the gateway's x-cachelane-est-ttft-ms, in seconds
+    e2e_s: float | None = None
+    replica: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def rel_error(self) -> float | None:
+        if not self.ok or self.obs_s is None or self.est_s is None or self.obs_s <= 0:
+            return None
+        return abs(self.est_s - self.obs_s) / self.obs_s
+
+
+async def _send(client: httpx.AsyncClient, record: TraceRecord, s: Sample) -> None:
+    started = time.perf_counter()
+    path = PATHS[record["endpoint"]]
+    async with client.stream("POST", path, json=request_body(record, SIM_MODEL)) as resp:
+        s.status = resp.status_code
+        s.replica = resp.headers.get(REPLICA_HEADER, "")
+        est = resp.headers.get(EST_HEADER)
+        s.est_s = float(est) / 1000 if est else None
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace")
+            s.error = f"HTTP {resp.status_code}: {body[:300]}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            if s.obs_s is None:
+                s.obs_s = time.perf_counter() - started
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                s.error = f"stream error: {str(chunk['error'])[:300]}"
+                break
+            usage = chunk.get("usage")
+            if usage:
+                s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                s.cached_tokens = int(details.get("cached_tokens") or 0)
+    s.e2e_s = time.perf_counter() - started
+    if s.error is None and not s.prompt_tokens:
+        s.error = "no usage chunk in the stream"
+    if s.error is None and s.est_s is None:
+        s.error = f"no {EST_HEADER} header"
+
+
+async def send_trace(trace: Sequence[TraceRecord], base_url: str) -> tuple[list[Sample], float]:
+    """Every record at its arrival offset (open loop, at most MAX_IN_FLIGHT at once); whatever is
+    still running DRAIN_TIMEOUT_S after the last arrival is cancelled. Returns the samples in
+    trace order and the elapsed time."""
+    samples = [Sample(i, r["t_s"]) for i, r in enumerate(trace)]
+    slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+    limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT)
+    timeout = httpx.Timeout(
+        connect=CONNECT_TIMEOUT_S, read=DRAIN_TIMEOUT_S, write=DRAIN_TIMEOUT_S, pool=None
+    )
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def one(record: TraceRecord, s: Sample) -> None:
+            try:
+                async with slots:
+                    s.send_lag_s = max(0.0, loop.time() - t0 - record["t_s"])
+                    await _send(client, record, s)
+            except asyncio.CancelledError:
+                s.error = "cancelled at the drain deadline"
+                raise
+            except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
+                s.error = f"{type(err).__name__}: {err}"
+
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for record, s in zip(trace, samples, strict=True):
+                delay = t0 + record["t_s"] - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(record, s)))
+            if tasks:
+                await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return samples, loop.time() - t0
+
+
+# --- one arm ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    speed: float
+    samples: list[Sample]
+    elapsed_s: float
+    sims: dict[str, float]  # the sims' counters, summed over replicas, grown during the arm
+    prefill_tokens_per_s: float  # one replica's real rate
+    replicas: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.stats = arm_stats(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.stats,
+            "sims": self.sims,
+            "elapsed_s": self.elapsed_s,
+            "per_request": {
+                "est_ms": [_ms(s.est_s) for s in self.samples],
+                "obs_ms": [_ms(s.obs_s) for s in self.samples],
+                "rel_error": [s.rel_error for s in self.samples],
+                "replica": [s.replica for s in self.samples],
+                "cached_tokens": [s.cached_tokens for s in self.samples],
+                "prompt_tokens": [s.prompt_tokens for s in self.samples],
+            },
+            "errors_seen": sorted({s.error for s in self.samples if s.error})[:5],
+        }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def _errors(samples: Sequence[Sample]) -> list[float]:
+    return [e for e in (s.rel_error for s in samples) if e is not None]
+
+
+def arm_stats(arm: ArmResult) -> dict[str, Any]:
+    ok = [s for s in arm.samples if s.ok]
+    first, after = _errors(arm.samples[:FIRST_N]), _errors(arm.samples[FIRST_N:])
+    prompt = sum(s.prompt_tokens for s in ok)
+    cached = sum(s.cached_tokens for s in ok)
+    obs_ms = [s.obs_s * 1000 for s in ok if s.obs_s is not None]
+    ratios = [s.est_s / s.obs_s for s in ok if s.est_s is not None and s.obs_s]
+    sim_prompt = arm.sims.get("vllm:prompt_tokens", 0.0)
+    hbm = arm.sims.get("vllm:prefix_cache_hits", 0.0)
+    cpu = arm.sims.get("cachelane_sim_swap_in_tokens", 0.0)
+    remote = arm.sims.get("cachelane_sim_remote_fetch_tokens", 0.0)
+    computed = max(0.0, sim_prompt - hbm - cpu - remote)
+    busy_s = computed / arm.prefill_tokens_per_s
+    span_s = max(1e-9, max((s.scheduled_s for s in arm.samples), default=0.0))
+
+    def share(tokens: float) -> float:
+        return tokens / sim_prompt if sim_prompt else math.nan
+
+    return {
+        "requests": len(arm.samples),
+        "ok": len(ok),
+        "errors": len(arm.samples) - len(ok),
+        "err_p50_first": percentile(first, 50),
+        "err_p90_first": percentile(first, 90),
+        "err_p50_after": percentile(after, 50),
+        "err_p90_after": percentile(after, 90),
+        "n_first": len(first),
+        "n_after": len(after),
+        "est_over_obs_p50": percentile(ratios, 50),
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_p50_ms": percentile(obs_ms, 50),
+        "ttft_p99_ms": percentile(obs_ms, 99),
+        "send_lag_p99_ms": percentile([s.send_lag_s * 1000 for s in arm.samples], 99),
+        "prefill_utilisation": busy_s / (arm.replicas * span_s),
+        "tier_share": {
+            "hbm": share(hbm),
+            "cpu": share(cpu),
+            "remote": share(remote),
+            "computed": share(computed),
+        },
+    }
+
+
+def reset(replicas: Sequence[str], remote: str) -> None:
+    """Empty every replica's prefix cache and the remote tier, so arms start alike."""
+    with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
+        for url in replicas:
+            client.post(f"{url}/reset_prefix_cache").raise_for_status()
+        client.post(f"{remote}/reset").raise_for_status()
+
+
+def run_speed(
+    console: Console,
+    setup: Setup,
+    speed: float,
+    arms: Sequence[str],
+    trace: Sequence[TraceRecord],
+    log_dir: Path,
+) -> dict[str, ArmResult]:
+    urls = loopback_urls(setup.replicas + 1)
+    remote, replicas = urls[0], urls[1:]
+    name = f"speed{speed:g}"
+    out: dict[str, ArmResult] = {}
+    with sim_from_config(sim_config(setup, replicas, remote, speed), log_dir, name):
+        for arm in arms:
+            reset(replicas, remote)
+            before = scrape(replicas, SIM_COUNTERS)
+            config = gateway_config(setup, replicas, remote, arm, speed)
+            with gateway_from_config(config, log_dir, f"{name}-{arm}") as gw:
+                samples, elapsed_s = asyncio.run(send_trace(trace, gw.url))
+            after = scrape(replicas, SIM_COUNTERS)
+            sims = {k: v - before.get(k, 0.0) for k, v in after.items()}
+            result = ArmResult(
+                arm, speed, samples, elapsed_s, sims, PREFILL_TOKENS_PER_S / speed, setup.replicas
+            )
+            out[arm] = result
+            st = result.stats
+            console.print(
+                f"  speed {speed:g} {arm:<10} {st['ok']}/{st['requests']} ok, err p90 after "
+                f"{_pct(st['err_p90_after'])}, prefill util {st['prefill_utilisation']:.2f}"
+            )
+    return out
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def _pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0%}"
+
+
+def _num(value: float, fmt: str) -> str:
+    return "-" if math.isnan(value) else format(value, fmt)
+
+
+def table(results: Mapping[float, Mapping[str, ArmResult]]) -> Table:
+    t = Table(
+        title="TTFT estimate vs client-observed time to first chunk: |est - obs| / obs",
+        box=box.SIMPLE_HEAD,
+        caption=f"first / after: the first {FIRST_N} requests of an arm / the rest; "
+        "est/obs: median ratio (bias); util: prefill utilisation; tiers: share of prompt tokens "
+        "from HBM / CPU / remote",
+    )
+    columns = (
+        "speed", "mode", "err p50 first", "err p90 first", "err p50 after", "err p90 after",
+        "est/obs", "hit rate", "TTFT p50", "TTFT p99", "util", "tiers h/c/r", "errors",
+    )  # fmt: skip
+    for c in columns:
+        t.add_column(c, justify="left" if c == "mode" else "right")
+    for speed, arms in results.items():
+        for arm, r in arms.items():
+            s = r.stats
+            tiers = s["tier_share"]
+            t.add_row(
+                f"{speed:g}x",
+                arm,
+                _pct(s["err_p50_first"]),
+                _pct(s["err_p90_first"]),
+                _pct(s["err_p50_after"]),
+                _pct(s["err_p90_after"]),
+                _num(s["est_over_obs_p50"], ".2f"),
+                f"{s['hit_rate']:.1%}",
+                _num(s["ttft_p50_ms"], ",.0f"),
+                _num(s["ttft_p99_ms"], ",.0f"),
+                f"{s['prefill_utilisation']:.2f}",
+                "/".join(_num(tiers[k] * 100, ".0f") for k in ("hbm", "cpu", "remote")),
+                str(s["errors"]),
+            )
+    return t
+
+
+def rolling_p90(values: Sequence[float | None], window: int) -> tuple[list[int], list[float]]:
+    xs: list[int] = []
+    ys: list[float] = []
+    for i in range(len(values)):
+        chunk = [v for v in values[max(0, i - window + 1) : i + 1] if v is not None]
+        if chunk and i + 1 >= min(window, len(values)):
+            xs.append(i)
+            ys.append(percentile(chunk, 90))
+    return xs, ys
+
+
+def plot(path: Path, results: Mapping[float, Mapping[str, ArmResult]]) -> None:
+    import matplotlib  # imported here so that `cachelane serve` never loads it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = max(1, len(results))
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False, sharey=True)
+    for ax, (speed, arms) in zip(axes[0], results.items(), strict=False):
+        for arm, r in arms.items():
+            xs, ys = rolling_p90([s.rel_error for s in r.samples], ROLLING_WINDOW)
+            ax.plot(xs, ys, label=arm, linestyle="--" if arm == TRUE_ARM else "-")
+        ax.axvline(FIRST_N, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_yscale("log")
+        ax.set_xlabel("request index")
+        ax.set_title(f"fleet {speed:g}x slower than the defaults")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    axes[0][0].set_ylabel(f"|est - obs| / obs, rolling p90 ({ROLLING_WINDOW} requests)")
+    fig.suptitle("cachelane TTFT estimate error by calibration mode (simulated fleet)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_estimate",
+        description="TTFT estimate error per calibration mode on fleets slower than the defaults.",
+    )
+    add = p.add_argument
+    add("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per arm")
+    add("--duration-s", type=float, default=None, help="per arm (default: 30, --quick 4)")
+    add("--speeds", default=",".join(f"{s:g}" for s in SPEEDS), help="(default: %(default)s)")
+    add("--modes", default=",".join(MODES), help="routing.calibration (default: %(default)s)")
+    add("--no-true", action="store_true", help=f"skip the `{TRUE_ARM}` reference arm")
+    add("--rate", type=float, default=None, help="req/s (default: from the slowest speed)")
+    add("--seed", type=int, default=1)
+    add(
+        "--out",
+        type=Path,
+        default=Path("results/bench_estimate.json"),
+        help="(default: %(default)s)",
+    )
+    return p
+
+
+def _parse_speeds(text: str) -> list[float]:
+    speeds = [float(s) for s in text.split(",") if s.strip()]
+    if not speeds or any(s <= 0 for s in speeds):
+        raise ValueError(f"--speeds: need positive numbers, got {text!r}")
+    return speeds
+
+
+def payload(
+    setup: Setup,
+    results: Mapping[float, Mapping[str, ArmResult]],
+    info: Mapping[str, Any],
+    wall_s: float,
+) -> dict[str, Any]:
+    return {
+        **info,
+        "setup": asdict(setup),
+        "first_n": FIRST_N,
+        "results": [
+            {
+                "speed": speed,
+                "sim_costs": sim_costs(speed),
+                "offered_utilisation": info["offered_utilisation"].get(f"{speed:g}"),
+                "arms": {arm: r.to_dict() for arm, r in arms.items()},
+            }
+            for speed, arms in results.items()
+        ],
+        "wall_time_s": wall_s,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    try:
+        speeds = _parse_speeds(args.speeds)
+    except ValueError as err:
+        console.print(f"[red]bench_estimate: {err}")
+        return 2
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        console.print(f"[red]bench_estimate: unknown modes {bad}; known: {', '.join(MODES)}")
+        return 2
+    arms = ([] if args.no_true else [TRUE_ARM]) + modes
+    duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
+    setup = Setup()
+    slowest = max(speeds)
+    rate = args.rate or pick_rate(setup, slowest, args.seed)
+    trace = _trace(rate, duration_s, args.seed, slowest)
+    ideal = workload.ideal_hits(trace)
+    per_request = uncached_per_request(_trace(rate, PROBE_DURATION_S, args.seed, slowest))
+    offered = {f"{s:g}": rate * per_request / fleet_prefill_tokens_per_s(setup, s) for s in speeds}
+    console.print(
+        f"{len(trace)} requests over {duration_s:.0f} s ({rate:g} req/s, chat + RAG), ideal hit "
+        f"rate {ideal.hit_rate:.1%}; expected prefill utilisation "
+        + ", ".join(f"{u:.2f} at {s}x" for s, u in offered.items())
+        + f"; arms {', '.join(arms)}"
+    )
+    out: Path = args.out
+    log_dir = out.parent / out.stem
+    log_dir.mkdir(parents=True, exist_ok=True)
+    info = {
+        "duration_s": duration_s,
+        "rate_per_s": rate,
+        "workload": {"weights": WEIGHTS, "max_tokens": MAX_TOKENS, "seed": args.seed},
+        "requests": len(trace),
+        "ideal_hit_rate": ideal.hit_rate,
+        "offered_utilisation": offered,
+        "arms": arms,
+    }
+    started = time.perf_counter()
+    results: dict[float, dict[str, ArmResult]] = {}
+    try:
+        with _sigterm_as_interrupt():
+            for speed in speeds:
+                results[speed] = run_speed(console, setup, speed, arms, trace, log_dir)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; every process was stopped")
+        return 130
+    except (RuntimeError, httpx.HTTPError) as err:
+        console.print(f"[red]bench_estimate: {err}")
+        return 1
+    wall_s = time.perf_counter() - started
+    console.print(table(results))
+    report.write_json(out, payload(setup, results, info, wall_s))
+    png = out.with_suffix(".png")
+    plot(png, results)
+    console.print(f"wrote {out} and {png} in {wall_s:.0f} s; logs in {log_dir}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
