@@ -55,7 +55,9 @@ class Replica:
         e = self.engine
         if e is not None and now_s - e.scraped_at_s <= stale_after_s:
             in_flight = max(in_flight, round(e.running + e.waiting))
-            foreign_waiting = max(0.0, e.waiting - self.awaiting_first_byte)
+            # the engine's waiting count is as of the scrape: take out what was ours then, not
+            # now (a request of ours that has finished since would count as someone else's)
+            foreign_waiting = max(0.0, e.waiting - max(e.own_waiting, self.awaiting_first_byte))
             pending += round(foreign_waiting * self.mean_prefill_tokens)
         busy_s = time.perf_counter() - self.head_since_s if self.awaiting_first_byte else 0.0
         return Load(in_flight, pending, self.swaps_in_flight, busy_s)

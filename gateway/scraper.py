@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import httpx
@@ -41,6 +41,7 @@ class EngineLoad:
     kv_usage: float  # 0..1
     scraped_at_s: float  # time.monotonic()
     gpu_blocks: int | None = None  # KV blocks the engine allocated in HBM (cache_config_info)
+    own_waiting: int = 0  # this gateway's requests awaiting their first byte when it was read
     block_size_tokens: int | None = None
 
     @property
@@ -109,7 +110,10 @@ class Scraper:
         try:
             resp = await self._client.get(f"{replica.url}/metrics", timeout=self._timeout_s)
             resp.raise_for_status()
-            scraped = parse_engine_load(resp.text, time.monotonic())
+            scraped = replace(
+                parse_engine_load(resp.text, time.monotonic()),
+                own_waiting=replica.awaiting_first_byte,
+            )
             replica.observe_engine(scraped, self._block_size)
         except (httpx.HTTPError, ValueError) as err:
             log.debug("metrics scrape of %s failed: %r", replica.name, err)
