@@ -241,7 +241,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     try:
         tenant = gw.authenticate(request)
         body = await _read_json(request, gw.config.max_body_bytes)
-        plan = await gw.hold(await gw.planner.plan(endpoint, body, tenant))
+        plan = await _hold(gw, request, await gw.planner.plan(endpoint, body, tenant))
         _count_decision(gw, plan)
         gw.prewarmer.consider(plan)
         response = await gw.proxy.forward(endpoint, request.state.raw_body, plan)
@@ -256,6 +256,26 @@ async def _serve(request: Request, endpoint: str) -> Response:
             gw.metrics.tenant_requests.labels(
                 tenant.name, tenant.tenant_class.value, str(status)
             ).inc()
+
+
+DISCONNECT_POLL_S = 0.1  # a client that leaves while held in flow control is noticed this fast
+
+
+async def _hold(gw: Gateway, request: Request, plan: Plan) -> Plan:
+    """Flow control's wait, given up as soon as the client disconnects (uvicorn does not cancel
+    a handler whose client left; a held request would otherwise keep its place and be sent)."""
+    held = asyncio.ensure_future(gw.hold(plan))
+    while True:
+        done, _ = await asyncio.wait({held}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return held.result()
+        if await request.is_disconnected():
+            held.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApiError):
+                await held
+            raise ApiError(
+                499, "the client closed the request while it was held", code="client_closed"
+            )
 
 
 def _count_decision(gw: Gateway, plan: Plan) -> None:

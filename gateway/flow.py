@@ -280,11 +280,12 @@ class FlowControl:
         return {s.tenant_class.value: s.depth for s in self._order}
 
     def higher_class_waiting(self, tenant_class: TenantClass) -> bool:
-        """True if a request of a strictly higher class than `tenant_class` is queued."""
+        """True if a request of a strictly higher class than `tenant_class` is queued, or was
+        dispatched and has not reserved yet."""
         for s in self._order:
             if s.tenant_class is tenant_class:
                 return False
-            if s.depth:
+            if s.depth or s.handoffs:  # a hand-off's load is not in the view yet
                 return True
         return False
 

@@ -193,8 +193,10 @@ class Planner:
             replica = self._registry.replicas[score.replica]
             if not replica.healthy:
                 continue
-            e = estimate(score.overlap, replica.load(now_s, stale_s), replica.costs, replica.terms)
-            if e.ttft_s <= budget_s or e.queue_tokens < 1:
+            load = replica.load(now_s, stale_s)
+            if load.pending_prefill_tokens == 0:  # only decodes running: the prefill is free
+                return True
+            if estimate(score.overlap, load, replica.costs, replica.terms).ttft_s <= budget_s:
                 return True
         return False
 
