@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import GatewayConfig
+from gateway.kv_wire import EventDecodeError, Message, decode_message, encode_seq
 from gateway.metrics import Metrics
 from routing.cost import HBM_CAPACITY_TOKENS
 from routing.index import Index
@@ -39,12 +40,8 @@ from routing.kv_events import (
     BlockStored,
     EngineBlockMap,
     EventBatch,
-    EventDecodeError,
-    Message,
     SeqTracker,
     SeqVerdict,
-    decode_message,
-    encode_seq,
 )
 from routing.types import Location
 

@@ -21,11 +21,12 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.kv_events import ReplicaFeed
+from gateway.kv_wire import encode_batch, encode_seq
 from gateway.metrics import Metrics
 from loadtest.redis_proc import RedisServer
 from routing.index import Index, MemoryIndex
 from routing.index_redis import RedisIndex
-from routing.kv_events import BlockRemoved, BlockStored, Event, EventBatch, encode_batch, encode_seq
+from routing.kv_events import BlockRemoved, BlockStored, Event, EventBatch
 
 BLOCK_TOKENS = 16  # vLLM's default --block-size
 CAPACITY_BLOCKS = 4096  # a replica's HBM in blocks for this run: evictions start after it fills

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 ROUTERS_VENV = REPO / ".venv-routers"
 
 EXTERNAL_PACKAGES = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
-# The versions DESIGN.md's facts were observed on; pinned so a run compares like with like.
+# The versions docs/performance.md's comparisons were measured with; pinned so a run compares like
+# with like.
 
 EXTERNAL_POLICIES = {
     "sglang": ("cache_aware", "round_robin", "power_of_two"),

@@ -40,7 +40,8 @@ COSTS_70B: dict[str, float] = {
     # Llama-3.1-70B, BF16: 80 layers * 8 KV heads * 128 head dim * 2 (K, V) * 2 bytes = 320 KiB
     # (meta-llama/Llama-3.1-70B config.json: num_hidden_layers=80, num_key_value_heads=8).
     "kv_bytes_per_token": 327_680,
-    # ~13k prompt tokens/s for 70B on TP4 H200 (DESIGN.md's table).
+    # ~13k prompt tokens/s for 70B on TP4 H200: the 8B rate of routing/cost.py (~30k/s) scaled by
+    # the parameter ratio (8B / 70B x 4 GPUs = 0.46), an estimate, not a measurement.
     "prefill_tokens_per_s": 13_000.0,
     # TP4: each GPU swaps its quarter of the KV heads in over its own PCIe Gen5 x16 link, ~50 GB/s
     # measured each (routing/cost.py PCIE_GBPS), so 4 x 50 GB/s for the replica.

@@ -25,18 +25,20 @@ KV_BYTES_PER_TOKEN = 131_072
 # (meta-llama/Llama-3.1-8B config.json: num_hidden_layers=32, num_key_value_heads=8, head_dim=128).
 
 PREFILL_TOKENS_PER_S = 30_000.0
-# ~30k prompt tokens/s for an 8B model on one H200 (DESIGN.md's table; vLLM prefill-only throughput
-# benchmarks for Llama-3.1-8B on H100/H200 report 25-35k tokens/s).
+# ~30k prompt tokens/s for an 8B model on one H200: vLLM prefill-only throughput benchmarks for
+# Llama-3.1-8B on H100/H200 report 25-35k tokens/s. A seed: the fit (routing/learn.py) replaces it.
 
 PCIE_GBPS = 50.0
-# Host-to-device copy on PCIe Gen5 x16: ~50 GB/s measured (63 GB/s theoretical), DESIGN.md's table.
+# Host-to-device copy on PCIe Gen5 x16: 63 GB/s theoretical (32 GT/s x 16 lanes, 128b/130b, PCIe
+# 5.0 base specification); ~50 GB/s is the ~80% that pinned-memory copies typically reach.
 
 REMOTE_GBPS = 24.0
-# 400 Gb/s RDMA NIC: 50 GB/s line rate, ~24 GB/s effective for KV transfers (DESIGN.md's table,
-# Mooncake / LMCache remote-backend figures).
+# 400 Gb/s RDMA NIC: 50 GB/s line rate, ~24 GB/s effective for KV transfers (Mooncake / LMCache
+# remote-backend figures; an estimate until the fit measures it).
 
 REMOTE_FIXED_S = 0.026
-# ~26 ms fixed cost per remote fetch (lookup + connection + first byte), DESIGN.md's table.
+# ~26 ms fixed cost per remote fetch (lookup + connection + first byte): an assumption, not
+# fitted (routing/learn.py fits the per-token fetch cost only).
 
 PREFILL_CHUNK_TOKENS = 8_192
 # vLLM V1 chunked prefill: max_num_batched_tokens defaults to 8192 for the OpenAI server on GPUs

@@ -39,6 +39,7 @@ from typing import Any
 
 import xxhash
 
+from gateway.precise import PromptTokenizer
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.prefill_queue import PrefillQueue
 from loadtest.sim.remote import RemoteClient
@@ -46,7 +47,6 @@ from loadtest.sim.tiers import BlockLRU
 from routing.cost import Load, Overlap, estimate
 from routing.hashing import block_hashes, token_block_hashes
 from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, precise_namespace
-from routing.precise import PromptTokenizer
 from routing.prompt import approx_tokens
 
 EventSink = Callable[[Sequence[Event]], None]

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 import zmq
 import zmq.asyncio
 
-from routing.kv_events import END_OF_REPLAY_SEQ, Event, EventBatch, encode_batch, encode_seq
+from gateway.kv_wire import encode_batch, encode_seq
+from routing.kv_events import END_OF_REPLAY_SEQ, Event, EventBatch
 
 log = logging.getLogger(__name__)
 

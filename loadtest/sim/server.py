@@ -35,13 +35,13 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
+from gateway.precise import PromptTokenizer, UnsupportedPrompt
 from loadtest.sim import protocol
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.engine import ContextLengthExceeded, Prompt, SimEngine
 from loadtest.sim.kv_publisher import KvEventPublisher
 from loadtest.sim.protocol import ApiError, ChunkWriter, Kind
 from loadtest.sim.remote import REMOTE_TIMEOUT_S, RemoteClient
-from routing.precise import PromptTokenizer, UnsupportedPrompt
 from routing.prompt import PromptError, chat_text, completion_text
 
 NAMESPACE_HEADER = "x-cachelane-namespace"  # same names as the gateway's proxy (gateway/proxy.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from gateway.kv_wire import EventDecodeError, decode_batch, decode_message, encode_batch, encode_seq
 from routing.hashing import token_block_hashes
 from routing.kv_events import (
     AllBlocksCleared,
@@ -12,14 +13,9 @@ from routing.kv_events import (
     BlockStored,
     EngineBlockMap,
     EventBatch,
-    EventDecodeError,
     SeqTracker,
     SeqVerdict,
     Skip,
-    decode_batch,
-    decode_message,
-    encode_batch,
-    encode_seq,
     precise_namespace,
 )
 from routing.types import Tier

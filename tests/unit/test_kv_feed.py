@@ -9,18 +9,11 @@ from collections.abc import Sequence
 import pytest
 
 from gateway.kv_events import ReplicaFeed
+from gateway.kv_wire import encode_batch, encode_seq
 from gateway.metrics import Metrics
 from routing.hashing import token_block_hashes
 from routing.index import MemoryIndex
-from routing.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    EventBatch,
-    encode_batch,
-    encode_seq,
-)
+from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from routing.types import Location, Tier
 
 BS = 4

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.config import ConfigError, parse_config
+from gateway.precise import PromptTokenizer, TemplateError, UnsupportedPrompt
 from loadtest.tiny_tokenizer import (
     BOS,
     CHAT_TEMPLATE,
@@ -15,7 +16,6 @@ from loadtest.tiny_tokenizer import (
     TinyTokenizerFiles,
     write_tiny_tokenizer,
 )
-from routing.precise import PromptTokenizer, TemplateError, UnsupportedPrompt
 from routing.prompt import PromptError
 
 
