@@ -264,6 +264,8 @@ DISCONNECT_POLL_S = 0.1  # a client that leaves while held in flow control is no
 async def _hold(gw: Gateway, request: Request, plan: Plan) -> Plan:
     """Flow control's wait, given up as soon as the client disconnects (uvicorn does not cancel
     a handler whose client left; a held request would otherwise keep its place and be sent)."""
+    if not gw.may_hold(plan):  # critical by default, or flow control off: no task, no polling
+        return plan
     held = asyncio.ensure_future(gw.hold(plan))
     while True:
         done, _ = await asyncio.wait({held}, timeout=DISCONNECT_POLL_S)

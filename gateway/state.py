@@ -199,6 +199,11 @@ class Gateway:
             block_size_tokens=config.routing.block_size_tokens,
         )
 
+    def may_hold(self, plan: Plan) -> bool:
+        """Whether flow control applies to this request's class at all."""
+        budget_ms = getattr(self.config.classes, plan.tenant.tenant_class.value).ttft_budget_ms
+        return self.flow is not None and budget_ms is not None
+
     async def hold(self, plan: Plan) -> Plan:
         """Flow control: wait, in the class's queue, until the request fits its class's TTFT
         budget somewhere (critical first, then standard, then batch; round robin between
