@@ -59,6 +59,7 @@ from loadtest.replay import (
     REPLICA_HEADER,
     RequestResult,
     Summary,
+    at_offsets,
     has_text,
     percentile,
     request_body,
@@ -319,10 +320,10 @@ async def replay_trace(
         base_url=base_url, limits=limits, timeout=timeout, trust_env=False
     ) as client:
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
 
-        async def one(record: TraceRecord, result: CriticalResult) -> None:
-            result.send_lag_s = max(0.0, loop.time() - t0 - record["t_s"])
+        async def one(i: int, record: TraceRecord, due_s: float) -> None:
+            result = results[i]
+            result.send_lag_s = max(0.0, loop.time() - due_s)
             try:
                 async with asyncio.timeout(request_timeout_s):
                     await _send(client, record, result)
@@ -334,19 +335,7 @@ async def replay_trace(
             except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
                 result.error = f"{type(err).__name__}: {err}"
 
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            for record, result in zip(trace, results, strict=True):
-                delay = t0 + record["t_s"] - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(record, result)))
-            if tasks:
-                await asyncio.wait(tasks, timeout=request_timeout_s + 5.0)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await at_offsets(trace, one, drain_timeout_s=request_timeout_s + 5.0)
     return results
 
 

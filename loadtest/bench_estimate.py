@@ -44,7 +44,7 @@ from rich.table import Table
 from loadtest import report, workload
 from loadtest.demo import _sigterm_as_interrupt
 from loadtest.procs import gateway_from_config, loopback_urls, sim_from_config
-from loadtest.replay import PATHS, REPLICA_HEADER, percentile, request_body
+from loadtest.replay import PATHS, REPLICA_HEADER, at_offsets, percentile, request_body
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.tier_arms import scrape
 from loadtest.workload import TraceRecord
@@ -279,10 +279,11 @@ async def send_trace(trace: Sequence[TraceRecord], base_url: str) -> tuple[list[
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
-        async def one(record: TraceRecord, s: Sample) -> None:
+        async def one(i: int, record: TraceRecord, due_s: float) -> None:
+            s = samples[i]
             try:
                 async with slots:
-                    s.send_lag_s = max(0.0, loop.time() - t0 - record["t_s"])
+                    s.send_lag_s = max(0.0, loop.time() - due_s)
                     await _send(client, record, s)
             except asyncio.CancelledError:
                 s.error = "cancelled at the drain deadline"
@@ -290,19 +291,7 @@ async def send_trace(trace: Sequence[TraceRecord], base_url: str) -> tuple[list[
             except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
                 s.error = f"{type(err).__name__}: {err}"
 
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            for record, s in zip(trace, samples, strict=True):
-                delay = t0 + record["t_s"] - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(record, s)))
-            if tasks:
-                await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await at_offsets(trace, one, drain_timeout_s=DRAIN_TIMEOUT_S)
         return samples, loop.time() - t0
 
 

@@ -19,7 +19,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -150,12 +150,12 @@ async def replay(
         base_url=base_url, limits=limits, timeout=timeout, headers=headers
     ) as client:
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
 
-        async def one(record: TraceRecord, result: RequestResult) -> None:
+        async def one(i: int, record: TraceRecord, due_s: float) -> None:
+            result = results[i]
             try:
                 async with slots:
-                    result.send_lag_s = max(0.0, loop.time() - t0 - record["t_s"])
+                    result.send_lag_s = max(0.0, loop.time() - due_s)
                     await _send(client, record, model, result)
             except asyncio.CancelledError:
                 result.error = "cancelled at the replay deadline"
@@ -166,20 +166,35 @@ async def replay(
                 if on_result is not None:
                     on_result(result)
 
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            for record, result in zip(trace, results, strict=True):
-                delay = t0 + record["t_s"] - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(record, result)))
-            if tasks:
-                await asyncio.wait(tasks, timeout=drain_timeout_s)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await at_offsets(trace, one, drain_timeout_s=drain_timeout_s)
     return results
+
+
+async def at_offsets(
+    trace: Sequence[TraceRecord],
+    send: Callable[[int, TraceRecord, float], Coroutine[Any, Any, None]],
+    *,
+    drain_timeout_s: float,
+) -> None:
+    """Open loop: start `send(i, record, due_s)` at each record's offset (`due_s`: the event
+    loop's time it was due), wait at most `drain_timeout_s` after the last start, then cancel
+    what is left. Every benchmark's sender shares this loop."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for i, record in enumerate(trace):
+            due_s = t0 + record["t_s"]
+            delay = due_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(i, record, due_s)))
+        if tasks:
+            await asyncio.wait(tasks, timeout=drain_timeout_s)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # --- summary ---------------------------------------------------------------------------------
