@@ -165,6 +165,13 @@ class PoolConfig(Strict):
     hbm_only: bool = False  # replicas run without CPU or remote offload
     admission: AdmissionConfig = AdmissionConfig()
     lend_below: Annotated[float, Field(gt=0, le=1)] | None = None  # standard may borrow it below
+    lend_max_prefill_tokens: PositiveInt | None = Field(
+        default=None,
+        description="A pinned pool lends a replica only to a request with at most this many "
+        "uncached tokens to prefill. A started prefill is not interrupted, even by a "
+        "higher engine priority, so a long lent prefill is the next critical request's wait. "
+        "Unset: no bound.",
+    )
     cache_salt: bool = False  # add a per-tenant "cache_salt" to request bodies (vLLM >= 0.9)
     engine_priority: bool = Field(
         default=False,
@@ -282,6 +289,21 @@ class AdminConfig(Strict):
 class CriticalConfig(Strict):
     fallback: Fallback = Fallback.SPILL  # when the pinned pool is down or over its cap
     retry_after_s: PositiveInt = 1
+    placement: Literal["pinned_first", "cost"] = Field(
+        default="pinned_first",
+        description="`pinned_first`: critical requests use the pinned replicas under their "
+        "admission cap, and the shared pools only when none is (or, with "
+        "`classes.critical.ttft_budget_ms`, when the pinned estimate is over it). `cost`: "
+        "every pinned and shared replica is a candidate and the cost model picks the lowest "
+        "estimated TTFT, so a follow-up goes where its context is, in whichever pool; the "
+        "admission cap then only governs lending. Needs `fallback: spill`.",
+    )
+
+    @model_validator(mode="after")
+    def _cost_needs_spill(self) -> CriticalConfig:
+        if self.placement == "cost" and self.fallback is not Fallback.SPILL:
+            raise ValueError("critical.placement: cost needs critical.fallback: spill")
+        return self
 
 
 class ClassConfig(Strict):

@@ -33,8 +33,10 @@ class PinnedPoolWatch:
         self._pinned = 0
         self._spilled = 0
 
-    def served(self, pool: PoolConfig, now_s: float) -> None:
-        """A critical request was routed to a replica of `pool`."""
+    def served(self, pool: PoolConfig, now_s: float, *, pressed: bool = True) -> None:
+        """A critical request was routed to a replica of `pool`. `pressed`: for a request off the
+        pinned pool, whether the pool lacked headroom (with critical.placement: cost a request
+        may leave it for its context's sake; that does not reclaim lent replicas)."""
         if self._window_start_s is None:
             self._window_start_s = now_s
         if now_s - self._window_start_s >= REPORT_WINDOW_S:
@@ -44,7 +46,8 @@ class PinnedPoolWatch:
             self._pinned += 1
         else:
             self._spilled += 1
-            self._last_spill_s = now_s
+            if pressed:
+                self._last_spill_s = now_s
         self._metrics.critical_routed.labels("pinned" if pool.pinned else "spilled").inc()
 
     def reclaimed(self, now_s: float) -> bool:

@@ -32,8 +32,8 @@ from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
 from routing.admission import AdmissionVerdict, family_key, should_write
 from routing.cost import estimate
-from routing.decide import Decision, Policy, RouteRequest, decide
-from routing.filters import Eligibility, Fallback, eligible, should_shed
+from routing.decide import Candidate, Decision, Policy, RouteRequest, decide
+from routing.filters import Eligibility, Fallback, admitted, eligible, lendable, should_shed
 from routing.hashing import block_hashes, token_block_hashes
 from routing.index import Index, record_prompt
 from routing.kv_events import precise_namespace
@@ -219,12 +219,14 @@ class Planner:
             raise no_replica(model)
         now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
         klass = tenant.tenant_class
+        cost_placement = self._config.critical.placement == "cost"
         allowed = eligible(
             [r.candidate(now_s, stale_s) for r in replicas],
             klass,
             self._config.critical.fallback,
             pinned_pool_exists=self._registry.has_pinned_pool(model),
             lend=not self.pinned.reclaimed(now_s),
+            cost_placement=cost_placement,
         )
         if not allowed.candidates:
             if not dry_run and allowed.fallback is not None:
@@ -247,12 +249,18 @@ class Planner:
             )
             if wider.replica not in {c.name for c in allowed.candidates}:
                 decision, allowed = wider, replace(allowed, fallback=Fallback.SPILL)
+        pressed = True  # a critical request off the pinned pool: did the pool lack headroom?
+        if klass is TenantClass.CRITICAL and cost_placement:
+            decision, allowed, pressed = self._cost_placed(decision, allowed)
+        elif klass is not TenantClass.CRITICAL:
+            decision = self._bounded_lending(request, decision, allowed, hits)
         if not dry_run:
             self._seq += 1
             if allowed.fallback is not None:
                 self._metrics.critical_fallbacks.labels(allowed.fallback.value).inc()
             if klass is TenantClass.CRITICAL and self._registry.has_pinned_pool(model):
-                self.pinned.served(self._registry.replicas[decision.replica].pool, now_s)
+                pool = self._registry.replicas[decision.replica].pool
+                self.pinned.served(pool, now_s, pressed=pressed)
         if should_shed(decision, klass, self._config.overload.batch_max_queue_s):
             self._metrics.shed.labels(klass.value).inc()
             raise ApiError(
@@ -263,6 +271,40 @@ class Planner:
                 headers={"retry-after": str(self._config.critical.retry_after_s)},
             )
         return decision, allowed
+
+    def _cost_placed(
+        self, decision: Decision, allowed: Eligibility
+    ) -> tuple[Decision, Eligibility, bool]:
+        """critical.placement: cost. The cost model chose among pinned and shared replicas; a
+        shared choice is a spill (counted as one). It says the pinned pool lacks headroom, and
+        so stops lending, only when no pinned replica was under its admission cap: a follow-up
+        that goes where its context is does not."""
+        chosen = self._registry.replicas[decision.replica]
+        if chosen.pool.pinned:
+            return decision, allowed, False
+        pinned = [c for c in allowed.candidates if c.pool.pinned]
+        pressed = bool(pinned) and not any(admitted(c) for c in pinned)
+        return decision, replace(allowed, fallback=Fallback.SPILL), pressed
+
+    def _bounded_lending(
+        self, request: RouteRequest, decision: Decision, allowed: Eligibility, hits: BlockHits
+    ) -> Decision:
+        """A non-critical request lent a pinned replica prefills at most the pool's
+        `lend_max_prefill_tokens` there (routing/filters.py lendable); otherwise it is decided
+        again without the pinned replicas it is too long for."""
+
+        def ok(c: Candidate) -> bool:
+            limit = self._registry.replicas[c.name].pool.lend_max_prefill_tokens
+            uncached = decision.score(c.name).overlap.uncached_tokens
+            return lendable(c, uncached, limit)
+
+        chosen = next(c for c in allowed.candidates if c.name == decision.replica)
+        if ok(chosen):
+            return decision
+        kept = [c for c in allowed.candidates if ok(c)]
+        if not kept:
+            return decision
+        return decide(request, kept, hits, self._policy, seq=self._seq, rng=self._rng)
 
     def _precise_prompt(
         self, endpoint: str, body: dict[str, Any], model: str, cache_salt: str

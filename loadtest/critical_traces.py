@@ -387,3 +387,52 @@ def round_robin_load(
         prompt_tokens[tenant] = prompt_tokens.get(tenant, 0) + n
     capacity = duration_s * sum(r.prefill_tokens_per_s for r in replicas)
     return LoadEstimate(requests, prompt_tokens, uncached, capacity)
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """The TTFT no router can beat on this trace (ms), per class and overall."""
+
+    ttft_ms: dict[str, list[float]]  # per class, and "all"
+
+    def p(self, group: str, q: float) -> float:
+        values = sorted(self.ttft_ms.get(group, []))
+        if not values:
+            return math.nan
+        pos = (len(values) - 1) * q / 100  # linear interpolation, as loadtest.replay.percentile
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(values) - 1)
+        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {g: {"p50_ms": self.p(g, 50), "p99_ms": self.p(g, 99)} for g in self.ttft_ms}
+
+
+def ideal_floor(
+    trace: Sequence[TraceRecord],
+    prefill_tokens_per_s: float,
+    *,
+    model: str,
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
+) -> Floor:
+    """Each request's own prefill with a perfect cache and no queue: every leading block that any
+    earlier request of the trace held is reused for free (whatever replica, tier or timing), the
+    rest is prefilled alone at full speed (and the last token always, as the simulator does).
+    A lower bound of any arm's TTFT: a request's first use of a prefix cannot be cached."""
+    bs = block_size_tokens
+    seen: set[int] = set()
+    out: dict[str, list[float]] = {"all": []}
+    for record in sorted(trace, key=lambda r: r["t_s"]):
+        text = prompt_text(record)
+        n = approx_tokens(text)
+        hashes = block_hashes(text, block_size_tokens=bs, namespace=model)
+        reused = 0
+        for h in hashes[: (n - 1) // bs]:
+            if h not in seen:
+                break
+            reused += 1
+        seen.update(hashes)
+        ms = 1000 * (n - reused * bs) / prefill_tokens_per_s
+        out.setdefault(TENANTS[record["tenant"]].tenant_class, []).append(ms)
+        out["all"].append(ms)
+    return Floor(out)

@@ -9,6 +9,12 @@ critical  the pinned pools first (HBM-only, provisioned up front), and only repl
           critical requests use the shared pools. HBM-only is a property of a pool, not of a
           tenant: wherever a critical request goes, CPU and remote hits count as they would for
           anyone.
+          With `cost_placement` (config `critical.placement: cost`) the pinned pool is a
+          preference, not a wall: every pinned replica, whatever its queue, and every shared one
+          are candidates, and the cost model picks the lowest estimated TTFT. A follow-up then
+          goes where its context is, in whichever pool (the pinned pool is HBM-only: a context
+          built there is found nowhere else), and the admission cap is judged by the estimate,
+          which holds the queue, instead of by a fixed token count.
 standard  the shared pools; a pinned replica only while its pool lends idle capacity (the replica
 batch     is below `lend_below` of its admission cap) and the caller says lending is on (the
           planner turns it off while critical traffic is spilling out of the pinned pool).
@@ -54,6 +60,7 @@ def eligible(
     *,
     pinned_pool_exists: bool,
     lend: bool = True,
+    cost_placement: bool = False,
 ) -> Eligibility:
     """`candidates` are the healthy replicas serving the model; `pinned_pool_exists` says whether
     the config has a pinned pool for it at all (down is not the same as absent)."""
@@ -62,6 +69,8 @@ def eligible(
     if tenant_class is TenantClass.CRITICAL:
         if not pinned_pool_exists:
             return Eligibility(tuple(shared))
+        if cost_placement and pinned and fallback is Fallback.SPILL:
+            return Eligibility(tuple(pinned + shared))
         open_pinned = [c for c in pinned if admitted(c)]
         if open_pinned:
             return Eligibility(tuple(open_pinned), overflow=tuple(shared))
@@ -74,6 +83,16 @@ def eligible(
         if lend and c.pool.lend_below is not None and admitted(c, c.pool.lend_below)
     ]
     return Eligibility(tuple(shared + lent))
+
+
+def lendable(c: Candidate, uncached_tokens: int, lend_max_prefill_tokens: int | None) -> bool:
+    """May a non-critical request with `uncached_tokens` to prefill borrow pinned replica `c`?
+    A prefill that has started is not interrupted, even by a higher engine priority (vLLM's
+    scheduler serves its running requests before its waiting ones), so a long lent prefill is a
+    critical request's wait: a lent request prefills at most `lend_max_prefill_tokens`."""
+    if not c.pool.pinned or lend_max_prefill_tokens is None:
+        return True
+    return uncached_tokens <= lend_max_prefill_tokens
 
 
 def should_shed(decision: Decision, tenant_class: TenantClass, max_queue_s: float) -> bool:

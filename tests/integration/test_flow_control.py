@@ -783,3 +783,88 @@ async def test_long_prompt_not_held_while_the_replica_only_decodes() -> None:
             await decoding.aclose()
         assert long_resp.status_code == 200, long_resp.text
         assert short.status_code == 200, short.text
+
+
+# --- 8. critical.placement: cost; lending bounded by the lent request's prefill -----------------
+
+
+async def test_cost_placed_critical_follow_up_stays_where_its_context_is() -> None:
+    """With critical.placement: cost, a critical conversation whose context is on a shared
+    replica continues there although the pinned replica is idle, under its cap and faster: the
+    HBM-only pinned replica would prefill the whole context again. The move is counted as a
+    spill but does not reclaim the pinned pool's lending (the pool did not lack headroom). A new
+    conversation, cached nowhere, goes to the faster pinned replica."""
+    pinned = PoolSpec(
+        "pinned",
+        1,
+        {"pinned": True, "hbm_only": True, "admission": {"max_in_flight": 2}},
+        costs=PoolCosts(prefill_tokens_per_s=20_000.0),
+    )
+    shared = PoolSpec("shared", 1, costs=SLOW)
+    doc = "Timetable: the 8:15 to Leeds calls at York, Wakefield and Doncaster. " * 100
+    first = [{"role": "system", "content": doc}, {"role": "user", "content": "first"}]
+    critical = {"fallback": "spill", "placement": "cost"}
+    routing = {"calibration": "none"}  # the configured costs, not a fit of the test's TTFTs
+    async with tiered_fleet(
+        [pinned, shared], tenants=TENANTS, critical=critical, routing=routing
+    ) as f:
+        (p,), (s,) = f.pools["pinned"], f.pools["shared"]
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            # the conversation starts as standard traffic (the same tenant, lowered), so on the
+            # shared replica: the pinned pool is never lent
+            seeded = await h.post(
+                "/v1/chat/completions",
+                json=body(first),
+                headers={**auth("voice"), "x-cachelane-class": "standard"},
+            )
+            assert seeded.status_code == 200
+            assert seeded.headers["x-cachelane-replica"] == s
+            follow = [*first, {"role": "assistant", "content": "ok"}]
+            follow.append({"role": "user", "content": "second"})
+            headers, cached = await asyncio.wait_for(ask(f.gateway_url, "voice", follow), WAIT_S)
+            assert headers["x-cachelane-replica"] == s and cached > 1000
+            assert headers["x-cachelane-fallback"] == "spill"
+            assert not f.gw.planner.pinned.reclaimed(time.monotonic())
+
+            # a new conversation with nothing cached anywhere: the faster, idle pinned replica
+            fresh = prompt("fresh", 400)
+            headers, _ = await asyncio.wait_for(ask(f.gateway_url, "voice", fresh), WAIT_S)
+            assert headers["x-cachelane-replica"] == p
+
+
+async def test_pinned_replica_lent_only_for_short_prefills() -> None:
+    """lend_max_prefill_tokens: an idle pinned replica takes a short standard prompt, while a
+    long one goes to the busy shared replica (on the pinned one it would hold the prefill, which
+    no engine priority interrupts, when the next critical request arrives)."""
+    pinned = PoolSpec(
+        "pinned",
+        1,
+        {
+            "pinned": True,
+            "hbm_only": True,
+            "admission": {"max_in_flight": 2},
+            "lend_below": 0.5,
+            "lend_max_prefill_tokens": 500,
+        },
+    )
+    routing = {"calibration": "none"}  # an idle replica and one that only decodes tie
+    async with tiered_fleet([pinned, PoolSpec("shared", 1)], tenants=TENANTS, routing=routing) as f:
+        (p,), (s,) = f.pools["pinned"], f.pools["shared"]
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            # as in test 6: a critical request holds the pinned replica (at half its cap, it is
+            # not lent) while a standard one starts on the shared replica, then leaves
+            c1 = await open_stream(h, "voice", prompt("c1", 100), first_token=True)
+            assert c1.headers["x-cachelane-replica"] == p
+            s1 = await open_stream(h, "web", prompt("s1", 100), first_token=True)
+            assert s1.headers["x-cachelane-replica"] == s
+            await c1.aclose()
+            await until(lambda: in_flight(f, p) == 0, "the pinned replica to be idle")
+            short, _ = await asyncio.wait_for(
+                ask(f.gateway_url, "web", prompt("short", 200)), WAIT_S
+            )
+            assert short["x-cachelane-replica"] == p  # lent: fewer requests in flight
+            long, _ = await asyncio.wait_for(
+                ask(f.gateway_url, "web", prompt("long", 2000)), WAIT_S
+            )
+            assert long["x-cachelane-replica"] == s
+            await s1.aclose()

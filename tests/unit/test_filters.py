@@ -4,7 +4,7 @@ import pytest
 
 from routing.cost import Load
 from routing.decide import Candidate, Policy, PoolRules, RouteRequest, decide
-from routing.filters import Eligibility, Fallback, eligible, should_shed
+from routing.filters import Eligibility, Fallback, eligible, lendable, should_shed
 from routing.types import Location, TenantClass, Tier
 
 PINNED = PoolRules("pinned", pinned=True, hbm_only=True, max_in_flight=2, lend_below=0.5)
@@ -142,3 +142,46 @@ def test_should_shed(klass: TenantClass, pending: int, shed: bool) -> None:
     c = Candidate("s", Load(1, pending))
     d = decide(RouteRequest([], 10, 16), [c], [], Policy.CACHE_AWARE, seq=0, rng=random.Random(0))
     assert should_shed(d, klass, max_queue_s=5.0) is shed
+
+
+def test_cost_placement_offers_every_pinned_and_shared_replica() -> None:
+    """critical.placement: cost: a pinned replica over its cap stays a candidate (the estimate,
+    which holds its queue, judges it) and the shared replicas are candidates too."""
+    both = [cand("p", PINNED, 2), cand("s", SHARED)]
+    e = eligible(both, TenantClass.CRITICAL, Fallback.SPILL, pinned_pool_exists=True,
+                 cost_placement=True)  # fmt: skip
+    assert (names(e), e.overflow, e.fallback) == (["p", "s"], (), None)
+
+
+def test_cost_placement_follows_the_context_into_the_shared_pool() -> None:
+    """A follow-up whose context is in a shared replica's CPU tier goes there, not to an idle
+    HBM-only pinned replica that would prefill it all."""
+    hits = [frozenset({Location("s", Tier.CPU)})] * 300
+    req = RouteRequest(list(range(300)), 4_900, 16)
+    e = eligible([cand("p", PINNED), cand("s", SHARED)], TenantClass.CRITICAL, Fallback.SPILL,
+                 pinned_pool_exists=True, cost_placement=True)  # fmt: skip
+    d = decide(req, e.candidates, hits, Policy.CACHE_AWARE, seq=0, rng=random.Random(0))
+    assert d.replica == "s"
+    hits = [frozenset({Location("p", Tier.HBM)})] * 300  # and stays on the pinned one if there
+    d = decide(req, e.candidates, hits, Policy.CACHE_AWARE, seq=0, rng=random.Random(0))
+    assert d.replica == "p"
+
+
+def test_cost_placement_needs_a_pinned_replica_up() -> None:
+    e = eligible([cand("s", SHARED)], TenantClass.CRITICAL, Fallback.SPILL,
+                 pinned_pool_exists=True, cost_placement=True)  # fmt: skip
+    assert (names(e), e.fallback) == (["s"], Fallback.SPILL)
+
+
+@pytest.mark.parametrize(
+    ("pool", "uncached", "limit", "ok"),
+    [
+        (PINNED, 1_000, 1_000, True),
+        (PINNED, 1_001, 1_000, False),
+        (PINNED, 50_000, None, True),
+        (SHARED, 50_000, 1_000, True),
+    ],
+    ids=["at-limit", "over-limit", "no-limit", "shared-unbounded"],
+)
+def test_lendable(pool: PoolRules, uncached: int, limit: int | None, ok: bool) -> None:
+    assert lendable(cand("r", pool), uncached, limit) is ok
