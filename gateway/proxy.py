@@ -27,6 +27,7 @@ from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.registry import Registry, Replica, Reservation
+from routing.cost import Estimate
 from routing.types import TenantClass
 
 log = logging.getLogger("cachelane.proxy")
@@ -56,6 +57,7 @@ def decision_headers(plan: Plan, replica: Replica) -> dict[str, str]:
         "x-cachelane-replica": replica.name,
         "x-cachelane-reason": plan.decision.reason.value,
         "x-cachelane-est-ttft-ms": f"{score.estimate.ttft_s * 1000:.1f}",
+        "x-cachelane-est-terms-ms": estimate_terms(score.estimate),
         "x-cachelane-expected-cached-tokens": str(score.expected_cached_tokens),
         "x-cachelane-tenant-class": plan.tenant.tenant_class.value,
     }
@@ -64,6 +66,14 @@ def decision_headers(plan: Plan, replica: Replica) -> dict[str, str]:
     if plan.admission is not None:
         headers[REMOTE_WRITE_HEADER] = "1" if plan.admission.write else "0"
     return headers
+
+
+def estimate_terms(e: Estimate) -> str:
+    """The estimate's terms, e.g. "fixed=3.0,load=0.0,queue=12.5,prefill=40.1" (ms): load is the
+    KV swap-in and fetch before the request waits for the prefill, queue that wait."""
+    prefill_s = e.prefill_s + (0.0 if e.remote_fetch else e.remote_s)
+    parts = (("fixed", e.fixed_s), ("load", e.load_s), ("queue", e.queue_s), ("prefill", prefill_s))
+    return ",".join(f"{name}={value * 1000:.1f}" for name, value in parts)
 
 
 def upstream_request_headers(plan: Plan) -> dict[str, str]:
@@ -177,7 +187,9 @@ class Proxy:
         score = plan.decision.score(replica.name)
         prefill = score.overlap.prompt_tokens - score.expected_cached_tokens
         swaps = 1 if score.overlap.cpu_tokens else 0
-        return self._registry.reserve(replica, prefill_tokens=prefill, swaps=swaps)
+        return self._registry.reserve(
+            replica, prefill_tokens=prefill, swaps=swaps, load_s=score.estimate.load_s
+        )
 
     def _first_byte(self, reservation: Reservation, plan: Plan) -> float:
         ttft_s = reservation.first_byte()

@@ -18,7 +18,7 @@ import httpx
 
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.scraper import EngineLoad
-from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts
+from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
 from routing.decide import Candidate, PoolRules
 
 log = logging.getLogger("cachelane.registry")
@@ -46,6 +46,9 @@ class Replica:
     engine: EngineLoad | None = None  # last scrape of the engine's own metrics
     mean_prefill_tokens: float = 0.0  # moving average of uncached tokens per request sent
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
+    # Requests awaiting their first byte: perf_counter when their KV is loaded (from the
+    # decision's swap and remote estimate), uncached tokens. Keyed by id() of the reservation.
+    joining: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     def load(self, now_s: float, stale_after_s: float) -> Load:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
@@ -59,8 +62,10 @@ class Replica:
             # now (a request of ours that has finished since would count as someone else's)
             foreign_waiting = max(0.0, e.waiting - max(e.own_waiting, self.awaiting_first_byte))
             pending += round(foreign_waiting * self.mean_prefill_tokens)
-        busy_s = time.perf_counter() - self.head_since_s if self.awaiting_first_byte else 0.0
-        return Load(in_flight, pending, self.swaps_in_flight, busy_s)
+        now = time.perf_counter()
+        busy_s = now - self.head_since_s if self.awaiting_first_byte else 0.0
+        queue = tuple(Queued(at - now, tokens) for at, tokens in self.joining.values())
+        return Load(in_flight, pending, self.swaps_in_flight, busy_s, queue)
 
     def hbm_capacity_tokens(self) -> int:
         """The config's figure, else what the engine reports, else the default."""
@@ -117,6 +122,7 @@ class Reservation:
     replica: Replica
     prefill_tokens: int
     swaps: int
+    joins_at_s: float = 0.0  # perf_counter when its KV is loaded and it waits for the prefill
     on_drop: Callable[[], None] = _no_listener  # told whenever this reservation's load drops
     started_s: float = field(default_factory=time.perf_counter)
     first_byte_s: float | None = None
@@ -145,6 +151,7 @@ class Reservation:
         r.pending_prefill_tokens -= self.prefill_tokens
         r.swaps_in_flight -= self.swaps
         r.awaiting_first_byte -= 1
+        r.joining.pop(id(self), None)
         r.head_since_s = now_s  # a serial prefill moves on to the next request in its queue
 
 
@@ -179,9 +186,14 @@ class Registry:
                     name, url, pool, costs, rules, models=frozenset(pool.models)
                 )
 
-    def reserve(self, replica: Replica, *, prefill_tokens: int, swaps: int) -> Reservation:
+    def reserve(
+        self, replica: Replica, *, prefill_tokens: int, swaps: int, load_s: float = 0.0
+    ) -> Reservation:
+        """Count a request sent to `replica` until its first byte (and its end); `load_s` is
+        how long its KV takes to load (swap-in, remote fetch) before it waits for the prefill."""
+        now = time.perf_counter()
         if not replica.awaiting_first_byte:
-            replica.head_since_s = time.perf_counter()
+            replica.head_since_s = now
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
         replica.pending_prefill_tokens += prefill_tokens
@@ -190,7 +202,11 @@ class Registry:
             prefill_tokens - replica.mean_prefill_tokens
         )
         self.on_load_change()
-        return Reservation(replica, prefill_tokens, swaps, on_drop=self.on_load_change)
+        reservation = Reservation(
+            replica, prefill_tokens, swaps, now + load_s, on_drop=self.on_load_change
+        )
+        replica.joining[id(reservation)] = (reservation.joins_at_s, prefill_tokens)
+        return reservation
 
     def known_models(self) -> set[str]:
         return {m for r in self.replicas.values() for m in r.models}

@@ -3,13 +3,19 @@
     est_ttft = t_fixed + t_queue + t_swap + t_remote + t_prefill
 
     t_fixed   = per-request overhead outside the prefill (HTTP, tokenizing, scheduling)
-    t_queue   = (prefill tokens waiting on the replica + running requests * this request's prefill
-                 chunks, one decode token each) * s per prefill token - time the replica has
-                 already spent on the head of that queue
     t_swap    = CPU-tier tokens * (1 + swap-ins sharing PCIe) * s per swapped token
     t_remote  = min(remote fixed cost + remote tokens * s per fetched token,
                     remote tokens * s per prefill token)      # fetch only when it beats recompute
+    t_queue   = wait for the prefill, from the moment the request's KV is loaded (t_swap +
+                t_remote after it is sent) until the replica is free of the work queued ahead
     t_prefill = uncached tokens * s per prefill token
+
+KV loads do not hold the prefill: vLLM's scheduler keeps a request whose KV is still arriving from
+a connector in WAITING_FOR_REMOTE_KVS and schedules others meanwhile (vllm/v1/core/sched/
+scheduler.py), so a load overlaps the queue ahead instead of adding to it. t_queue replays the
+replica's prefill in arrival order (`queue_wait_s`): the requests that reach the prefill before
+this one (each sent request's own load time is known from its decision), the running requests'
+decode tokens sharing the prefill's steps, minus the progress already made on the head.
 
 The per-token costs are `CostTerms`: seeded from a pool's configured constants (`PoolCosts`, whose
 defaults describe Llama-3.1-8B in BF16 on one H200) and then fitted per replica from observed
@@ -108,6 +114,14 @@ class CostTerms:
 
 
 @dataclass(frozen=True, slots=True)
+class Queued:
+    """A request sent to the replica and not yet past its first token."""
+
+    joins_in_s: float  # when its KV is loaded and it waits for the prefill, from now (<= 0: it is)
+    tokens: int  # uncached tokens it prefills
+
+
+@dataclass(frozen=True, slots=True)
 class Load:
     """What a replica is busy with, as the gateway sees it at decision time."""
 
@@ -115,6 +129,10 @@ class Load:
     pending_prefill_tokens: int = 0  # uncached prompt tokens sent and not yet past first token
     swaps_in_flight: int = 0  # requests still swapping KV in from the CPU tier
     busy_s: float = 0.0  # how long the replica has been prefilling the head of its queue
+    # The requests behind pending_prefill_tokens whose load time is known, in any order; the rest
+    # of pending_prefill_tokens (sent by other gateways, or callers that do not say) counts as
+    # waiting for the prefill now.
+    queue: tuple[Queued, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +165,11 @@ class Estimate:
     swap_tokens: float = 0.0  # CPU-tier tokens x (1 + swap-ins sharing PCIe) (t_swap's input)
 
     @property
+    def load_s(self) -> float:
+        """Time to load the request's KV (swap-in, remote fetch) before it waits for the prefill."""
+        return self.swap_s + (self.remote_s if self.remote_fetch else 0.0)
+
+    @property
     def ttft_s(self) -> float:
         return self.fixed_s + self.queue_s + self.swap_s + self.remote_s + self.prefill_s
 
@@ -158,11 +181,8 @@ def estimate(
     t = terms if terms is not None else CostTerms.seed(costs)
     per_token = t.prefill_s_per_token
     uncached = overlap.uncached_tokens
-    chunks = -(-max(uncached, 1) // costs.prefill_chunk_tokens)
-    waiting = load.pending_prefill_tokens + load.in_flight * chunks
-    queue_tokens = max(0.0, waiting - load.busy_s / per_token) if waiting else 0.0
-
     swap_tokens = overlap.cpu_tokens * (1 + load.swaps_in_flight)
+    swap_s = swap_tokens * t.swap_s_per_token
 
     remote_s = 0.0
     remote_fetch = False
@@ -172,13 +192,43 @@ def estimate(
         remote_fetch = fetch_s < recompute_s
         remote_s = min(fetch_s, recompute_s)
 
+    chunks = -(-max(uncached, 1) // costs.prefill_chunk_tokens)
+    decode_tokens = load.in_flight * chunks  # one per running request per step of our prefill
+    load_s = swap_s + (remote_s if remote_fetch else 0.0)  # a recompute is prefill work
+    queue_s = queue_wait_s(load, load_s, per_token, decode_tokens)
     return Estimate(
         fixed_s=t.fixed_s,
-        queue_s=queue_tokens * per_token,
-        swap_s=swap_tokens * t.swap_s_per_token,
+        queue_s=queue_s,
+        swap_s=swap_s,
         remote_s=remote_s,
         prefill_s=uncached * per_token,
         remote_fetch=remote_fetch,
-        queue_tokens=queue_tokens,
+        queue_tokens=queue_s / per_token,
         swap_tokens=swap_tokens,
     )
+
+
+def queue_wait_s(load: Load, joins_in_s: float, per_token_s: float, extra_tokens: int = 0) -> float:
+    """How long a request that reaches the prefill `joins_in_s` from now waits for it: the
+    replica's prefill replayed in arrival order (first come, first served, like vLLM's default
+    scheduling policy), starting from what already waits (the queue's unknown part and
+    `extra_tokens`) less the progress on the head, then every known request joining first."""
+    known = sum(q.tokens for q in load.queue)
+    unknown = max(0, load.pending_prefill_tokens - known) + extra_tokens
+    progress_s = load.busy_s
+    free_at_s = 0.0  # when the prefill is free of the work replayed so far, from now
+
+    def run(start_s: float, tokens: float) -> float:
+        nonlocal progress_s
+        work_s = tokens * per_token_s
+        done = min(progress_s, work_s) if start_s <= 0 else 0.0  # the head is already waiting
+        progress_s -= done
+        return start_s + work_s - done
+
+    if unknown:
+        free_at_s = run(0.0, unknown)
+    for q in sorted(load.queue, key=lambda q: q.joins_in_s):
+        if q.joins_in_s > joins_in_s:
+            break
+        free_at_s = run(max(free_at_s, q.joins_in_s), q.tokens)
+    return max(0.0, free_at_s - joins_in_s)

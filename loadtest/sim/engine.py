@@ -83,6 +83,7 @@ class PrefillResult:
     remote_tokens: int  # fetched from the remote tier (recomputed ones are not counted here)
     computed_tokens: int  # prefilled: the uncached tail plus any remote tokens recomputed
     remote_written_blocks: int  # blocks the remote tier newly stored for this request
+    queue_wait_s: float = 0.0  # wall time from its KV being loaded to holding the prefill slot
 
     @property
     def cached_tokens(self) -> int:
@@ -288,7 +289,8 @@ class SimRequest:
 
         queued_at = time.monotonic()
         async with eng._prefill.slot(self.priority):
-            eng.stats.queue_wait_s_sum += time.monotonic() - queued_at
+            queue_wait_s = time.monotonic() - queued_at
+            eng.stats.queue_wait_s_sum += queue_wait_s
             eng.stats.queue_wait_count += 1
             eng.waiting -= 1
             eng.running += 1
@@ -321,6 +323,7 @@ class SimRequest:
             remote_tokens=fetched * bs,
             computed_tokens=computed,
             remote_written_blocks=written,
+            queue_wait_s=queue_wait_s,
         )
 
     async def decode(self, max_tokens: int) -> AsyncIterator[int]:

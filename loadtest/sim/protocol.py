@@ -68,13 +68,27 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    timing: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's usage object; `timing` is the simulator's own extension (SIM_TIMING_KEY: where
+    the prompt's KV came from and how long the request waited for the prefill), which the
+    benchmarks read to check each term of the gateway's estimate on its own."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if timing is not None:
+        out[SIM_TIMING_KEY] = timing
+    return out
+
+
+SIM_TIMING_KEY = "cachelane_sim"
 
 
 def response(

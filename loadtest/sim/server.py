@@ -38,7 +38,7 @@ from prometheus_client.core import (
 from gateway.precise import PromptTokenizer, UnsupportedPrompt
 from loadtest.sim import protocol
 from loadtest.sim.config import SimReplicaSpec
-from loadtest.sim.engine import ContextLengthExceeded, Prompt, SimEngine
+from loadtest.sim.engine import ContextLengthExceeded, PrefillResult, Prompt, SimEngine
 from loadtest.sim.kv_publisher import KvEventPublisher
 from loadtest.sim.protocol import ApiError, ChunkWriter, Kind
 from loadtest.sim.remote import REMOTE_TIMEOUT_S, RemoteClient
@@ -119,7 +119,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         async with engine.admit(prompt, priority=priority) as req:
             result = await req.prefill(remote_write=remote_write)
             text_out = "".join([protocol.token_text(i) async for i in req.decode(max_tokens)])
-        usage = protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens)
+        usage = _usage(result, max_tokens)
         rid = protocol.new_id(kind)
         return JSONResponse(
             protocol.response(kind, rid, spec.model, text_out, FINISH_REASON, usage)
@@ -146,7 +146,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         if kind is Kind.CHAT:
             yield out.finish(FINISH_REASON)
         if include_usage:
-            yield out.usage(protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens))
+            yield out.usage(_usage(result, max_tokens))
         yield protocol.SSE_DONE
 
     @app.post("/prefetch")
@@ -286,6 +286,17 @@ def _prompt_text(spec: SimReplicaSpec, kind: Kind, body: dict[str, Any]) -> str:
     except PromptError as err:
         param = "messages" if kind is Kind.CHAT else "prompt"
         raise ApiError(400, str(err), code="invalid_value", param=param) from None
+
+
+def _usage(result: PrefillResult, max_tokens: int) -> dict[str, Any]:
+    timing = {
+        "hbm_tokens": result.hbm_tokens,
+        "cpu_tokens": result.cpu_tokens,
+        "remote_tokens": result.remote_tokens,
+        "computed_tokens": result.computed_tokens,
+        "queue_wait_ms": round(result.queue_wait_s * 1000, 3),
+    }
+    return protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens, timing)
 
 
 def _max_tokens(kind: Kind, body: dict[str, Any]) -> int:

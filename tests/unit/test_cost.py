@@ -10,7 +10,9 @@ from routing.cost import (
     Load,
     Overlap,
     PoolCosts,
+    Queued,
     estimate,
+    queue_wait_s,
 )
 
 COSTS = PoolCosts(fixed_s=0.0)  # the per-token terms alone; the overhead has its own test
@@ -88,3 +90,43 @@ def test_terms_replace_the_seed() -> None:
     base = estimate(overlap, load, COSTS).ttft_s
     assert estimate(overlap, load, COSTS, seed.scaled(10.0)).ttft_s == pytest.approx(10 * base)
     assert estimate(overlap, load, COSTS, seed).ttft_s == pytest.approx(base)
+
+
+PER_TOKEN = 1 / PREFILL_TOKENS_PER_S
+
+
+def test_a_kv_load_overlaps_the_queue_ahead() -> None:
+    """0.5 s of prefill queued; the request swaps in for longer than that: it does not wait."""
+    swapped = 200_000  # 200k tokens x 128 KiB at 50 GB/s: ~0.52 s of swap-in
+    load = Load(pending_prefill_tokens=15_000)  # 0.5 s at 30k tokens/s
+    e = estimate(Overlap(swapped + 3000, cpu_tokens=swapped), load, COSTS)
+    assert e.swap_s > 0.5
+    assert e.queue_s == 0
+    cold = estimate(Overlap(3000), load, COSTS)
+    assert cold.queue_s == pytest.approx(0.5)
+
+
+def test_requests_that_reach_the_prefill_later_do_not_delay_it() -> None:
+    """Two sent requests of 3k tokens each: one waits now, one still loads its KV for 1 s."""
+    queue = (Queued(0.0, 3000), Queued(1.0, 3000))
+    load = Load(pending_prefill_tokens=6000, queue=queue)
+    assert queue_wait_s(load, 0.0, PER_TOKEN) == pytest.approx(0.1)
+    # joining at 1.05 s, just after the second one: it started at 1.0 s and takes 0.1 s
+    assert queue_wait_s(load, 1.05, PER_TOKEN) == pytest.approx(0.05)
+    assert queue_wait_s(load, 2.0, PER_TOKEN) == 0
+
+
+def test_progress_counts_only_for_requests_already_waiting() -> None:
+    """0.05 s spent on the head; the one request sent is still loading: no progress on it."""
+    loading = Load(pending_prefill_tokens=3000, busy_s=0.05, queue=(Queued(0.2, 3000),))
+    assert queue_wait_s(loading, 0.3, PER_TOKEN) == pytest.approx(0.0)
+    assert queue_wait_s(loading, 0.25, PER_TOKEN) == pytest.approx(0.05)
+    waiting = Load(pending_prefill_tokens=3000, busy_s=0.05, queue=(Queued(-0.1, 3000),))
+    assert queue_wait_s(waiting, 0.0, PER_TOKEN) == pytest.approx(0.05)
+
+
+def test_pending_tokens_of_unknown_requests_wait_now() -> None:
+    """Tokens another gateway sent (in pending_prefill_tokens, not in the queue) are ahead."""
+    load = Load(pending_prefill_tokens=6000, queue=(Queued(0.5, 3000),))
+    assert queue_wait_s(load, 0.0, PER_TOKEN) == pytest.approx(0.1)
+    assert queue_wait_s(load, 0.5, PER_TOKEN) == pytest.approx(0.1)  # a tie: the one sent first
