@@ -40,17 +40,24 @@ import httpx
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from tokenizers import Tokenizer
 
 from loadtest import report, workload
 from loadtest.demo import _sigterm_as_interrupt
 from loadtest.procs import gateway_from_config, loopback_urls, sim_from_config
+from loadtest.redis_proc import free_port
 from loadtest.replay import PATHS, REPLICA_HEADER, at_offsets, percentile, request_body
 from loadtest.sim.config import ITL_S, SIM_MODEL
+from loadtest.sim.protocol import SIM_TIMING_KEY
 from loadtest.tier_arms import scrape
+from loadtest.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
 from loadtest.workload import TraceRecord
 from routing.cost import PCIE_GBPS, PREFILL_TOKENS_PER_S, REMOTE_GBPS
+from routing.prompt import approx_tokens
 
 EST_HEADER = "x-cachelane-est-ttft-ms"
+TERMS_HEADER = "x-cachelane-est-terms-ms"
+EXPECTED_HEADER = "x-cachelane-expected-cached-tokens"
 
 SPEEDS = (3.0, 10.0)
 MODES = ("none", "correction", "fit")  # routing.calibration
@@ -107,9 +114,45 @@ class Setup:
     replicas: int = 4
     hbm_capacity_tokens: int = 12_000
     cpu_capacity_tokens: int = 8_000
+    # Capacities are in the workload's own token counts (routing.prompt.approx_tokens); with a real
+    # tokenizer (precise mode) they are scaled by how many more tokens it makes of the same text.
+    token_inflation: float = 1.0
     # As tier_arms.ReuseSetup: 4 x (12k + 8k) = 80k tokens of HBM and CPU in the fleet against
     # ~10-20 live conversations of 1-7k tokens each and ~160k tokens of documents, so prefixes move
     # HBM -> CPU -> out, and a later turn or question finds them in HBM, the CPU or the remote tier.
+
+
+@dataclass(frozen=True, slots=True)
+class Precise:
+    """Precise mode: the tokenizer both sides use, and each replica's KV event port."""
+
+    tokenizer: TinyTokenizerFiles
+    event_ports: tuple[int, ...]
+
+    def pool_keys(self, replicas: Sequence[str]) -> dict[str, Any]:
+        t = self.tokenizer
+        return {
+            "kv_events": {
+                "endpoints": {
+                    url: f"tcp://127.0.0.1:{port}"
+                    for url, port in zip(replicas, self.event_ports, strict=True)
+                }
+            },
+            "tokenizer": {
+                "path": str(t.tokenizer_json),
+                "chat_template": str(t.chat_template),
+                "bos_token": BOS,
+                "eos_token": EOS,
+            },
+        }
+
+
+def token_inflation(trace: Sequence[TraceRecord], tokenizer: TinyTokenizerFiles) -> float:
+    """Tokens the tokenizer makes of the trace's prompts / the workload's own count of them."""
+    tok = Tokenizer.from_file(str(tokenizer.tokenizer_json))
+    texts = [workload.prompt_text(r) for r in trace]
+    real = sum(len(e.ids) for e in tok.encode_batch(texts))
+    return real / max(1, sum(approx_tokens(t) for t in texts))
 
 
 def sim_costs(speed: float) -> dict[str, float]:
@@ -129,48 +172,72 @@ def fleet_config(
     calibration: str,
     costs: bool,
     speed: float,
+    precise: Precise | None = None,
 ) -> dict[str, Any]:
     """One config for both sides: the sims read `costs` and `sim`, the gateway the rest. Without
     `costs` the pool has routing/cost.py's defaults."""
+    f = setup.token_inflation
     pool: dict[str, Any] = {
         "name": "fleet",
         "replicas": list(replicas),
         "models": [SIM_MODEL],
-        "hbm_capacity_tokens": setup.hbm_capacity_tokens,
-        "cpu_capacity_tokens": setup.cpu_capacity_tokens,
+        "hbm_capacity_tokens": round(setup.hbm_capacity_tokens * f),
+        "cpu_capacity_tokens": round(setup.cpu_capacity_tokens * f),
         "remote_tier": "kv",
     }
     if costs:
         pool["costs"] = sim_costs(speed)
+    routing: dict[str, Any] = {"calibration": calibration}
+    if precise is not None:
+        pool |= precise.pool_keys(replicas)
+        routing["mode"] = "precise"
     return {
-        "routing": {"calibration": calibration},
+        "routing": routing,
         "remote_tiers": [{"name": "kv", "url": remote}],
         "pools": [pool],
     }
 
 
-def sim_config(setup: Setup, replicas: Sequence[str], remote: str, speed: float) -> dict[str, Any]:
-    config = fleet_config(setup, replicas, remote, calibration="none", costs=True, speed=speed)
+def sim_config(
+    setup: Setup, replicas: Sequence[str], remote: str, speed: float, precise: Precise | None
+) -> dict[str, Any]:
+    config = fleet_config(
+        setup, replicas, remote, calibration="none", costs=True, speed=speed, precise=precise
+    )
     config["pools"][0]["sim"] = {"time_factor": 1.0}  # real time: the client measures wall clock
     return config
 
 
 def gateway_config(
-    setup: Setup, replicas: Sequence[str], remote: str, arm: str, speed: float
+    setup: Setup,
+    replicas: Sequence[str],
+    remote: str,
+    arm: str,
+    speed: float,
+    precise: Precise | None,
 ) -> dict[str, Any]:
-    if arm == TRUE_ARM:
-        return fleet_config(setup, replicas, remote, calibration="none", costs=True, speed=speed)
-    return fleet_config(setup, replicas, remote, calibration=arm, costs=False, speed=speed)
+    true = arm == TRUE_ARM
+    return fleet_config(
+        setup,
+        replicas,
+        remote,
+        calibration="none" if true else arm,
+        costs=true,
+        speed=speed,
+        precise=precise,
+    )
 
 
 # --- trace -----------------------------------------------------------------------------------
 
 
-def _trace(rate_per_s: float, duration_s: float, seed: int, slowest: float) -> list[TraceRecord]:
+def _trace(
+    rate_per_s: float, duration_s: float, seed: int, slowest: float, token_inflation: float = 1.0
+) -> list[TraceRecord]:
     # The next turn of a conversation starts after a conservative bound on the previous one's
     # service time at the slowest speed (the whole prompt prefilled, twice the sim's ITL).
     bound = workload.ServiceBound(
-        prefill_tokens_per_s=PREFILL_TOKENS_PER_S / slowest, itl_s=2 * ITL_S
+        prefill_tokens_per_s=PREFILL_TOKENS_PER_S / slowest / token_inflation, itl_s=2 * ITL_S
     )
     return workload.generate(
         WEIGHTS,
@@ -182,9 +249,10 @@ def _trace(rate_per_s: float, duration_s: float, seed: int, slowest: float) -> l
     )
 
 
-def uncached_per_request(trace: Sequence[TraceRecord]) -> float:
+def uncached_per_request(trace: Sequence[TraceRecord], token_inflation: float = 1.0) -> float:
     hits = workload.ideal_hits(trace)
-    return MISS_FACTOR * (hits.prompt_tokens - hits.cached_tokens) / max(1, len(trace))
+    missed = hits.prompt_tokens - hits.cached_tokens
+    return MISS_FACTOR * token_inflation * missed / max(1, len(trace))
 
 
 def fleet_prefill_tokens_per_s(setup: Setup, speed: float) -> float:
@@ -192,11 +260,12 @@ def fleet_prefill_tokens_per_s(setup: Setup, speed: float) -> float:
 
 
 def pick_rate(setup: Setup, slowest: float, seed: int) -> float:
-    probe = _trace(PROBE_RATE_PER_S, PROBE_DURATION_S, seed, slowest)
+    f = setup.token_inflation
+    probe = _trace(PROBE_RATE_PER_S, PROBE_DURATION_S, seed, slowest, f)
     rate = (
         TARGET_UTILISATION
         * fleet_prefill_tokens_per_s(setup, slowest)
-        / uncached_per_request(probe)
+        / uncached_per_request(probe, f)
     )
     return round(min(MAX_RATE_PER_S, max(MIN_RATE_PER_S, rate)), 2)
 
@@ -216,6 +285,9 @@ class Sample:
     replica: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    expected_cached_tokens: int = 0  # what the gateway's index expected the engine to reuse
+    est_terms_ms: dict[str, float] = field(default_factory=dict)  # x-cachelane-est-terms-ms
+    sim: dict[str, float] = field(default_factory=dict)  # the sim's usage extension
     error: str | None = None
 
     @property
@@ -229,6 +301,16 @@ class Sample:
         return abs(self.est_s - self.obs_s) / self.obs_s
 
 
+def _terms(header: str) -> dict[str, float]:
+    """ "fixed=3.0,load=0.0,queue=12.5,prefill=40.1" -> {"fixed": 3.0, ...}"""
+    out = {}
+    for part in header.split(","):
+        name, _, value = part.partition("=")
+        if value:
+            out[name.strip()] = float(value)
+    return out
+
+
 async def _send(client: httpx.AsyncClient, record: TraceRecord, s: Sample) -> None:
     started = time.perf_counter()
     path = PATHS[record["endpoint"]]
@@ -237,6 +319,8 @@ async def _send(client: httpx.AsyncClient, record: TraceRecord, s: Sample) -> No
         s.replica = resp.headers.get(REPLICA_HEADER, "")
         est = resp.headers.get(EST_HEADER)
         s.est_s = float(est) / 1000 if est else None
+        s.est_terms_ms = _terms(resp.headers.get(TERMS_HEADER, ""))
+        s.expected_cached_tokens = int(resp.headers.get(EXPECTED_HEADER) or 0)
         if resp.status_code != 200:
             body = (await resp.aread()).decode(errors="replace")
             s.error = f"HTTP {resp.status_code}: {body[:300]}"
@@ -258,6 +342,7 @@ async def _send(client: httpx.AsyncClient, record: TraceRecord, s: Sample) -> No
                 s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                 details = usage.get("prompt_tokens_details") or {}
                 s.cached_tokens = int(details.get("cached_tokens") or 0)
+                s.sim = usage.get(SIM_TIMING_KEY) or {}
     s.e2e_s = time.perf_counter() - started
     if s.error is None and not s.prompt_tokens:
         s.error = "no usage chunk in the stream"
@@ -324,6 +409,9 @@ class ArmResult:
                 "replica": [s.replica for s in self.samples],
                 "cached_tokens": [s.cached_tokens for s in self.samples],
                 "prompt_tokens": [s.prompt_tokens for s in self.samples],
+                "expected_cached_tokens": [s.expected_cached_tokens for s in self.samples],
+                "est_terms_ms": [s.est_terms_ms for s in self.samples],
+                "sim": [s.sim for s in self.samples],
             },
             "errors_seen": sorted({s.error for s in self.samples if s.error})[:5],
         }
@@ -395,16 +483,20 @@ def run_speed(
     arms: Sequence[str],
     trace: Sequence[TraceRecord],
     log_dir: Path,
+    tokenizer: TinyTokenizerFiles | None,
 ) -> dict[str, ArmResult]:
     urls = loopback_urls(setup.replicas + 1)
     remote, replicas = urls[0], urls[1:]
+    precise = None
+    if tokenizer is not None:
+        precise = Precise(tokenizer, tuple(free_port() for _ in replicas))
     name = f"speed{speed:g}"
     out: dict[str, ArmResult] = {}
-    with sim_from_config(sim_config(setup, replicas, remote, speed), log_dir, name):
+    with sim_from_config(sim_config(setup, replicas, remote, speed, precise), log_dir, name):
         for arm in arms:
             reset(replicas, remote)
             before = scrape(replicas, SIM_COUNTERS)
-            config = gateway_config(setup, replicas, remote, arm, speed)
+            config = gateway_config(setup, replicas, remote, arm, speed, precise)
             with gateway_from_config(config, log_dir, f"{name}-{arm}") as gw:
                 samples, elapsed_s = asyncio.run(send_trace(trace, gw.url))
             after = scrape(replicas, SIM_COUNTERS)
@@ -518,6 +610,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--duration-s", type=float, default=None, help="per arm (default: 30, --quick 4)")
     add("--speeds", default=",".join(f"{s:g}" for s in SPEEDS), help="(default: %(default)s)")
     add("--modes", default=",".join(MODES), help="routing.calibration (default: %(default)s)")
+    add(
+        "--index",
+        choices=("precise", "approximate"),
+        default="precise",
+        help="precise: the sims publish KV events and the gateway reads them (the tiers are "
+        "known); approximate: the gateway guesses where blocks are (default: %(default)s)",
+    )
     add("--no-true", action="store_true", help=f"skip the `{TRUE_ARM}` reference arm")
     add("--rate", type=float, default=None, help="req/s (default: from the slowest speed)")
     add("--seed", type=int, default=1)
@@ -575,22 +674,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     arms = ([] if args.no_true else [TRUE_ARM]) + modes
     duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
-    setup = Setup()
+    out: Path = args.out
+    log_dir = out.parent / out.stem
+    log_dir.mkdir(parents=True, exist_ok=True)
     slowest = max(speeds)
+    tokenizer = None
+    setup = Setup()
+    if args.index == "precise":
+        tokenizer = write_tiny_tokenizer(log_dir / "tokenizer")
+        probe = _trace(PROBE_RATE_PER_S, PROBE_DURATION_S, args.seed, slowest)
+        setup = Setup(token_inflation=round(token_inflation(probe, tokenizer), 3))
+    f = setup.token_inflation
     rate = args.rate or pick_rate(setup, slowest, args.seed)
-    trace = _trace(rate, duration_s, args.seed, slowest)
+    trace = _trace(rate, duration_s, args.seed, slowest, f)
     ideal = workload.ideal_hits(trace)
-    per_request = uncached_per_request(_trace(rate, PROBE_DURATION_S, args.seed, slowest))
+    per_request = uncached_per_request(_trace(rate, PROBE_DURATION_S, args.seed, slowest, f), f)
     offered = {f"{s:g}": rate * per_request / fleet_prefill_tokens_per_s(setup, s) for s in speeds}
     console.print(
         f"{len(trace)} requests over {duration_s:.0f} s ({rate:g} req/s, chat + RAG), ideal hit "
         f"rate {ideal.hit_rate:.1%}; expected prefill utilisation "
         + ", ".join(f"{u:.2f} at {s}x" for s, u in offered.items())
-        + f"; arms {', '.join(arms)}"
+        + f"; arms {', '.join(arms)}; {args.index} index"
     )
-    out: Path = args.out
-    log_dir = out.parent / out.stem
-    log_dir.mkdir(parents=True, exist_ok=True)
     info = {
         "duration_s": duration_s,
         "rate_per_s": rate,
@@ -599,13 +704,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ideal_hit_rate": ideal.hit_rate,
         "offered_utilisation": offered,
         "arms": arms,
+        "index": args.index,
     }
     started = time.perf_counter()
     results: dict[float, dict[str, ArmResult]] = {}
     try:
         with _sigterm_as_interrupt():
             for speed in speeds:
-                results[speed] = run_speed(console, setup, speed, arms, trace, log_dir)
+                results[speed] = run_speed(console, setup, speed, arms, trace, log_dir, tokenizer)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every process was stopped")
         return 130
