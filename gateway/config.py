@@ -172,6 +172,12 @@ class PoolConfig(Strict):
         "higher engine priority, so a long lent prefill is the next critical request's wait. "
         "Unset: no bound.",
     )
+    lend_keep_idle: Annotated[int, Field(ge=0)] = Field(
+        default=0,
+        description="A pinned replica is lent only while at least this many other replicas of "
+        "its pool have no prefill pending, so the next critical request finds one it can start "
+        "on at once. 0: no such reserve.",
+    )
     cache_salt: bool = False  # add a per-tenant "cache_salt" to request bodies (vLLM >= 0.9)
     engine_priority: bool = Field(
         default=False,
@@ -297,6 +303,13 @@ class CriticalConfig(Strict):
         "every pinned and shared replica is a candidate and the cost model picks the lowest "
         "estimated TTFT, so a follow-up goes where its context is, in whichever pool; the "
         "admission cap then only governs lending. Needs `fallback: spill`.",
+    )
+    clear_while_loading: bool = Field(
+        default=False,
+        description="While a critical request loads its KV (CPU swap-in, remote fetch) before it "
+        "joins its replica's prefill queue, standard and batch requests that would start "
+        "their prefill there first go to another candidate: a started prefill is not "
+        "interrupted, even by engine priority, so it would be the critical request's wait.",
     )
 
     @model_validator(mode="after")

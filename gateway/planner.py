@@ -100,6 +100,10 @@ class Planner:
         self._precise = config.routing.mode == "precise"
         self._tokenizers = load_tokenizers(config) if self._precise else {}
         self.pinned = PinnedPoolWatch(metrics)
+        self._keep_idle = {p.name: p.lend_keep_idle for p in config.pools if p.lend_keep_idle}
+        # critical.clear_while_loading: replica -> monotonic time its latest critical request is
+        # estimated to join the prefill queue (after its swap-in or remote fetch)
+        self._critical_joins: dict[str, float] = {}
 
     @property
     def policy(self) -> Policy:
@@ -227,6 +231,7 @@ class Planner:
             pinned_pool_exists=self._registry.has_pinned_pool(model),
             lend=not self.pinned.reclaimed(now_s),
             cost_placement=cost_placement,
+            keep_idle=self._keep_idle,
         )
         if not allowed.candidates:
             if not dry_run and allowed.fallback is not None:
@@ -253,7 +258,17 @@ class Planner:
         if klass is TenantClass.CRITICAL and cost_placement:
             decision, allowed, pressed = self._cost_placed(decision, allowed)
         elif klass is not TenantClass.CRITICAL:
-            decision = self._bounded_lending(request, decision, allowed, hits)
+            decision = self._bounded_lending(request, decision, allowed, hits, now_s)
+        if (
+            klass is TenantClass.CRITICAL
+            and not dry_run
+            and self._config.critical.clear_while_loading
+        ):
+            est = decision.score().estimate
+            if est.load_s > 0:
+                join_s = now_s + est.fixed_s + est.load_s
+                prior = self._critical_joins.get(decision.replica, 0.0)
+                self._critical_joins[decision.replica] = max(prior, join_s)
         if not dry_run:
             self._seq += 1
             if allowed.fallback is not None:
@@ -287,16 +302,28 @@ class Planner:
         return decision, replace(allowed, fallback=Fallback.SPILL), pressed
 
     def _bounded_lending(
-        self, request: RouteRequest, decision: Decision, allowed: Eligibility, hits: BlockHits
+        self,
+        request: RouteRequest,
+        decision: Decision,
+        allowed: Eligibility,
+        hits: BlockHits,
+        now_s: float,
     ) -> Decision:
         """A non-critical request lent a pinned replica prefills at most the pool's
-        `lend_max_prefill_tokens` there (routing/filters.py lendable); otherwise it is decided
-        again without the pinned replicas it is too long for."""
+        `lend_max_prefill_tokens` there (routing/filters.py lendable); with
+        critical.clear_while_loading it does not go where it would join the prefill queue
+        before a critical request still loading its KV (and so prefill ahead of it). Otherwise
+        it is decided again without the replicas it may not use; if none is left, as decided."""
+        joins = self._critical_joins
+        for name in [r for r, t in joins.items() if t <= now_s]:
+            del joins[name]
 
         def ok(c: Candidate) -> bool:
+            score = decision.score(c.name)
             limit = self._registry.replicas[c.name].pool.lend_max_prefill_tokens
-            uncached = decision.score(c.name).overlap.uncached_tokens
-            return lendable(c, uncached, limit)
+            if not lendable(c, score.overlap.uncached_tokens, limit):
+                return False
+            return joins.get(c.name, 0.0) <= now_s + score.estimate.load_s
 
         chosen = next(c for c in allowed.candidates if c.name == decision.replica)
         if ok(chosen):

@@ -95,10 +95,11 @@ HBM_TOKENS = 24_000
 CPU_TOKENS = 96_000  # the offload replicas' CPU tier: 4x HBM (host RAM is several times HBM)
 PINNED_MAX_PREFILL_TOKENS = 2_000  # ~0.5 s of prefill queued on a pinned replica at most
 LEND_BELOW = 0.5  # standard traffic may use a pinned replica below half of its admission cap
-LEND_MAX_PREFILL_TOKENS = 1_000
-# flow-control arm: a lent request prefills at most 1,000 tokens on a pinned replica, 0.25 s at
-# 4,000 tokens/s: a critical request arriving behind it waits no longer than that (a 4k-token
-# bulk prompt would hold the replica for 1 s).
+LEND_MAX_PREFILL_TOKENS: int | None = None
+LEND_KEEP_IDLE = 1
+# flow-control arm: a pinned replica is lent only while the other pinned replica has no prefill
+# pending (lend_keep_idle: 1), so a critical request arriving next finds a pinned replica it can
+# start on at once; the lent request's own prefill is not bounded (lend_max_prefill_tokens).
 
 # --- the run ---------------------------------------------------------------------------------
 
@@ -212,7 +213,9 @@ def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
         }
     flow = arm == "flow-control"
     priority: dict[str, Any] = {"engine_priority": True} if flow else {}
-    lending = {"lend_max_prefill_tokens": LEND_MAX_PREFILL_TOKENS} if flow else {}
+    lending: dict[str, Any] = {"lend_keep_idle": LEND_KEEP_IDLE} if flow else {}
+    if flow and LEND_MAX_PREFILL_TOKENS is not None:
+        lending["lend_max_prefill_tokens"] = LEND_MAX_PREFILL_TOKENS
     pinned = _pool(
         "pinned",
         fleet.hbm_only,
@@ -226,7 +229,7 @@ def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
     )
     critical: dict[str, Any] = {"fallback": "spill"}
     if flow:
-        critical["placement"] = "cost"
+        critical.update(placement="cost", clear_while_loading=True)
     return {
         "tenants": tenants_config(),
         "critical": critical,

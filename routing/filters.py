@@ -16,13 +16,15 @@ critical  the pinned pools first (HBM-only, provisioned up front), and only repl
           built there is found nowhere else), and the admission cap is judged by the estimate,
           which holds the queue, instead of by a fixed token count.
 standard  the shared pools; a pinned replica only while its pool lends idle capacity (the replica
-batch     is below `lend_below` of its admission cap) and the caller says lending is on (the
-          planner turns it off while critical traffic is spilling out of the pinned pool).
+batch     is below `lend_below` of its admission cap, and at least `keep_idle` other replicas of
+          its pool have no prefill pending, so a critical request arriving next finds one free)
+          and the caller says lending is on (the planner turns it off while critical traffic is
+          spilling out of the pinned pool).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -61,6 +63,7 @@ def eligible(
     pinned_pool_exists: bool,
     lend: bool = True,
     cost_placement: bool = False,
+    keep_idle: Mapping[str, int] | None = None,
 ) -> Eligibility:
     """`candidates` are the healthy replicas serving the model; `pinned_pool_exists` says whether
     the config has a pinned pool for it at all (down is not the same as absent)."""
@@ -80,9 +83,22 @@ def eligible(
     lent = [
         c
         for c in pinned
-        if lend and c.pool.lend_below is not None and admitted(c, c.pool.lend_below)
+        if lend
+        and c.pool.lend_below is not None
+        and admitted(c, c.pool.lend_below)
+        and _others_idle(c, pinned) >= (keep_idle or {}).get(c.pool.name, 0)
     ]
     return Eligibility(tuple(shared + lent))
+
+
+def _others_idle(c: Candidate, pinned: Sequence[Candidate]) -> int:
+    """Replicas of c's pool other than c with no prefill pending (decodes do not count): what a
+    critical request arriving next could start on at once."""
+    return sum(
+        1
+        for o in pinned
+        if o.name != c.name and o.pool.name == c.pool.name and o.load.pending_prefill_tokens == 0
+    )
 
 
 def lendable(c: Candidate, uncached_tokens: int, lend_max_prefill_tokens: int | None) -> bool:

@@ -868,3 +868,44 @@ async def test_pinned_replica_lent_only_for_short_prefills() -> None:
             )
             assert long["x-cachelane-replica"] == s
             await s1.aclose()
+
+
+@pytest.mark.parametrize("clear", [False, True], ids=["off", "clear-while-loading"])
+async def test_standard_kept_off_a_replica_where_a_critical_request_is_loading_kv(
+    clear: bool,
+) -> None:
+    """critical.clear_while_loading: a critical request fetching its document from the remote
+    tier has not joined its replica's prefill queue yet; a standard request sent there now would
+    start its prefill first (it has nothing to load), and no engine priority interrupts it. So
+    while the critical request is estimated to be loading, standard traffic goes elsewhere.
+
+    The gateway is told the fetch is slow (its configured costs: ~11 s to fetch the document,
+    ~34 s to recompute it; the sims are fast), so the window it keeps clear outlasts the test's
+    steps; with calibration off it stays so. Off, the standard request goes where its prefix is
+    in HBM: the critical request's replica."""
+    believed = {"prefill_tokens_per_s": 50.0, "remote_gbps": 0.02}
+    offload = PoolSpec("offload", 3, {"remote_write": "always", "costs": believed}, remote=True)
+    doc = "Fare rules: an off-peak return is valid on any train after 9:30. " * 100
+    messages = [{"role": "system", "content": doc}, {"role": "user", "content": "first"}]
+    critical = {"fallback": "spill", "clear_while_loading": clear}
+    routing = {"calibration": "none"}
+    async with tiered_fleet([offload], tenants=TENANTS, critical=critical, routing=routing) as f:
+        first, _ = await asyncio.wait_for(ask(f.gateway_url, "voice", messages), WAIT_S)
+        a = first["x-cachelane-replica"]
+        await f.kill(a)
+        await until(lambda: not f.gw.registry.replicas[a].healthy, "the replica to be ejected")
+        messages[1]["content"] = "second"
+        headers, _ = await asyncio.wait_for(ask(f.gateway_url, "voice", messages), WAIT_S)
+        y = headers["x-cachelane-replica"]
+        assert y != a and headers["x-cachelane-reason"] == "remote_hit"
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            messages[1]["content"] = "third"
+            explained = (
+                await h.post(
+                    "/debug/route",
+                    json=body(messages),
+                    headers={**auth("voice"), "x-cachelane-class": "standard"},
+                )
+            ).json()
+        assert explained["tenant_class"] == "standard"
+        assert (explained["replica"] != y) is clear

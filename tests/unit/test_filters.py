@@ -185,3 +185,22 @@ def test_cost_placement_needs_a_pinned_replica_up() -> None:
 )
 def test_lendable(pool: PoolRules, uncached: int, limit: int | None, ok: bool) -> None:
     assert lendable(cand("r", pool), uncached, limit) is ok
+
+
+def test_lending_keeps_a_pinned_replica_idle() -> None:
+    """keep_idle: a pinned replica is lent only while another of its pool has no prefill
+    pending, so the next critical request can start on one at once."""
+    idle = Candidate("p1", Load(0, 0), pool=PINNED)
+    other_idle = Candidate("p2", Load(1, 0), pool=PINNED)  # decoding only: free for a prefill
+    other_busy = Candidate("p2", Load(1, 400), pool=PINNED)
+    shared = cand("s", SHARED)
+    keep = {"pinned": 1}
+    lent = eligible([idle, other_idle, shared], TenantClass.STANDARD, Fallback.SPILL,
+                    pinned_pool_exists=True, keep_idle=keep)  # fmt: skip
+    assert names(lent) == ["s", "p1"]  # p2 is at half its in-flight cap: not lent itself
+    kept = eligible([idle, other_busy, shared], TenantClass.STANDARD, Fallback.SPILL,
+                    pinned_pool_exists=True, keep_idle=keep)  # fmt: skip
+    assert names(kept) == ["s"]
+    alone = eligible([idle, shared], TenantClass.STANDARD, Fallback.SPILL,
+                     pinned_pool_exists=True, keep_idle=keep)  # fmt: skip
+    assert names(alone) == ["s"]
