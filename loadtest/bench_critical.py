@@ -95,11 +95,15 @@ HBM_TOKENS = 24_000
 CPU_TOKENS = 96_000  # the offload replicas' CPU tier: 4x HBM (host RAM is several times HBM)
 PINNED_MAX_PREFILL_TOKENS = 2_000  # ~0.5 s of prefill queued on a pinned replica at most
 LEND_BELOW = 0.5  # standard traffic may use a pinned replica below half of its admission cap
-LEND_MAX_PREFILL_TOKENS: int | None = None
+LEND_MAX_PREFILL_TOKENS: int | None = PINNED_MAX_PREFILL_TOKENS
 LEND_KEEP_IDLE = 1
 # flow-control arm: a pinned replica is lent only while the other pinned replica has no prefill
 # pending (lend_keep_idle: 1), so a critical request arriving next finds a pinned replica it can
-# start on at once; the lent request's own prefill is not bounded (lend_max_prefill_tokens).
+# start on at once; and only to a request that prefills at most the admission cap's 2,000 tokens
+# there (0.5 s at 4,000 tokens/s; a 4k-token bulk prompt would hold it for 1 s). Measured on
+# seed 1 (docs/critical.md): 1,000 tokens without lend_keep_idle starved standard traffic of the
+# pinned replicas (overall p99 1.24x no-tenants); no bound let a lent 4k bulk prompt hold a pinned
+# replica for 1 s in front of agent steps whose context was there.
 
 # --- the run ---------------------------------------------------------------------------------
 
