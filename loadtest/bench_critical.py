@@ -100,10 +100,10 @@ LEND_KEEP_IDLE = 1
 # flow-control arm: a pinned replica is lent only while the other pinned replica has no prefill
 # pending (lend_keep_idle: 1), so a critical request arriving next finds a pinned replica it can
 # start on at once; and only to a request that prefills at most the admission cap's 2,000 tokens
-# there (0.5 s at 4,000 tokens/s; a 4k-token bulk prompt would hold it for 1 s). Measured on
-# seed 1 (docs/critical.md): 1,000 tokens without lend_keep_idle starved standard traffic of the
-# pinned replicas (overall p99 1.24x no-tenants); no bound let a lent 4k bulk prompt hold a pinned
-# replica for 1 s in front of agent steps whose context was there.
+# there (0.5 s at 4,000 tokens/s; a 4k-token bulk prompt would hold it for 1 s). Without a bound,
+# one seed-1 run showed a lent 4k bulk prompt holding a pinned replica for 1 s in front of two
+# agent steps whose context was there; with 1,000 tokens almost no standard request qualified
+# (their contexts are never on the pinned replicas). docs/critical.md has the runs.
 
 # --- the run ---------------------------------------------------------------------------------
 
