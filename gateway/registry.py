@@ -38,7 +38,6 @@ class Replica:
     models: frozenset[str] = frozenset()
     in_flight: int = 0
     pending_prefill_tokens: int = 0
-    swaps_in_flight: int = 0
     awaiting_first_byte: int = 0
     last_error: str | None = None
     correction: float = 1.0  # routing.calibration: correction (gateway/calibration.py)
@@ -47,8 +46,9 @@ class Replica:
     mean_prefill_tokens: float = 0.0  # moving average of uncached tokens per request sent
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
     # Requests awaiting their first byte: perf_counter when their KV is loaded (from the
-    # decision's swap and remote estimate), uncached tokens. Keyed by id() of the reservation.
-    joining: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # decision's swap and remote estimate), uncached tokens, whether they swap in from the CPU
+    # tier. Keyed by id() of the reservation.
+    joining: dict[int, tuple[float, int, bool]] = field(default_factory=dict)
 
     def load(self, now_s: float, stale_after_s: float) -> Load:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
@@ -64,8 +64,9 @@ class Replica:
             pending += round(foreign_waiting * self.mean_prefill_tokens)
         now = time.perf_counter()
         busy_s = now - self.head_since_s if self.awaiting_first_byte else 0.0
-        queue = tuple(Queued(at - now, tokens) for at, tokens in self.joining.values())
-        return Load(in_flight, pending, self.swaps_in_flight, busy_s, queue)
+        queue = tuple(Queued(at - now, tokens) for at, tokens, _ in self.joining.values())
+        swapping = sum(1 for at, _, swaps in self.joining.values() if swaps and at > now)
+        return Load(in_flight, pending, swapping, busy_s, queue)
 
     def hbm_capacity_tokens(self) -> int:
         """The config's figure, else what the engine reports, else the default."""
@@ -149,7 +150,6 @@ class Reservation:
     def _prefill_done(self, now_s: float) -> None:
         r = self.replica
         r.pending_prefill_tokens -= self.prefill_tokens
-        r.swaps_in_flight -= self.swaps
         r.awaiting_first_byte -= 1
         r.joining.pop(id(self), None)
         r.head_since_s = now_s  # a serial prefill moves on to the next request in its queue
@@ -197,7 +197,6 @@ class Registry:
         replica.in_flight += 1
         replica.awaiting_first_byte += 1
         replica.pending_prefill_tokens += prefill_tokens
-        replica.swaps_in_flight += swaps
         replica.mean_prefill_tokens += PREFILL_EWMA_WEIGHT * (
             prefill_tokens - replica.mean_prefill_tokens
         )
@@ -205,7 +204,7 @@ class Registry:
         reservation = Reservation(
             replica, prefill_tokens, swaps, now + load_s, on_drop=self.on_load_change
         )
-        replica.joining[id(reservation)] = (reservation.joins_at_s, prefill_tokens)
+        replica.joining[id(reservation)] = (reservation.joins_at_s, prefill_tokens, swaps > 0)
         return reservation
 
     def known_models(self) -> set[str]:

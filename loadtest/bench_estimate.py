@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -443,6 +444,13 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
     def share(tokens: float) -> float:
         return tokens / sim_prompt if sim_prompt else math.nan
 
+    # The queue term on its own, after the first FIRST_N: the gateway's t_queue against the time
+    # the sim's request waited for the prefill slot, as a share of the observed TTFT.
+    queued = [
+        (s.est_terms_ms["queue"], s.sim["queue_wait_ms"], s.obs_s * 1000)
+        for s in arm.samples[FIRST_N:]
+        if s.ok and s.obs_s and "queue" in s.est_terms_ms and "queue_wait_ms" in s.sim
+    ]
     return {
         "requests": len(arm.samples),
         "ok": len(ok),
@@ -457,6 +465,9 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
         "hit_rate": cached / prompt if prompt else 0.0,
         "ttft_p50_ms": percentile(obs_ms, 50),
         "ttft_p99_ms": percentile(obs_ms, 99),
+        "queue_est_ms_mean": statistics.fmean([q[0] for q in queued]) if queued else math.nan,
+        "queue_sim_ms_mean": statistics.fmean([q[1] for q in queued]) if queued else math.nan,
+        "queue_err_p90_after": percentile([abs(e - w) / o for e, w, o in queued], 90),
         "send_lag_p99_ms": percentile([s.send_lag_s * 1000 for s in arm.samples], 99),
         "prefill_utilisation": busy_s / (arm.replicas * span_s),
         "tier_share": {
@@ -529,12 +540,14 @@ def table(results: Mapping[float, Mapping[str, ArmResult]]) -> Table:
         title="TTFT estimate vs client-observed time to first chunk: |est - obs| / obs",
         box=box.SIMPLE_HEAD,
         caption=f"first / after: the first {FIRST_N} requests of an arm / the rest; "
-        "est/obs: median ratio (bias); util: prefill utilisation; tiers: share of prompt tokens "
-        "from HBM / CPU / remote",
+        "est/obs: median ratio (bias); queue est/sim: mean t_queue vs the sims' measured wait "
+        "(ms), queue err: p90 of |t_queue - wait| / obs after; util: prefill utilisation; tiers: "
+        "share of prompt tokens from HBM / CPU / remote",
     )
     columns = (
         "speed", "mode", "err p50 first", "err p90 first", "err p50 after", "err p90 after",
-        "est/obs", "hit rate", "TTFT p50", "TTFT p99", "util", "tiers h/c/r", "errors",
+        "est/obs", "queue est/sim", "queue err", "hit rate", "TTFT p50", "TTFT p99", "util",
+        "tiers h/c/r", "errors",
     )  # fmt: skip
     for c in columns:
         t.add_column(c, justify="left" if c == "mode" else "right")
@@ -550,6 +563,8 @@ def table(results: Mapping[float, Mapping[str, ArmResult]]) -> Table:
                 _pct(s["err_p50_after"]),
                 _pct(s["err_p90_after"]),
                 _num(s["est_over_obs_p50"], ".2f"),
+                f"{_num(s['queue_est_ms_mean'], '.0f')}/{_num(s['queue_sim_ms_mean'], '.0f')}",
+                _pct(s["queue_err_p90_after"]),
                 f"{s['hit_rate']:.1%}",
                 _num(s["ttft_p50_ms"], ",.0f"),
                 _num(s["ttft_p99_ms"], ",.0f"),
@@ -613,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--index",
         choices=("precise", "approximate"),
-        default="precise",
+        default="approximate",
         help="precise: the sims publish KV events and the gateway reads them (the tiers are "
         "known); approximate: the gateway guesses where blocks are (default: %(default)s)",
     )

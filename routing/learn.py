@@ -11,10 +11,12 @@ so every streamed request is one observation of a linear regression. `OnlineFit`
 recursive least squares with exponential forgetting (Ljung & Soderstrom, "Theory and Practice of
 Recursive Identification", 1983, ch. 2), made robust and safe for a router:
 
-- relative errors: each sample is divided by the TTFT its work would take at the seed's rates,
-  so a 50 ms and a 5 s request weigh the same (the fit minimises relative error, the figure
-  operators read), and the weights do not depend on the fit, so it tracks drift at its
-  forgetting rate;
+- relative errors: each sample is divided by sqrt(observed TTFT x the TTFT its work would take
+  at the seed's rates), so a 50 ms and a 5 s request weigh about the same (the fit minimises
+  relative error, the figure operators read), an unforeseen delay cannot weigh 100x, and the
+  weights do not depend on the fit;
+- covariance resetting when nearly every recent estimate misses on the same side (the replica
+  changed): the fit then moves as fast as at its start instead of at its forgetting rate;
 - seeded: parameters are kept relative to a seed (the pool's configured costs or the defaults), so
   the prior is "1.0 x the seed" with a wide spread; terms that are never excited (a pool without
   swaps) stay at their seed instead of drifting;
@@ -64,6 +66,12 @@ WARMUP_SAMPLES = 5
 # No down-weighting for the first 5 samples: the scale needs a few residuals. While the seed is
 # far off every residual is large, so the scale is too, and nothing is down-weighted anyway.
 
+SHIFT_SHARE = 0.85
+SHIFT_MIN_RESIDUAL = 0.15
+# A shift: 18 of the last 21 estimates missed on the same side, by a median of more than 15% of
+# the observed TTFT. A fit that converges or lags has residuals of both signs; noise alone (even a
+# long-tailed one, whose median miss is small) does not put 85% on one side.
+
 RATE_BOUND = 1000.0  # a rate stays within 1/1000x .. 1000x of its seed
 MAX_FIXED_S = 30.0  # an overhead above 30 s is a broken replica, not a cost
 
@@ -102,8 +110,10 @@ class OnlineFit:
         self._prior = [fixed_var, PRIOR_SPREAD**2, PRIOR_SPREAD**2, PRIOR_SPREAD**2]
         self._p = [[self._prior[i] if i == j else 0.0 for j in range(4)] for i in range(4)]
         self._residuals: deque[float] = deque(maxlen=SCALE_WINDOW)  # |relative residual|
+        self._signs: deque[bool] = deque(maxlen=SCALE_WINDOW)  # residual > 0 (underestimate)
         self.samples = 0
         self.rejected = 0
+        self.resets = 0
 
     def terms(self) -> CostTerms:
         t, s = self._theta, self._scale
@@ -120,15 +130,20 @@ class OnlineFit:
         ):
             self.rejected += 1
             return False
-        # Relative form: the equation is divided by what the seed predicts (the request's work,
-        # priced at the seed's rates), so small and large requests weigh alike, and the weights
-        # do not depend on the fit itself: after a shift, new samples count as much as old ones.
+        # Relative form: the equation is divided by the geometric mean of the observed TTFT and
+        # what the seed predicts (the request's work at the seed's rates), so small and large
+        # requests weigh alike, and the weights do not depend on the fit itself. The seed alone
+        # lets a fully cached request that met an unforeseen delay (a queue the gateway did not
+        # see, KV that had left HBM) weigh 100x its share and drag the fixed overhead to
+        # hundreds of ms; the observation alone gives the slow requests that identify the swap
+        # and fetch rates too little weight to learn them within 50 requests.
         raw = [f * s for f, s in zip(sample.features(), self._scale, strict=True)]
         predicted = sum(t * r for t, r in zip(self._theta, raw, strict=True))
-        norm = sum(raw)
+        norm = math.sqrt(y * sum(raw))
         x = [r / norm for r in raw]
         residual = (y - predicted) / norm
         self._residuals.append(abs(residual))
+        self._signs.append(residual > 0)
         weight = 1.0
         limit = K_HUBER * self.residual_scale()
         if self.samples >= WARMUP_SAMPLES and abs(residual) > limit:
@@ -145,7 +160,26 @@ class OnlineFit:
         self._cap_covariance()
         self._clamp()
         self.samples += 1
+        if self._shifted():
+            self._reset_covariance()
         return True
+
+    def _shifted(self) -> bool:
+        """The replica changed: nearly every recent estimate missed on the same side, by more
+        than noise. (A fit that only lags has residuals of both signs.)"""
+        if len(self._signs) < SCALE_WINDOW:
+            return False
+        under = sum(self._signs)
+        one_sided = max(under, len(self._signs) - under) >= SHIFT_SHARE * len(self._signs)
+        return one_sided and statistics.median(self._residuals) > SHIFT_MIN_RESIDUAL
+
+    def _reset_covariance(self) -> None:
+        """Covariance resetting (Goodwin & Sin, "Adaptive Filtering Prediction and Control",
+        1984, sec. 3.3): the estimate stays, its uncertainty goes back to the prior, so new
+        observations move it as fast as the first ones did."""
+        self._p = [[self._prior[i] if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._signs.clear()
+        self.resets += 1
 
     def residual_scale(self) -> float:
         if not self._residuals:

@@ -95,3 +95,22 @@ def test_a_block_size_mismatch_is_logged(caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level("WARNING", logger="cachelane.registry"):
         r.observe_engine(parse_engine_load(CACHE_CONFIG_TEXT, now_s=1.0), block_size_tokens=32)
     assert "block size is 16 tokens, routing.block_size_tokens is 32" in caplog.text
+
+
+def test_reservations_tell_when_they_reach_the_prefill() -> None:
+    """A request sent with 0.5 s of KV loading joins the prefill queue 0.5 s later; it counts as
+    a swap-in sharing PCIe until then, and leaves the queue at its first byte."""
+    config = parse_config({"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"]}]})
+    registry = Registry(config)
+    r = next(iter(registry.replicas.values()))
+    swapping = registry.reserve(r, prefill_tokens=300, swaps=1, load_s=0.5)
+    registry.reserve(r, prefill_tokens=200, swaps=0)
+    load = r.load(now_s=0.0, stale_after_s=1.0)
+    assert load.pending_prefill_tokens == 500
+    assert load.swaps_in_flight == 1
+    joins = sorted((round(q.joins_in_s, 1), q.tokens) for q in load.queue)
+    assert joins == [(0.0, 200), (0.5, 300)]
+    swapping.first_byte()
+    after = r.load(now_s=0.0, stale_after_s=1.0)
+    assert [q.tokens for q in after.queue] == [200]
+    assert after.swaps_in_flight == 0
