@@ -15,10 +15,17 @@ the remote tier were emptied, through a fresh router:
   static-pinning  cachelane, tenants with classes; the HBM-only replicas a pinned pool (admission
                   cap, lending below half of it), critical spills to the offload pool when the
                   pinned one is at its cap; flow control off.
-  flow-control    static-pinning plus class-aware flow control (the config's default classes) and
-                  engine priority on every pool.
+  flow-control    static-pinning plus class-aware flow control (the config's default classes),
+                  engine priority on every pool, critical placement by the cost model over both
+                  pools (critical.placement: cost), standard kept off a replica where a critical
+                  request is loading its KV (critical.clear_while_loading), and lending that keeps
+                  a pinned replica idle and bounds the lent prefill (lend_keep_idle,
+                  lend_max_prefill_tokens).
   sglang, vllm    sglang-router and vllm-router, cache_aware, on the same 6 replicas (they ignore
                   the API keys).
+
+Before the arms it prints the trace's floor: each request's own prefill with a perfect cache
+and no queue (critical_traces.ideal_floor), which no router beats.
 
 Per arm: TTFT p50/p99 per class and overall, prefix hit rate (usage cached / prompt tokens),
 requests shed (503/429, and whether Retry-After came with them) and failed; where critical
