@@ -39,7 +39,7 @@ from routing.index import Index, record_prompt
 from routing.kv_events import precise_namespace
 from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
 from routing.speculative import SpeculativeIndex
-from routing.types import ENGINE_PRIORITY, BlockHits, Location, TenantClass, Tier
+from routing.types import BlockHits, Location, TenantClass, Tier
 
 log = logging.getLogger("cachelane.planner")
 
@@ -200,10 +200,7 @@ class Planner:
             load = replica.load(now_s, stale_s)
             if load.pending_prefill_tokens == 0:  # only decodes running: the prefill is free
                 return True
-            priority = ENGINE_PRIORITY[plan.tenant.tenant_class]
-            on_engine = priority if replica.pool.engine_priority else None
-            est = estimate(score.overlap, load, replica.costs, replica.terms, on_engine)
-            if est.ttft_s <= budget_s:
+            if estimate(score.overlap, load, replica.costs, replica.terms).ttft_s <= budget_s:
                 return True
         return False
 
@@ -240,8 +237,7 @@ class Planner:
             if not dry_run and allowed.fallback is not None:
                 self._metrics.critical_fallbacks.labels(allowed.fallback.value).inc()
             raise self._rejection(model, allowed.fallback)
-        priority = ENGINE_PRIORITY[tenant.tenant_class]
-        request = RouteRequest(hashes, prompt_tokens, self._block_size, priority)
+        request = RouteRequest(hashes, prompt_tokens, self._block_size)
         decision = decide(
             request, allowed.candidates, hits, self._policy, seq=self._seq, rng=self._rng
         )

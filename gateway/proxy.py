@@ -28,7 +28,7 @@ from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.registry import Registry, Replica, Reservation
 from routing.cost import Estimate
-from routing.types import ENGINE_PRIORITY
+from routing.types import TenantClass
 
 log = logging.getLogger("cachelane.proxy")
 
@@ -81,6 +81,11 @@ def upstream_request_headers(plan: Plan) -> dict[str, str]:
     if plan.admission is not None:
         headers[REMOTE_WRITE_HEADER] = "1" if plan.admission.write else "0"
     return headers
+
+
+ENGINE_PRIORITY = {TenantClass.CRITICAL: -1, TenantClass.STANDARD: 0, TenantClass.BATCH: 1}
+# vLLM's `priority` (--scheduling-policy priority): lower runs first, requests without it are 0, so
+# standard traffic and clients that go direct rank alike, critical before them, batch after.
 
 
 def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
@@ -182,13 +187,8 @@ class Proxy:
         score = plan.decision.score(replica.name)
         prefill = score.overlap.prompt_tokens - score.expected_cached_tokens
         swaps = 1 if score.overlap.cpu_tokens else 0
-        priority = ENGINE_PRIORITY[plan.tenant.tenant_class] if replica.pool.engine_priority else 0
         return self._registry.reserve(
-            replica,
-            prefill_tokens=prefill,
-            swaps=swaps,
-            load_s=score.estimate.load_s,
-            priority=priority,
+            replica, prefill_tokens=prefill, swaps=swaps, load_s=score.estimate.load_s
         )
 
     def _first_byte(self, reservation: Reservation, plan: Plan) -> float:

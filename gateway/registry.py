@@ -47,8 +47,8 @@ class Replica:
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
     # Requests awaiting their first byte: perf_counter when their KV is loaded (from the
     # decision's swap and remote estimate), uncached tokens, whether they swap in from the CPU
-    # tier, their engine priority. Keyed by id() of the reservation.
-    joining: dict[int, tuple[float, int, bool, int]] = field(default_factory=dict)
+    # tier. Keyed by id() of the reservation.
+    joining: dict[int, tuple[float, int, bool]] = field(default_factory=dict)
 
     def load(self, now_s: float, stale_after_s: float) -> Load:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
@@ -63,14 +63,9 @@ class Replica:
             foreign_waiting = max(0.0, e.waiting - max(e.own_waiting, self.awaiting_first_byte))
             pending += round(foreign_waiting * self.mean_prefill_tokens)
         now = time.perf_counter()
-        busy_s = 0.0
-        if self.awaiting_first_byte:
-            # the head started when the previous one finished, or when it was loaded, if later
-            loaded = min((j[0] for j in self.joining.values()), default=self.head_since_s)
-            busy_s = max(0.0, now - max(self.head_since_s, loaded))
-        joining = self.joining.values()
-        queue = tuple(Queued(at - now, tokens, prio) for at, tokens, _, prio in joining)
-        swapping = sum(1 for at, _, swaps, _ in joining if swaps and at > now)
+        busy_s = now - self.head_since_s if self.awaiting_first_byte else 0.0
+        queue = tuple(Queued(at - now, tokens) for at, tokens, _ in self.joining.values())
+        swapping = sum(1 for at, _, swaps in self.joining.values() if swaps and at > now)
         return Load(in_flight, pending, swapping, busy_s, queue)
 
     def hbm_capacity_tokens(self) -> int:
@@ -183,7 +178,6 @@ class Registry:
                 max_in_flight=pool.admission.max_in_flight,
                 max_prefill_tokens=pool.admission.max_prefill_tokens,
                 lend_below=pool.lend_below,
-                engine_priority=pool.engine_priority,
             )
             for raw in pool.replicas:
                 url = str(raw).rstrip("/")
@@ -193,17 +187,10 @@ class Registry:
                 )
 
     def reserve(
-        self,
-        replica: Replica,
-        *,
-        prefill_tokens: int,
-        swaps: int,
-        load_s: float = 0.0,
-        priority: int = 0,
+        self, replica: Replica, *, prefill_tokens: int, swaps: int, load_s: float = 0.0
     ) -> Reservation:
         """Count a request sent to `replica` until its first byte (and its end); `load_s` is
-        how long its KV takes to load (swap-in, remote fetch) before it waits for the prefill,
-        `priority` the engine priority it carries."""
+        how long its KV takes to load (swap-in, remote fetch) before it waits for the prefill."""
         now = time.perf_counter()
         if not replica.awaiting_first_byte:
             replica.head_since_s = now
@@ -217,8 +204,7 @@ class Registry:
         reservation = Reservation(
             replica, prefill_tokens, swaps, now + load_s, on_drop=self.on_load_change
         )
-        joins = (reservation.joins_at_s, prefill_tokens, swaps > 0, priority)
-        replica.joining[id(reservation)] = joins
+        replica.joining[id(reservation)] = (reservation.joins_at_s, prefill_tokens, swaps > 0)
         return reservation
 
     def known_models(self) -> set[str]:

@@ -119,7 +119,6 @@ class Queued:
 
     joins_in_s: float  # when its KV is loaded and it waits for the prefill, from now (<= 0: it is)
     tokens: int  # uncached tokens it prefills
-    priority: int = 0  # the engine's scheduling priority it carries (lower runs first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,15 +175,9 @@ class Estimate:
 
 
 def estimate(
-    overlap: Overlap,
-    load: Load,
-    costs: PoolCosts,
-    terms: CostTerms | None = None,
-    priority: int | None = None,
+    overlap: Overlap, load: Load, costs: PoolCosts, terms: CostTerms | None = None
 ) -> Estimate:
-    """Estimated TTFT terms on one replica; `terms` default to the seed of `costs`. `priority`:
-    the replica schedules by priority (vLLM's --scheduling-policy priority) and this request
-    carries that one; None: first come, first served."""
+    """Estimated TTFT terms on one replica; `terms` default to the seed of `costs`."""
     t = terms if terms is not None else CostTerms.seed(costs)
     per_token = t.prefill_s_per_token
     uncached = overlap.uncached_tokens
@@ -202,7 +195,7 @@ def estimate(
     chunks = -(-max(uncached, 1) // costs.prefill_chunk_tokens)
     decode_tokens = load.in_flight * chunks  # one per running request per step of our prefill
     load_s = swap_s + (remote_s if remote_fetch else 0.0)  # a recompute is prefill work
-    queue_s = queue_wait_s(load, load_s, per_token, decode_tokens, priority)
+    queue_s = queue_wait_s(load, load_s, per_token, decode_tokens)
     return Estimate(
         fixed_s=t.fixed_s,
         queue_s=queue_s,
@@ -215,22 +208,11 @@ def estimate(
     )
 
 
-def queue_wait_s(
-    load: Load,
-    joins_in_s: float,
-    per_token_s: float,
-    extra_tokens: int = 0,
-    priority: int | None = None,
-) -> float:
+def queue_wait_s(load: Load, joins_in_s: float, per_token_s: float, extra_tokens: int = 0) -> float:
     """How long a request that reaches the prefill `joins_in_s` from now waits for it: the
     replica's prefill replayed in arrival order (first come, first served, like vLLM's default
     scheduling policy), starting from what already waits (the queue's unknown part and
-    `extra_tokens`) less the progress on the head, then every known request joining first.
-
-    With `priority` the replica orders its waiting requests by priority, then arrival (vLLM's
-    priority policy): a request of a later priority is passed, unless it is the head, whose
-    prefill has begun (the simulator's prefill is not preempted, and vLLM's scheduler serves
-    running requests, partial prefills included, before any waiting one)."""
+    `extra_tokens`) less the progress on the head, then every known request joining first."""
     known = sum(q.tokens for q in load.queue)
     unknown = max(0, load.pending_prefill_tokens - known) + extra_tokens
     progress_s = load.busy_s
@@ -245,12 +227,8 @@ def queue_wait_s(
 
     if unknown:
         free_at_s = run(0.0, unknown)
-    ordered = sorted(load.queue, key=lambda q: q.joins_in_s)
-    head = next((q for q in ordered if q.joins_in_s <= 0), None) if not unknown else None
-    for q in ordered:
+    for q in sorted(load.queue, key=lambda q: q.joins_in_s):
         if q.joins_in_s > joins_in_s:
             break
-        if priority is not None and q.priority > priority and q is not head:
-            continue
         free_at_s = run(max(free_at_s, q.joins_in_s), q.tokens)
     return max(0.0, free_at_s - joins_in_s)

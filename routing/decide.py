@@ -73,7 +73,6 @@ class PoolRules:
     max_in_flight: int | None = None  # admission cap per replica
     max_prefill_tokens: int | None = None  # admission cap per replica
     lend_below: float | None = None  # standard traffic may use it below this fraction of the caps
-    engine_priority: bool = False  # its engines schedule by the request's priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +92,6 @@ class RouteRequest:
     hashes: Sequence[int]
     prompt_tokens: int
     block_size_tokens: int
-    priority: int = 0  # the engine priority it carries where a pool schedules by priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +171,6 @@ def overlap_of(candidate: Candidate, runs: Runs, request: RouteRequest) -> Overl
     return Overlap(prompt_tokens=n, hbm_tokens=hbm_t, cpu_tokens=cpu_t, remote_tokens=remote_t)
 
 
-def priority_on(candidate: Candidate, request: RouteRequest) -> int | None:
-    """The request's priority on this candidate's engine; None where it schedules FCFS."""
-    return request.priority if candidate.pool.engine_priority else None
-
-
 def decide(
     request: RouteRequest,
     candidates: Sequence[Candidate],
@@ -191,7 +184,7 @@ def decide(
         raise NoCandidates("no eligible replica")
     runs = runs_of(hits)
     scores = tuple(
-        Score(c.name, ov, estimate(ov, c.load, c.costs, c.terms, priority_on(c, request)))
+        Score(c.name, ov, estimate(ov, c.load, c.costs, c.terms))
         for c in candidates
         for ov in (overlap_of(c, runs, request),)
     )

@@ -130,15 +130,3 @@ def test_pending_tokens_of_unknown_requests_wait_now() -> None:
     load = Load(pending_prefill_tokens=6000, queue=(Queued(0.5, 3000),))
     assert queue_wait_s(load, 0.0, PER_TOKEN) == pytest.approx(0.1)
     assert queue_wait_s(load, 0.5, PER_TOKEN) == pytest.approx(0.1)  # a tie: the one sent first
-
-
-def test_engine_priority_passes_later_classes_but_not_the_head() -> None:
-    """A standard prefill under way (the head) and a batch one waiting: a critical request
-    waits for the head only; first come, first served, it waits for both."""
-    queue = (Queued(-0.2, 3000, priority=0), Queued(-0.1, 6000, priority=1))
-    load = Load(pending_prefill_tokens=9000, queue=queue)
-    assert queue_wait_s(load, 0.0, PER_TOKEN) == pytest.approx(0.3)
-    assert queue_wait_s(load, 0.0, PER_TOKEN, priority=-1) == pytest.approx(0.1)
-    assert queue_wait_s(load, 0.0, PER_TOKEN, priority=1) == pytest.approx(0.3)
-    critical = estimate(Overlap(3000), load, COSTS, priority=-1)
-    assert critical.queue_s == pytest.approx(0.1)
