@@ -63,7 +63,11 @@ class Replica:
             foreign_waiting = max(0.0, e.waiting - max(e.own_waiting, self.awaiting_first_byte))
             pending += round(foreign_waiting * self.mean_prefill_tokens)
         now = time.perf_counter()
-        busy_s = now - self.head_since_s if self.awaiting_first_byte else 0.0
+        busy_s = 0.0
+        if self.awaiting_first_byte:
+            # the head started when the previous one finished, or when it was loaded, if later
+            loaded = min((j[0] for j in self.joining.values()), default=self.head_since_s)
+            busy_s = max(0.0, now - max(self.head_since_s, loaded))
         queue = tuple(Queued(at - now, tokens) for at, tokens, _ in self.joining.values())
         swapping = sum(1 for at, _, swaps in self.joining.values() if swaps and at > now)
         return Load(in_flight, pending, swapping, busy_s, queue)
