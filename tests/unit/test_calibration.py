@@ -1,0 +1,132 @@
+"""gateway/calibration.py: what the gateway learns from each observed TTFT, per mode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.calibration import (
+    CORRECTION_BOUNDS,
+    MIN_OWN_SAMPLES,
+    CostLearner,
+    Mode,
+    Observation,
+    sample_of,
+)
+from gateway.config import parse_config
+from gateway.metrics import Metrics
+from gateway.registry import Registry, Replica
+from routing.cost import CostTerms, Load, Overlap, PoolCosts, estimate
+from routing.decide import Score
+
+URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+SEED = CostTerms.seed(PoolCosts())
+
+
+def replicas() -> list[Replica]:
+    config = parse_config({"pools": [{"name": "p", "replicas": URLS}]})
+    return list(Registry(config).replicas.values())
+
+
+def score_on(replica: Replica, overlap: Overlap, load: Load | None = None) -> Score:
+    e = estimate(overlap, load or Load(), replica.costs, replica.terms)
+    return Score(replica.name, overlap, e)
+
+
+def observe(learner: CostLearner, replica: Replica, overlap: Overlap, observed_s: float) -> None:
+    score = score_on(replica, overlap)
+    learner.observe(Observation(replica, score, observed_s, cached_tokens=None))
+
+
+def slow_ttft(overlap: Overlap, slowdown: float) -> float:
+    """What a replica `slowdown` x slower than the defaults takes for this request."""
+    return SEED.fixed_s + overlap.uncached_tokens * SEED.prefill_s_per_token * slowdown
+
+
+def test_sample_moves_what_the_engine_did_not_reuse_to_prefilled() -> None:
+    r = replicas()[0]
+    overlap = Overlap(4000, hbm_tokens=1000, cpu_tokens=1000, remote_tokens=1000)
+    score = score_on(r, overlap)
+    assert score.estimate.remote_fetch
+    expected = sample_of(score, 0.1, cached_tokens=None)
+    assert (expected.uncached_tokens, expected.swapped_tokens, expected.fetched_tokens) == (
+        1000,
+        1000,
+        1000,
+    )
+    # the engine reused 1,500 tokens: the fetched 1,000 and 500 of the swapped ones were computed
+    less = sample_of(score, 0.1, cached_tokens=1500)
+    assert (less.uncached_tokens, less.swapped_tokens, less.fetched_tokens) == (2500, 500, 0)
+    # it reused more than the index knew: fewer tokens were prefilled
+    more = sample_of(score, 0.1, cached_tokens=3500)
+    assert more.uncached_tokens == 500
+
+
+@pytest.mark.parametrize("mode", ["fit", "correction", "none"])
+def test_a_slow_fleet_is_learned_as_the_mode_says(mode: Mode) -> None:
+    """A fleet 10x slower than the defaults: `fit` learns it, `correction` hits its 4x bound,
+    `none` keeps the defaults."""
+    rs = replicas()
+    learner = CostLearner(mode, rs, Metrics())
+    rng = random.Random(1)
+    for i in range(60):
+        overlap = Overlap(rng.randrange(200, 4000))
+        observe(learner, rs[i % 2], overlap, slow_ttft(overlap, 10.0))
+    per_token = learner.terms_of(rs[0].name).prefill_s_per_token / SEED.prefill_s_per_token
+    expected = {"fit": 10.0, "correction": CORRECTION_BOUNDS[1], "none": 1.0}[mode]
+    assert per_token == pytest.approx(expected, rel=0.1)
+
+
+def test_a_new_replica_uses_its_pools_fit_until_it_has_its_own() -> None:
+    rs = replicas()
+    learner = CostLearner("fit", rs, Metrics())
+    rng = random.Random(2)
+    for _ in range(MIN_OWN_SAMPLES + 20):  # only the first replica serves
+        overlap = Overlap(rng.randrange(200, 4000))
+        observe(learner, rs[0], overlap, slow_ttft(overlap, 5.0))
+    described = learner.describe()["replicas"]
+    assert described[rs[0].name]["source"] == "own fit"
+    assert described[rs[1].name]["source"] == "pool 'p' fit"
+    assert described[rs[1].name]["samples"] == 0
+    other = learner.terms_of(rs[1].name).prefill_s_per_token / SEED.prefill_s_per_token
+    assert other == pytest.approx(5.0, rel=0.1)
+    assert rs[1].terms is not None and rs[1].terms.prefill_s_per_token == pytest.approx(
+        learner.terms_of(rs[1].name).prefill_s_per_token
+    )
+
+
+def test_unusable_observations_teach_nothing() -> None:
+    rs = replicas()
+    learner = CostLearner("fit", rs, Metrics())
+    observe(learner, rs[0], Overlap(1000), 0.0)  # no first byte
+    observe(learner, rs[0], Overlap(1000), 3600.0)  # an hour: a hung stream, not a TTFT
+    assert learner.describe()["replicas"][rs[0].name]["samples"] == 0
+    assert learner.terms_of(rs[0].name) == SEED
+
+
+def test_a_second_gateway_resumes_the_fits_of_the_first() -> None:
+    first_replicas, second_replicas = replicas(), replicas()
+    first = CostLearner("fit", first_replicas, Metrics())
+    rng = random.Random(3)
+    for i in range(50):
+        overlap = Overlap(rng.randrange(200, 4000))
+        observe(first, first_replicas[i % 2], overlap, slow_ttft(overlap, 3.0))
+    second = CostLearner("fit", second_replicas, Metrics())
+    assert second.resume(first.states()) == 3  # two replicas and the pool
+    name = first_replicas[0].name
+    assert second.terms_of(name) == first.terms_of(name)
+    assert second.resume(first.states()) == 0  # nothing newer to adopt
+
+
+def test_metrics_show_the_fitted_terms_and_the_error() -> None:
+    rs = replicas()
+    metrics = Metrics()
+    learner = CostLearner("fit", rs, metrics)
+    overlap = Overlap(2000)
+    observe(learner, rs[0], overlap, slow_ttft(overlap, 10.0))
+    value = metrics.registry.get_sample_value
+    labels = {"replica": rs[0].name}
+    assert value("cachelane_ttft_estimate_error_count", labels) == 1
+    fitted = value("cachelane_cost_fit", {"replica": rs[0].name, "term": "prefill_s_per_token"})
+    assert fitted is not None and fitted > 0
