@@ -17,6 +17,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.fit_store import FitStore
 from gateway.flow import ClassLimits, FlowControl, Shed
+from gateway.index.resilient import ErrorHook, ResilientIndex
 from gateway.kv_events import KvEvents
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
@@ -27,7 +28,6 @@ from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
 from gateway.tenants import CLASS_HEADER, Tenant, TenantStore
 from routing.index import Index, MemoryIndex
-from routing.index_resilient import ErrorHook, ResilientIndex
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
 
@@ -76,7 +76,7 @@ def build_index(
         ttl_s=config.index.ttl_s, capacity_blocks=capacity_blocks, spill_to=spill_to
     )
     if config.index.backend == "redis":
-        from routing.index_redis import RedisIndex
+        from gateway.index.redis_backend import RedisIndex
 
         shared = RedisIndex.from_url(
             config.index.redis_url,

@@ -1,9 +1,10 @@
 """The KV index: (model, block hash) -> the locations that hold that block.
 
-`Index` is the interface every backend implements (memory here, Redis in index_redis.py); one
-contract suite (tests/contract) runs against all of them. `lookup` answers, in one round trip,
-which locations hold each leading block of a prompt, and stops at the first block that nobody
-holds: a block past a miss cannot be part of any cached prefix.
+`Index` is the interface every backend implements (memory here; Redis, with its resilient
+wrapper, in gateway/index/); one contract suite (tests/contract) runs against all of them.
+`lookup` answers, in one round trip, which locations hold each leading block of a prompt, and
+stops at the first block that nobody holds: a block past a miss cannot be part of any cached
+prefix.
 
 Bounds: every entry has a TTL, and each location holds at most its capacity in blocks (LRU).
 When a replica's HBM entry is pushed out and that replica has a CPU tier, the entry moves to the

@@ -13,8 +13,8 @@ import pytest
 from redis.asyncio import Connection, Redis
 from redis.asyncio.cluster import RedisCluster
 
+from gateway.index.redis_backend import IndexUnavailable, RedisIndex
 from routing.index import Index, MemoryIndex
-from routing.index_redis import IndexUnavailable, RedisIndex
 from routing.types import Location, Tier
 from tests.helpers.ports import free_port
 from tests.helpers.redis_server import RedisClusterProcs, RedisServer

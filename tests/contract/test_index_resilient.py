@@ -6,9 +6,9 @@ import asyncio
 
 from redis.asyncio import Redis
 
+from gateway.index.redis_backend import RedisIndex
+from gateway.index.resilient import ResilientIndex
 from routing.index import MemoryIndex
-from routing.index_redis import RedisIndex
-from routing.index_resilient import ResilientIndex
 from routing.types import Location, Tier
 from tests.helpers.redis_server import RedisServer
 

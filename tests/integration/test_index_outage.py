@@ -13,7 +13,7 @@ import httpx
 from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
-from routing.index_resilient import ResilientIndex
+from gateway.index.resilient import ResilientIndex
 from tests.helpers.redis_server import RedisServer
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 from tests.integration.test_gateway import chat, client
