@@ -5,11 +5,12 @@ lookup, a snapshot of replica load, the reuse count) and the bookkeeping after i
 index entries), and nothing else. The same plan serves real requests and /debug/route.
 
 Precise mode (routing.mode: precise) hashes the engine's token ids (the pool's tokenizer and chat
-template, gateway/precise.py) in the namespace routing/kv_events.py explains. The engines' KV
-events are the truth, so it writes no index entries of its own: it refreshes the TTL of the hit
-prefix on the chosen replica (blocks the events said are there, which this request now touches)
-and marks the rest of the prompt as speculative (routing/speculative.py) until the engine's
-BlockStored confirms it, so that a follow-up sent before the event arrives still finds it.
+template, gateway/engines/tokenizer.py) in the namespace gateway/engines/events.py explains. The
+engines' KV events are the truth, so it writes no index entries of its own: it refreshes the TTL
+of the hit prefix on the chosen replica (blocks the events said are there, which this request now
+touches) and marks the rest of the prompt as speculative (routing/speculative.py) until the
+engine's BlockStored confirms it, so that a follow-up sent before the event arrives still finds
+it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import Any
 import xxhash
 
 from gateway.config import ConfigError, GatewayConfig
+from gateway.engines.events import precise_namespace
+from gateway.engines.tokenizer import PromptTokenizer, UnsupportedPrompt
 from gateway.errors import ApiError, bad_request, no_replica
 from gateway.metrics import Metrics
 from gateway.pinning import PinnedPoolWatch
-from gateway.precise import PromptTokenizer, UnsupportedPrompt
 from gateway.registry import Registry, Replica
 from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
@@ -36,7 +38,6 @@ from routing.decide import Candidate, Decision, Policy, RouteRequest, decide
 from routing.filters import Eligibility, Fallback, admitted, eligible, lendable, should_shed
 from routing.hashing import block_hashes, token_block_hashes
 from routing.index import Index, record_prompt
-from routing.kv_events import precise_namespace
 from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
 from routing.speculative import SpeculativeIndex
 from routing.types import BlockHits, Location, TenantClass, Tier

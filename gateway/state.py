@@ -14,11 +14,11 @@ from fastapi import Request
 
 from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig
+from gateway.engines.feed import KvEvents
 from gateway.errors import ApiError
 from gateway.fit_store import FitStore
 from gateway.flow import ClassLimits, FlowControl, Shed
 from gateway.index.resilient import ErrorHook, ResilientIndex
-from gateway.kv_events import KvEvents
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.prewarm import Prewarmer

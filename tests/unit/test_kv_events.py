@@ -5,19 +5,20 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from gateway.kv_wire import EventDecodeError, decode_batch, decode_message, encode_batch, encode_seq
-from routing.hashing import token_block_hashes
-from routing.kv_events import (
+from gateway.engines.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineBlockMap,
     EventBatch,
+    EventDecodeError,
     SeqTracker,
     SeqVerdict,
     Skip,
     precise_namespace,
 )
+from gateway.engines.vllm import decode_batch, decode_message, encode_batch, encode_seq
+from routing.hashing import token_block_hashes
 from routing.types import Tier
 
 BS = 4

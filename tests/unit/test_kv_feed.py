@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.kv_events import ReplicaFeed
-from gateway.kv_wire import encode_batch, encode_seq
+from gateway.engines.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+from gateway.engines.feed import ReplicaFeed
+from gateway.engines.vllm import encode_batch, encode_seq
 from gateway.metrics import Metrics
 from routing.hashing import token_block_hashes
 from routing.index import MemoryIndex
-from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from routing.types import Location, Tier
 
 BS = 4

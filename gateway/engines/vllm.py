@@ -1,35 +1,59 @@
-"""vLLM's KV event wire format: ZMQ frames and msgpack payloads to and from the event types of
-routing/kv_events.py (the format is described there). An adapter: the routing core stays free
-of the wire library.
+"""vLLM's KV events: the wire codec (ZMQ frames, msgpack payloads) to and from the event types of
+gateway/engines/events.py, the replay request, and `VLLM_EVENTS`, vLLM's EventSource.
+
+Wire (vLLM 0.32, vllm/distributed/kv_events.py): ZMQ multipart `[topic, seq, payload]`; `seq` is
+a uint64, 8 bytes big-endian, from 0 per engine process, +1 per batch; `payload` is msgpack
+`[ts, events]` or `[ts, events, data_parallel_rank]` (the rank is omitted when None). Each event
+is a msgpack map tagged by `"type"`; older vLLM sent positional arrays `["BlockStored", ...]`,
+which are accepted too.
+
+Replay: a DEALER socket sends `[b"", start_seq]` to the engine's ROUTER; it answers
+`[b"", topic, seq, payload]` per buffered batch from start_seq on, then `[b"", b"", 0xff * 8, b""]`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import zmq
+import zmq.asyncio
 
-from routing.kv_events import (
+from gateway.engines.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineHash,
     Event,
     EventBatch,
+    EventDecodeError,
+    Message,
 )
+from gateway.engines.source import ReplayFn
+
+log = logging.getLogger("cachelane.kv_events")
+
+END_OF_REPLAY_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True): the replay end marker
+REPLAY_TIMEOUT_S = 2.0  # vLLM serves a replay between engine-queue polls of 0.1 s: ample
+MAX_REPLAY_BATCHES = 10_000  # vLLM's replay buffer holds buffer_steps=10_000 batches by default
 
 
-class EventDecodeError(ValueError):
-    """The frames are not a vLLM KV event batch; the message says what is wrong."""
+class VllmEvents:
+    """vLLM's KV events as an EventSource (gateway/engines/source.py)."""
+
+    name = "vllm"
+
+    def decode(self, frames: Sequence[bytes]) -> Message:
+        return decode_message(frames)
+
+    def replayer(self, ctx: zmq.asyncio.Context, endpoint: str) -> ReplayFn:
+        return _replayer(ctx, endpoint)
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
-    topic: bytes
-    seq: int
-    batch: EventBatch
+VLLM_EVENTS = VllmEvents()
 
 
 # ---------------------------------------------------------------- decoding
@@ -206,3 +230,36 @@ def encode_batch(batch: EventBatch) -> bytes:
         body.append(batch.data_parallel_rank)
     packed: bytes = msgpack.packb(body, use_bin_type=True)
     return packed
+
+
+# ---------------------------------------------------------------- replay
+
+
+def _replayer(ctx: zmq.asyncio.Context, endpoint: str) -> ReplayFn:
+    async def replay(start_seq: int) -> list[list[bytes]] | None:
+        """vLLM's replay protocol: DEALER sends [b"", start_seq]; the ROUTER answers
+        [b"", topic, seq, payload] per buffered batch from start_seq on, then
+        [b"", b"", 0xff * 8, b""]."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        out: list[list[bytes]] = []
+        try:
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                await sock.send_multipart([b"", encode_seq(start_seq)])
+                while len(out) <= MAX_REPLAY_BATCHES:
+                    frames = await sock.recv_multipart()
+                    if len(frames) == 4 and frames[2] == END_OF_REPLAY_SEQ:
+                        return out
+                    if len(frames) != 4 or frames[0] != b"":
+                        log.warning("unexpected replay frames from %s", endpoint)
+                        return None
+                    out.append(frames[1:])
+            return None
+        except TimeoutError:
+            log.warning("replay from %s timed out after %.1f s", endpoint, REPLAY_TIMEOUT_S)
+            return None
+        finally:
+            sock.close(linger=0)
+
+    return replay

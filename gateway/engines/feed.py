@@ -1,7 +1,8 @@
-"""Precise mode's index feed: one ZMQ SUB socket per replica on vLLM's KV event stream.
+"""Precise mode's index feed: one ZMQ SUB socket per replica on its engine's KV event stream.
 
-Each replica's batches are decoded (routing.kv_events), checked against the sequence the engine
-process is at, mapped from engine hashes to the gateway's keys, and applied to the index:
+Each replica's batches are decoded by the engine's EventSource (gateway/engines/source.py; vLLM's
+is gateway/engines/vllm.py), checked against the sequence the engine process is at, mapped from
+engine hashes to the gateway's keys, and applied to the index:
   BlockStored   -> record the blocks' keys in the medium's tier (GPU -> HBM, CPU -> CPU)
   BlockRemoved  -> evict them from that tier
   AllBlocksCleared -> drop every entry of the replica (and its engine-hash map)
@@ -13,7 +14,7 @@ are dropped, not kept "probably right": a missed BlockRemoved would otherwise ro
 engine no longer holds until its TTL.
 
 `ReplicaFeed` is the state machine and owns no socket (tests feed it bytes); `KvEvents` owns the
-ZMQ context, one subscriber task per replica, and the replay requests.
+ZMQ context, one subscriber task per replica, and the replay requests (made by the EventSource).
 """
 
 from __future__ import annotations
@@ -29,29 +30,26 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import GatewayConfig
-from gateway.kv_wire import EventDecodeError, Message, decode_message, encode_seq
-from gateway.metrics import Metrics
-from routing.cost import HBM_CAPACITY_TOKENS
-from routing.index import Index
-from routing.kv_events import (
-    END_OF_REPLAY_SEQ,
+from gateway.engines.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineBlockMap,
     EventBatch,
+    EventDecodeError,
+    Message,
     SeqTracker,
     SeqVerdict,
 )
+from gateway.engines.source import EventSource, ReplayFn
+from gateway.engines.vllm import VLLM_EVENTS
+from gateway.metrics import Metrics
+from routing.cost import HBM_CAPACITY_TOKENS
+from routing.index import Index
 from routing.types import Location
 
 log = logging.getLogger("cachelane.kv_events")
 
-ReplayFn = Callable[[int], Awaitable[list[list[bytes]] | None]]
-"""Ask for batches from a seq on: `[topic, seq, payload]` frames in order, or None on failure."""
-
-REPLAY_TIMEOUT_S = 2.0  # vLLM serves a replay between engine-queue polls of 0.1 s: ample
-MAX_REPLAY_BATCHES = 10_000  # vLLM's replay buffer holds buffer_steps=10_000 batches by default
 SUB_HWM = 100_000  # as vLLM's PUB high-water mark (KVEventsConfig.hwm)
 HEARTBEAT_IVL_MS = 1_000  # ZMTP heartbeats find a dead TCP peer, so the SUB socket reconnects
 HEARTBEAT_TIMEOUT_MS = 3_000
@@ -72,8 +70,10 @@ class ReplicaFeed:
         metrics: Metrics,
         replay: ReplayFn | None = None,
         clock: Callable[[], float] = time.monotonic,
+        source: EventSource = VLLM_EVENTS,
     ) -> None:
         self.replica = replica
+        self._source = source
         self.model = model
         self.blocks = EngineBlockMap(
             model=model, block_size_tokens=block_size_tokens, capacity_blocks=capacity_blocks
@@ -104,7 +104,7 @@ class ReplicaFeed:
     async def handle(self, frames: Sequence[bytes]) -> None:
         """One multipart message from the SUB socket."""
         try:
-            message = decode_message(frames)
+            message = self._source.decode(frames)
         except EventDecodeError as err:
             self._metrics.kv_events_skipped.labels(self.replica, "undecodable").inc()
             log.warning("%s: undecodable KV event message: %s", self.replica, err)
@@ -133,7 +133,7 @@ class ReplicaFeed:
             if frames is None:
                 outcome = "failed"
                 return False
-            messages = [decode_message(f) for f in frames]
+            messages = [self._source.decode(f) for f in frames]
             wanted = [m for m in messages if start <= m.seq < until]
             if [m.seq for m in wanted] != list(range(start, until)):
                 return False
@@ -201,8 +201,10 @@ class KvEvents:
         replicas: Sequence[tuple[str, str, Any]],
         index: Index,
         metrics: Metrics,
+        source: EventSource = VLLM_EVENTS,
     ) -> None:
-        """`replicas`: (name, url, pool config) of every replica."""
+        """`replicas`: (name, url, pool config) of every replica; `source`: the engines' event
+        format (every replica's engine speaks the same)."""
         self._ctx = zmq.asyncio.Context()
         self._subscribers: list[_Subscriber] = []
         block = config.routing.block_size_tokens
@@ -211,7 +213,7 @@ class KvEvents:
             if events is None or not pool.models:
                 continue
             replay_endpoint = events.replay_endpoint_for(url)
-            replay = _replayer(self._ctx, replay_endpoint) if replay_endpoint else None
+            replay = source.replayer(self._ctx, replay_endpoint) if replay_endpoint else None
             hbm = pool.hbm_capacity_tokens or HBM_CAPACITY_TOKENS  # a bound on the map, not routing
             capacity = MAP_SLACK * (hbm + pool.cpu_capacity_tokens) // block
             feed = ReplicaFeed(
@@ -222,6 +224,7 @@ class KvEvents:
                 index=index,
                 metrics=metrics,
                 replay=replay,
+                source=source,
             )
             endpoint = events.endpoint_for(url)
             self._subscribers.append(_Subscriber(self._ctx, feed, endpoint, events.topic))
@@ -291,33 +294,3 @@ class _Subscriber:
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         await monitor.recv_multipart()
         self.connected.set()
-
-
-def _replayer(ctx: zmq.asyncio.Context, endpoint: str) -> ReplayFn:
-    async def replay(start_seq: int) -> list[list[bytes]] | None:
-        """vLLM's replay protocol: DEALER sends [b"", start_seq]; the ROUTER answers
-        [b"", topic, seq, payload] per buffered batch from start_seq on, then
-        [b"", b"", 0xff * 8, b""]."""
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        out: list[list[bytes]] = []
-        try:
-            async with asyncio.timeout(REPLAY_TIMEOUT_S):
-                await sock.send_multipart([b"", encode_seq(start_seq)])
-                while len(out) <= MAX_REPLAY_BATCHES:
-                    frames = await sock.recv_multipart()
-                    if len(frames) == 4 and frames[2] == END_OF_REPLAY_SEQ:
-                        return out
-                    if len(frames) != 4 or frames[0] != b"":
-                        log.warning("unexpected replay frames from %s", endpoint)
-                        return None
-                    out.append(frames[1:])
-            return None
-        except TimeoutError:
-            log.warning("replay from %s timed out after %.1f s", endpoint, REPLAY_TIMEOUT_S)
-            return None
-        finally:
-            sock.close(linger=0)
-
-    return replay

@@ -1,10 +1,10 @@
-"""vLLM's KV cache events, decoded, and turned into the gateway's own block keys.
+"""The KV cache events the index applies, and what they mean for it: engine block hashes turned
+into the gateway's own block keys.
 
-Wire (vLLM 0.32, vllm/distributed/kv_events.py): ZMQ multipart `[topic, seq, payload]`; `seq` is
-a uint64, 8 bytes big-endian, from 0 per engine process, +1 per batch; `payload` is msgpack
-`[ts, events]` or `[ts, events, data_parallel_rank]` (the rank is omitted when None). Each event
-is a msgpack map tagged by `"type"`; older vLLM sent positional arrays `["BlockStored", ...]`,
-which are accepted too.
+The event types are vLLM's (BlockStored, BlockRemoved, AllBlocksCleared in batches with a
+sequence number): vLLM is the one engine integration (gateway/engines/vllm.py decodes its wire
+format into them), and another engine's events are converted into these types by its own
+EventSource (gateway/engines/source.py), so the feed and the index need not know the engine.
 
 Keys: engine block hashes cannot be recomputed by a router (sha256 over a per-process random root,
 truncated to 8 bytes on the wire), so they are only ever used as opaque names. `EngineBlockMap`
@@ -38,7 +38,6 @@ EngineHash = int | bytes
 """vLLM sends ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, the default) or raw digests."""
 
 MEDIUM_TIERS = {"GPU": Tier.HBM, "CPU": Tier.CPU}  # vLLM's MEDIUM_GPU / MEDIUM_CPU
-END_OF_REPLAY_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True): the replay end marker
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +72,19 @@ class EventBatch:
     ts: float
     events: tuple[Event, ...]
     data_parallel_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One batch as received from an engine: its topic, its sequence number, its events."""
+
+    topic: bytes
+    seq: int
+    batch: EventBatch
+
+
+class EventDecodeError(ValueError):
+    """The frames are not an event batch of the engine; the message says what is wrong."""
 
 
 # ---------------------------------------------------------------- namespace and keys
