@@ -39,14 +39,20 @@ from typing import Any
 
 import xxhash
 
-from gateway.precise import PromptTokenizer
+from gateway.engines.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    precise_namespace,
+)
+from gateway.engines.tokenizer import PromptTokenizer
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.prefill_queue import PrefillQueue
 from loadtest.sim.remote import RemoteClient
 from loadtest.sim.tiers import BlockLRU
 from routing.cost import Load, Overlap, estimate
 from routing.hashing import block_hashes, token_block_hashes
-from routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, precise_namespace
 from routing.prompt import approx_tokens
 
 EventSink = Callable[[Sequence[Event]], None]

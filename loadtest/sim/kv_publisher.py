@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 import zmq
 import zmq.asyncio
 
-from gateway.kv_wire import encode_batch, encode_seq
-from routing.kv_events import END_OF_REPLAY_SEQ, Event, EventBatch
+from gateway.engines.events import Event, EventBatch
+from gateway.engines.vllm import END_OF_REPLAY_SEQ, encode_batch, encode_seq
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
-from gateway.precise import PromptTokenizer, UnsupportedPrompt
+from gateway.engines.tokenizer import PromptTokenizer, UnsupportedPrompt
 from loadtest.sim import protocol
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.engine import ContextLengthExceeded, PrefillResult, Prompt, SimEngine
