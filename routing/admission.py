@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from routing.cost import PoolCosts
 
 FAMILY_BLOCKS = 4
-# Same prefix key as prefix_hash (routing/decide.py PREFIX_KEY_BLOCKS): 64 tokens at block size 16
-# separate system prompts and documents without splitting one conversation into several families.
+# Same prefix key as prefix_hash (PREFIX_KEY_BLOCKS, routing/policies/prefix_hash.py): 64 tokens
+# at block size 16 separate system prompts and documents without splitting one conversation into
+# several families.
 
 DEFAULT_WINDOW_S = 300.0
 # 5 minutes: a chat or agent session's turns arrive within seconds to minutes of each other; a

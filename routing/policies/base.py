@@ -1,0 +1,121 @@
+"""What a routing policy sees and returns, and the protocol every policy implements.
+
+decide() (routing/decide.py) scores every candidate (its overlap with the prompt, the cost model's
+estimate) and hands the request, the candidates and their scores to the configured policy, which
+orders the candidates and says why. A policy is pure: same inputs and rng state, same Decision.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from routing.cost import CostTerms, Estimate, Load, Overlap, PoolCosts
+
+
+class Policy(StrEnum):
+    """The policy names a config may give (`routing.policy`); each has one module in this package
+    and one entry in the registry (routing/policies/__init__.py)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    PREFIX_HASH = "prefix_hash"
+    CACHE_AWARE = "cache_aware"
+
+
+class Reason(StrEnum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    PREFIX_HASH = "prefix_hash"
+    PREFIX_HASH_SPILL = "prefix_hash_spill"  # the hashed replica was over its load bound
+    HBM_HIT = "hbm_hit"  # the best estimate reuses HBM blocks
+    CPU_HIT = "cpu_hit"  # ... and swaps blocks in from the CPU tier
+    REMOTE_HIT = "remote_hit"  # ... and fetches blocks from the remote tier
+    QUEUE = "queue"  # a replica with a longer cached prefix lost on queueing
+    COLD = "cold"  # no replica holds any of the prefix: least estimated queue wins
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRules:
+    """How a replica's pool may be used (routing/filters.py applies them)."""
+
+    name: str = "default"
+    pinned: bool = False  # reserved for critical tenants
+    hbm_only: bool = False  # no CPU or remote tier: no swap-in or remote term
+    max_in_flight: int | None = None  # admission cap per replica
+    max_prefill_tokens: int | None = None  # admission cap per replica
+    lend_below: float | None = None  # standard traffic may use it below this fraction of the caps
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A replica that may serve the request, with a snapshot of its load."""
+
+    name: str
+    load: Load = field(default_factory=Load)
+    costs: PoolCosts = field(default_factory=PoolCosts)
+    remote_tier: str | None = None  # remote tier this replica's pool reads, if any
+    terms: CostTerms | None = None  # learned costs (routing/learn.py); None: the seed of `costs`
+    pool: PoolRules = field(default_factory=PoolRules)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    hashes: Sequence[int]
+    prompt_tokens: int
+    block_size_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    replica: str
+    overlap: Overlap
+    estimate: Estimate
+
+    @property
+    def expected_cached_tokens(self) -> int:
+        o, e = self.overlap, self.estimate
+        return o.hbm_tokens + o.cpu_tokens + (o.remote_tokens if e.remote_fetch else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    policy: Policy
+    replica: str
+    reason: Reason
+    ranking: tuple[str, ...]  # chosen first, then the fallbacks in order
+    scores: tuple[Score, ...] = field(repr=False)
+
+    def score(self, replica: str | None = None) -> Score:
+        name = self.replica if replica is None else replica
+        return next(s for s in self.scores if s.replica == name)
+
+    @property
+    def est_ttft_s(self) -> float:
+        return self.score().estimate.ttft_s
+
+    @property
+    def expected_cached_tokens(self) -> int:
+        return self.score().expected_cached_tokens
+
+
+class RoutingPolicy(Protocol):
+    """One routing policy: orders the candidates (at least one) and says why.
+
+    `scores` holds every candidate's overlap and estimate, in the candidates' order; the Decision
+    carries them unchanged. `seq` is the caller's request counter; `rng` the caller's generator,
+    the only randomness a policy may use (so a seeded gateway or benchmark repeats its choices).
+    """
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        scores: tuple[Score, ...],
+        *,
+        seq: int,
+        rng: random.Random,
+    ) -> Decision: ...
