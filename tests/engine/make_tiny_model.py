@@ -2,7 +2,7 @@
 
 Run with the engine's Python (it needs torch and transformers, which the gateway does not):
     .venv-engine/bin/python tests/engine/make_tiny_model.py DIR
-Nothing is downloaded: the weights are random, the tokenizer is loadtest/tiny_tokenizer.py's.
+Nothing is downloaded: the weights are random, the tokenizer is loadtest/sim/tiny_tokenizer.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from loadtest.tiny_tokenizer import BOS, EOS, write_tiny_tokenizer  # noqa: E402
+from loadtest.sim.tiny_tokenizer import BOS, EOS, write_tiny_tokenizer  # noqa: E402
 
 HIDDEN = 256  # 4 heads of 64: a head size every vLLM CPU attention backend supports
 LAYERS = 2

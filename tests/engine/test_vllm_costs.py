@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from loadtest.tiny_tokenizer import BOS, EOS
+from loadtest.sim.tiny_tokenizer import BOS, EOS
 from tests.engine.conftest import BLOCK_SIZE_TOKENS, GPU_BLOCKS, MODEL, VllmReplica
 from tests.engine.test_vllm_precise import until
 from tests.helpers.servers import running_app

@@ -15,8 +15,8 @@ from openai import AsyncOpenAI
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from gateway.precise import PromptTokenizer
-from loadtest.tiny_tokenizer import BOS, EOS
+from gateway.engines.tokenizer import PromptTokenizer
+from loadtest.sim.tiny_tokenizer import BOS, EOS
 from routing.hashing import token_block_hashes
 from routing.types import Location, Tier
 from tests.engine.conftest import BLOCK_SIZE_TOKENS, GPU_BLOCKS, MODEL, VllmReplica

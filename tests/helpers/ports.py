@@ -1,5 +1,5 @@
-"""Free loopback ports for throwaway servers (the implementation lives with the Redis launcher)."""
+"""Free loopback ports for throwaway servers (implemented in loadtest/bench/processes.py)."""
 
-from loadtest.redis_proc import free_port
+from loadtest.bench.processes import free_port
 
 __all__ = ["free_port"]

@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench_critical --quick` end to end with two arms: a real sim fleet, real
+"""`python -m loadtest.bench.critical --quick` end to end with two arms: a real sim fleet, real
 gateways. Checks only that it runs and that the JSON has its shape; the numbers are the
 benchmark's job."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_critical import main
+from loadtest.bench.critical import main
 
 
 @pytest.mark.timeout(150)  # ~30 s here: one fleet, two gateways, two arms of 5 s plus draining

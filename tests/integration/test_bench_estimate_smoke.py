@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench_estimate --quick` end to end: a real sim fleet, real gateways.
+"""`python -m loadtest.bench.estimate --quick` end to end: a real sim fleet, real gateways.
 
 Checks only that it runs and that the JSON has its shape; the numbers are the benchmark's job.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_estimate import FIRST_N, TRUE_ARM, main
+from loadtest.bench.estimate import FIRST_N, TRUE_ARM, main
 
 BENCH_TIMEOUT_S = 120  # ~25 s here: one fleet, three gateways, 4 s arms
 

@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench_tiers` end to end, with tiny arms: real sim fleets, real gateways.
+"""`python -m loadtest.bench.tiers` end to end, with tiny arms: real sim fleets, real gateways.
 
 Checks only that it runs and that the JSON has its shape; the numbers are the benchmark's job.
 """
@@ -23,7 +23,7 @@ def test_bench_tiers_runs_and_writes_results(tmp_path: Path) -> None:
         "--shapes", "high", "--modes", "always,reuse", "--seed", "3",
     ]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_tiers", *args, "--out", str(out)],
+        [sys.executable, "-m", "loadtest.bench.tiers", *args, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=BENCH_TIMEOUT_S,

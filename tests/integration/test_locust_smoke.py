@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.procs import SimFleetSettings, gateway, sim_fleet
+from loadtest.bench.processes import SimFleetSettings, gateway, sim_fleet
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_S = 4  # long enough for every user class to send a few turns
@@ -34,7 +34,7 @@ def test_locust_headless_records_ttft_and_cached_tokens(tmp_path: Path) -> None:
     with sim_fleet(settings, tmp_path) as fleet, gateway(fleet.urls, "cache_aware", tmp_path) as gw:
         args = [
             *_locust(),
-            "-f", str(REPO / "loadtest" / "locustfile.py"),
+            "-f", str(REPO / "loadtest" / "locust" / "locustfile.py"),
             "--headless", "-u", "6", "-r", "6", "-t", f"{RUN_S}s",
             "--stop-timeout", "5",
             "--host", gw.url,

@@ -18,7 +18,7 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
-from loadtest.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
+from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
 from routing.types import Location, Tier
 from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from loadtest import critical_traces as ct
-from loadtest.workload import TraceRecord, words_text
+from loadtest.workloads import critical_traces as ct
+from loadtest.workloads.traces import TraceRecord, words_text
 
 
 def record(t_s: float, tenant: str, prompt: str) -> TraceRecord:

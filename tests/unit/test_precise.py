@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.precise import PromptTokenizer, TemplateError, UnsupportedPrompt
-from loadtest.tiny_tokenizer import (
+from gateway.engines.tokenizer import PromptTokenizer, TemplateError, UnsupportedPrompt
+from loadtest.sim.tiny_tokenizer import (
     BOS,
     CHAT_TEMPLATE,
     EOS,

@@ -5,8 +5,8 @@ from typing import Any
 
 import pytest
 
-from loadtest import workload
-from loadtest.workload import (
+from loadtest.workloads import traces
+from loadtest.workloads.traces import (
     MAX_TOKENS,
     SHAPES,
     ServiceBound,
@@ -78,7 +78,7 @@ def test_conversations_grow_by_appending(shape: str) -> None:
                 assert nxt["messages"][:n] == prev["messages"]
                 roles = [m["role"] for m in nxt["messages"][n:]]
                 assert roles == ["assistant", "user"]
-                assert len(nxt["messages"][n]["content"]) == workload.REPLY_TOKENS * CHARS_PER_TOKEN
+                assert len(nxt["messages"][n]["content"]) == traces.REPLY_TOKENS * CHARS_PER_TOKEN
 
 
 @pytest.mark.parametrize("shape", ["chat", "agentic", "shared_system"])
@@ -86,14 +86,14 @@ def test_turns_never_overlap(shape: str) -> None:
     bound = ServiceBound()
     for turns in _conversations(_trace(shape)).values():
         for prev, nxt in itertools.pairwise(turns):
-            prev_tokens = approx_tokens(workload.prompt_text(prev))
+            prev_tokens = approx_tokens(traces.prompt_text(prev))
             assert nxt["t_s"] >= prev["t_s"] + bound.seconds(prev_tokens, MAX_TOKENS) - 1e-6
 
 
 def test_one_shared_system_prompt_is_shared_by_all() -> None:
     systems = {r["messages"][0]["content"] for r in _trace("shared_system")}
     assert len(systems) == 1
-    assert approx_tokens(systems.pop()) >= workload.SHARED_SYSTEM_TOKENS
+    assert approx_tokens(systems.pop()) >= traces.SHARED_SYSTEM_TOKENS
 
 
 def test_unique_prompts_share_nothing() -> None:
@@ -180,7 +180,7 @@ def test_ideal_hit_rate_of_chat_counts_the_rendered_messages() -> None:
         {"t_s": 0, "endpoint": "chat", "messages": messages},
         {"t_s": 1, "endpoint": "chat", "messages": messages},
     ]
-    assert 0.4 < workload.ideal_hit_rate(trace, BLOCK) < 0.5
+    assert 0.4 < traces.ideal_hit_rate(trace, BLOCK) < 0.5
 
 
 def test_cli_writes_the_trace_and_prints_the_ideal(tmp_path: Any, capsys: Any) -> None:
@@ -197,7 +197,7 @@ def test_cli_writes_the_trace_and_prints_the_ideal(tmp_path: Any, capsys: Any) -
         "--out",
         str(out),
     ]
-    assert workload.main(args) == 0
-    trace = workload.read_trace(out)
+    assert traces.main(args) == 0
+    trace = traces.read_trace(out)
     assert trace == shape_trace("mixed", rate_per_s=5, duration_s=5, seed=1)
     assert f"{ideal_hits(trace).hit_rate:.1%}" in capsys.readouterr().out

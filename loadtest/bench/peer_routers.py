@@ -14,10 +14,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.procs import ManagedProcess, wait_ready
-from loadtest.redis_proc import free_port
+from loadtest.bench.processes import ManagedProcess, free_port, wait_ready
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROUTERS_VENV = REPO / ".venv-routers"
 
 EXTERNAL_PACKAGES = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.workload import DEFAULT_MODEL, TraceRecord
+from loadtest.workloads.traces import DEFAULT_MODEL, TraceRecord
 
 MAX_IN_FLIGHT = 512
 # Far above what the demo reaches (rate x latency ~ 15/s x 1 s); it only stops a runaway.

@@ -1,14 +1,14 @@
 """Latency-critical tenants on a busy heterogeneous fleet.
 
-    python -m loadtest.bench_critical [--quick] [--arms no-tenants,static-pinning,...]
+    python -m loadtest.bench.critical [--quick] [--arms no-tenants,static-pinning,...]
                                       [--duration-s N] [--seed N]
 
 One simulated fleet of 6 replicas (2 HBM-only; 4 with a CPU offload tier and one shared remote
-tier), one seeded trace of four tenants (loadtest/critical_traces.py: a voice and an agent tenant,
-latency-critical, carrying about half of the prompt tokens; a chat+RAG tenant and a bulk one-off
-tenant, standard) at ~0.9 of the fleet's prefill under round robin. Every arm replays the whole
-trace open-loop, each request with its tenant's API key, after every replica's prefix cache and
-the remote tier were emptied, through a fresh router:
+tier), one seeded trace of four tenants (loadtest/workloads/critical_traces.py: a voice and an agent
+tenant, latency-critical, carrying about half of the prompt tokens; a chat+RAG tenant and a bulk
+one-off tenant, standard) at ~0.9 of the fleet's prefill under round robin. Every arm replays the
+whole trace open-loop, each request with its tenant's API key, after every replica's prefix cache
+and the remote tier were emptied, through a fresh router:
 
   no-tenants      cachelane, no tenants: every request is alike; the fleet's two kinds of replica
                   as two unpinned pools; flow control off.
@@ -56,11 +56,15 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from loadtest import critical_traces as ct
-from loadtest import report
-from loadtest.demo import _sigterm_as_interrupt
-from loadtest.procs import gateway_from_config, loopback_urls, sim_from_config
-from loadtest.replay import (
+from loadtest.bench import report
+from loadtest.bench.peer_routers import RouterSpec, ensure_installed, running_router
+from loadtest.bench.processes import (
+    gateway_from_config,
+    loopback_urls,
+    sigterm_as_interrupt,
+    sim_from_config,
+)
+from loadtest.bench.replay import (
     PATHS,
     REASON_HEADER,
     REPLICA_HEADER,
@@ -72,9 +76,9 @@ from loadtest.replay import (
     request_body,
     summarize,
 )
-from loadtest.routers import RouterSpec, ensure_installed, running_router
 from loadtest.sim.config import ITL_S, SIM_MODEL
-from loadtest.workload import ServiceBound, TraceRecord
+from loadtest.workloads import critical_traces as ct
+from loadtest.workloads.traces import ServiceBound, TraceRecord
 from routing import cost
 
 # --- the fleet -------------------------------------------------------------------------------
@@ -133,7 +137,8 @@ EXTERNAL_ARMS = {
     "sglang": RouterSpec("sglang", "cache_aware"),
     "vllm": RouterSpec("vllm", "cache_aware"),
 }
-# vllm-router's policies in loadtest/routers.py: cache_aware, round_robin, consistent_hash.
+# vllm-router's policies in loadtest/bench/peer_routers.py: cache_aware, round_robin,
+# consistent_hash.
 ARMS = (*CACHELANE_ARMS, *EXTERNAL_ARMS)
 SHED_STATUSES = (429, 503)
 
@@ -654,7 +659,7 @@ def plot(path: Path, arms: Mapping[str, ArmResult], title: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_critical",
+        prog="python -m loadtest.bench.critical",
         description="Latency-critical tenants on a busy heterogeneous simulated fleet: cachelane "
         "without tenants, with static pinning, with flow control; sglang-router and vllm-router.",
     )
@@ -762,7 +767,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     done: dict[str, ArmResult] = {}
     fleet: Fleet | None = None
     try:
-        with _sigterm_as_interrupt(), sim_fleet(log_dir) as fleet:
+        with sigterm_as_interrupt(), sim_fleet(log_dir) as fleet:
             for arm in arms:
                 if arm in not_run:
                     continue

@@ -3,8 +3,8 @@
 (a) a critical voice tenant under a burst of standard traffic with long, partly offloaded prefixes,
     with a pinned HBM-only pool vs one shared pool (same replicas);
 (b) the high-reuse workload with reuse-aware remote-tier admission vs writing everything.
-The same arms as `python -m loadtest.bench_tiers` (loadtest/tier_arms.py), shorter; the benchmark
-also runs never-write and the low-reuse workloads.
+The same arms as `python -m loadtest.bench.tiers` (loadtest/bench/tier_experiment.py), shorter;
+the benchmark also runs never-write and the low-reuse workloads.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from loadtest import tier_report, tier_traces
-from loadtest.tier_arms import (
+from loadtest.bench import tier_report
+from loadtest.bench.tier_experiment import (
     ArmResult,
     PinningSetup,
     ReuseSetup,
@@ -25,7 +25,8 @@ from loadtest.tier_arms import (
     run_pinning,
     run_reuse_arm,
 )
-from loadtest.tier_traces import REUSE_RATE_PER_S, STANDARD_RATE, VOICE_RATE_PER_S
+from loadtest.workloads import tier_traces
+from loadtest.workloads.tier_traces import REUSE_RATE_PER_S, STANDARD_RATE, VOICE_RATE_PER_S
 
 ARM_DURATION_S = 8.0
 # 4 arms x 8 s of arrivals, plus two fleets' and four gateways' start-up and drain: ~45 s, which
@@ -42,7 +43,7 @@ def _ratio_text(new: float, old: float) -> str:
 
 def tiers_table(pinning: dict[str, ArmResult], reuse: dict[str, ArmResult]) -> Table:
     table = Table(
-        title="tier decisions (compact; `python -m loadtest.bench_tiers` for the full runs)",
+        title="tier decisions (compact; `python -m loadtest.bench.tiers` for the full runs)",
         box=box.SIMPLE_HEAD,
     )
     for column in ("measure", "baseline", "cachelane", "cachelane / baseline"):

@@ -8,13 +8,14 @@ persistence, and is stopped with terminate + wait. Nothing here touches a shared
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+
+from loadtest.bench.processes import free_port
 
 START_TIMEOUT_S = 10.0  # a cold redis-server answers PING in ~10 ms; 10 s covers a loaded CI box
 CLUSTER_OK_TIMEOUT_S = 20.0  # cluster_state:ok follows slot assignment within ~1-2 s locally
@@ -30,14 +31,6 @@ MISSING_MESSAGE = (
 
 class RedisMissing(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _binary(name: str) -> str:

@@ -1,6 +1,6 @@
-"""Load shapes for loadtest/locustfile.py; load them next to it to take over users over time:
+"""Load shapes for loadtest/locust/locustfile.py; load them next to it to take over users over time:
 
-    locust -f loadtest/locustfile.py,loadtest/locust_shapes.py --headless --host ...
+    locust -f loadtest/locust/locustfile.py,loadtest/locust/shapes.py --headless --host ...
 
 A shape replaces -u / -r / -t: it says how many users of which classes run at each moment.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from locust import LoadTestShape, User
 
-from loadtest import locust_users
+from loadtest.locust import users as locust_users
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Traces the routing benchmark adds to loadtest/workload.py's shapes: the voice tenant, the
+"""Traces the routing benchmark adds to loadtest/workloads/traces.py's shapes: the voice tenant, the
 critical-tenant burst and the tiered mixes. No Locust here (importing it monkey-patches)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from loadtest import workload
-from loadtest.workload import Request, Session, TraceRecord
+from loadtest.workloads import traces
+from loadtest.workloads.traces import Request, Session, TraceRecord
 
 VOICE_TENANT = "voice"
 VOICE_SYSTEM_TOKENS = 300  # a voice agent's persona and rules: short, latency matters
@@ -23,7 +23,7 @@ HIGH_REUSE_MIX = {"agentic": 0.35, "chat": 0.35, "rag": 0.3}
 
 
 def voice_system_prompt(seed: int) -> str:
-    return "You are a voice assistant. " + workload.words_text(
+    return "You are a voice assistant. " + traces.words_text(
         random.Random(f"{seed}-voice"), VOICE_SYSTEM_TOKENS
     )
 
@@ -33,9 +33,9 @@ def voice_session(rng: random.Random, seed: int) -> Session:
     messages = [{"role": "system", "content": voice_system_prompt(seed)}]
     for turn in range(rng.randint(*VOICE_TURNS)):
         if turn:
-            reply = workload.words_text(rng, VOICE_REPLY_TOKENS)
+            reply = traces.words_text(rng, VOICE_REPLY_TOKENS)
             messages.append({"role": "assistant", "content": reply})
-        user = workload.words_text(rng, rng.randint(*VOICE_USER_TOKENS))
+        user = traces.words_text(rng, rng.randint(*VOICE_USER_TOKENS))
         messages.append({"role": "user", "content": user})
         request: Request = {"endpoint": "chat", "tenant": VOICE_TENANT, "messages": list(messages)}
         yield request
@@ -78,7 +78,7 @@ def voice_trace(*, rate_per_s: float, duration_s: float, seed: int) -> list[Trac
                 "t_s": round(t_s, 6),
                 "tenant": VOICE_TENANT,
                 "endpoint": "chat",
-                "max_tokens": workload.MAX_TOKENS,
+                "max_tokens": traces.MAX_TOKENS,
                 "conversation": call.name,
                 "messages": request["messages"],
             }
@@ -93,11 +93,11 @@ def critical_trace(
     burst_rate_per_s: float,
     duration_s: float,
     seed: int,
-    bound: workload.ServiceBound,
+    bound: traces.ServiceBound,
 ) -> list[TraceRecord]:
     """Voice all along; a `mixed` burst of standard traffic in the middle half."""
     voice = voice_trace(rate_per_s=voice_rate_per_s, duration_s=duration_s, seed=seed)
-    burst = workload.mixed(
+    burst = traces.mixed(
         rate_per_s=burst_rate_per_s, duration_s=duration_s / 2, seed=seed, bound=bound
     )
     for record in burst:

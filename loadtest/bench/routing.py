@@ -1,8 +1,8 @@
 """Routing-quality benchmark: the same seeded traces, open-loop, through every router.
 
-    python -m loadtest.bench_routing            # every scenario, ~15 s of trace per router
-    python -m loadtest.bench_routing --quick    # a few seconds each: a smoke run
-    python -m loadtest.bench_routing --scenarios chat,rag \
+    python -m loadtest.bench.routing            # every scenario, ~15 s of trace per router
+    python -m loadtest.bench.routing --quick    # a few seconds each: a smoke run
+    python -m loadtest.bench.routing --scenarios chat,rag \
         --routers cachelane:cache_aware,sglang:cache_aware
 
 Routers: cachelane with each policy, sglang-router (cache_aware, round_robin, power_of_two) and
@@ -39,18 +39,18 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from loadtest import report, scenarios, workload
-from loadtest.procs import ManagedProcess, free_port_run, wait_ready
-from loadtest.redis_proc import free_port
-from loadtest.replay import RequestResult, Summary, replay, summarize
-from loadtest.routers import (
+from loadtest.bench import report
+from loadtest.bench.peer_routers import (
     CACHELANE_POLICIES,
     EXTERNAL_POLICIES,
     RouterSpec,
     ensure_installed,
     running_router,
 )
+from loadtest.bench.processes import ManagedProcess, free_port, free_port_run, wait_ready
+from loadtest.bench.replay import RequestResult, Summary, replay, summarize
 from loadtest.sim.config import ITL_S, SIM_MODEL
+from loadtest.workloads import scenarios, traces
 from routing.cost import PREFILL_TOKENS_PER_S
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 
@@ -64,10 +64,11 @@ DURATION_S = 15.0
 QUICK_DURATION_S = 4.0
 DRAIN_TIMEOUT_S = 30.0  # stragglers after the last arrival; a run never takes longer
 
-TIME_FACTOR = 1.0  # real-time simulation, as in loadtest/demo.py (sleeps >> Python per request)
+TIME_FACTOR = 1.0  # real-time simulation, as in loadtest/demo/run.py (sleeps >> Python per request)
 HBM_CAPACITY_TOKENS = 44_000
-# As in loadtest/demo.py: the working set of a 15-25 s trace is a few times one replica's HBM and
-# about the fleet's, the regime where placement decides the hit rate (demo.py explains the number).
+# As in loadtest/demo/run.py: the working set of a 15-25 s trace is a few times one replica's HBM
+# and about the fleet's, the regime where placement decides the hit rate (run.py explains the
+# number).
 
 TIERED_HBM_TOKENS = 16_000
 TIERED_CPU_TOKENS = 64_000
@@ -90,7 +91,7 @@ BURST_RATE_PER_S = 22.0
 # The critical scenario: a steady voice tenant, and a standard burst ~1.5x the demo's comfortable
 # 15 req/s in the middle half, so replicas queue and the voice tenant's TTFT is at stake.
 
-SERVICE_BOUND = workload.ServiceBound(
+SERVICE_BOUND = traces.ServiceBound(
     prefill_tokens_per_s=PREFILL_TOKENS_PER_S / TIME_FACTOR / 2, itl_s=ITL_S * TIME_FACTOR * 2
 )  # as demo.py: a turn is never sent before its previous turn could have finished
 
@@ -221,7 +222,7 @@ def cachelane_config(
 @dataclass
 class Scenario:
     name: str
-    trace: list[workload.TraceRecord]
+    trace: list[traces.TraceRecord]
     shape: FleetShape
     routers: list[RouterSpec]
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> cachelane config
@@ -236,11 +237,11 @@ def build_scenarios(
     for name in names:
         kwargs: dict[str, Any] = {"duration_s": duration_s, "seed": seed, "bound": SERVICE_BOUND}
         if name in PLAIN:
-            trace = workload.shape_trace(name, rate_per_s=RATES_PER_S[name], **kwargs)
+            trace = traces.shape_trace(name, rate_per_s=RATES_PER_S[name], **kwargs)
             out.append(Scenario(name, trace, FleetShape(), list(routers)))
         elif name in TIERED:
             mix = scenarios.LOW_REUSE_MIX if name == "tiered-low" else scenarios.HIGH_REUSE_MIX
-            trace = workload.generate(mix, rate_per_s=RATES_PER_S[name], **kwargs)
+            trace = traces.generate(mix, rate_per_s=RATES_PER_S[name], **kwargs)
             shape = FleetShape(
                 hbm_capacity_tokens=TIERED_HBM_TOKENS,
                 cpu_capacity_tokens=TIERED_CPU_TOKENS,
@@ -276,7 +277,7 @@ class RunResult:
 
 
 async def _replay_tenants(
-    trace: list[workload.TraceRecord], url: str, tenants: bool
+    trace: list[traces.TraceRecord], url: str, tenants: bool
 ) -> list[RequestResult]:
     if not tenants:
         return await replay(trace, url, drain_timeout_s=DRAIN_TIMEOUT_S)
@@ -497,14 +498,14 @@ def run(args: argparse.Namespace) -> int:
             "voice_rate_per_s": VOICE_RATE_PER_S,
             "burst_rate_per_s": BURST_RATE_PER_S,
             "block_size_tokens": DEFAULT_BLOCK_SIZE_TOKENS,
-            "max_tokens": workload.MAX_TOKENS,
+            "max_tokens": traces.MAX_TOKENS,
         },
         "scenarios": {},
     }
     tables: list[Table] = []
     try:
         for scenario in built:
-            ideal = workload.ideal_hits(scenario.trace).hit_rate
+            ideal = traces.ideal_hits(scenario.trace).hit_rate
             runs: dict[str, RunResult] = {}
             failures: dict[str, str] = {}
             console.print(
@@ -566,7 +567,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_routing",
+        prog="python -m loadtest.bench.routing",
         description="Replay seeded traces open-loop through cachelane (each policy), sglang-router "
         "and vllm-router on a simulated fleet; print hit rate vs ideal, TTFT, balance.",
     )

@@ -1,6 +1,6 @@
 """How true is the gateway's TTFT estimate when the fleet is slower than the gateway believes?
 
-    python -m loadtest.bench_estimate [--quick] [--speeds 3,10] [--modes none,correction,fit]
+    python -m loadtest.bench.estimate [--quick] [--speeds 3,10] [--modes none,correction,fit]
 
 For each speed s, one simulated fleet (4 replicas with a small HBM tier, a CPU tier and one shared
 remote tier) whose costs are s times slower than routing/cost.py's defaults: prefill, PCIe and the
@@ -43,16 +43,21 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from loadtest import report, workload
-from loadtest.demo import _sigterm_as_interrupt
-from loadtest.procs import gateway_from_config, loopback_urls, sim_from_config
-from loadtest.redis_proc import free_port
-from loadtest.replay import PATHS, REPLICA_HEADER, at_offsets, percentile, request_body
+from loadtest.bench import report
+from loadtest.bench.processes import (
+    free_port,
+    gateway_from_config,
+    loopback_urls,
+    sigterm_as_interrupt,
+    sim_from_config,
+)
+from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, percentile, request_body
+from loadtest.bench.tier_experiment import scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
-from loadtest.tier_arms import scrape
-from loadtest.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
-from loadtest.workload import TraceRecord
+from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
+from loadtest.workloads import traces
+from loadtest.workloads.traces import TraceRecord
 from routing.cost import PCIE_GBPS, PREFILL_TOKENS_PER_S, REMOTE_GBPS
 from routing.prompt import approx_tokens
 
@@ -87,15 +92,15 @@ MAX_RATE_PER_S = 16.0
 # The trace's rate is set so that prefill is moderately busy at the slowest speed asked for:
 #   utilisation = uncached tokens per second / (replicas * PREFILL_TOKENS_PER_S / speed).
 # Uncached tokens per request come from a 20 s probe trace of this mix: its ideal misses
-# (workload.ideal_hits: one unlimited shared cache; ~650 of ~2.3k prompt tokens per request) times
+# (traces.ideal_hits: one unlimited shared cache; ~650 of ~2.3k prompt tokens per request) times
 # MISS_FACTOR for what a real fleet loses on top (evictions whose blocks the remote tier did not
 # keep, remote hits cheaper to recompute, concurrent first requests for one prefix): ~780. At
 # speed 10 the fleet prefills 4 x 3k = 12k tokens/s, and 0.65 of it is ~7.8k tokens/s: ~10 req/s,
 # ~300 requests per 30 s arm; the sims measured 0.51-0.58 at 0.6 (reported per arm as `util`).
 # At speed 3 the same trace uses ~0.2 of the fleet. Remote fetches and swap-ins do not hold the
 # prefill lock, so they are not counted. Smaller prompts are not an option without forking
-# loadtest/workload.py's sizes, hence the longer arms. MAX_RATE_PER_S bounds what two shared cores
-# drive through one gateway (a single fast speed would otherwise ask for ~40 req/s).
+# loadtest/workloads/traces.py's sizes, hence the longer arms. MAX_RATE_PER_S bounds what two
+# shared cores drive through one gateway (a single fast speed would otherwise ask for ~40 req/s).
 
 MAX_IN_FLIGHT = 256  # far above rate x latency; only stops a runaway
 DRAIN_TIMEOUT_S = 30.0  # after the last arrival, how long stragglers may take before cancellation
@@ -151,7 +156,7 @@ class Precise:
 def token_inflation(trace: Sequence[TraceRecord], tokenizer: TinyTokenizerFiles) -> float:
     """Tokens the tokenizer makes of the trace's prompts / the workload's own count of them."""
     tok = Tokenizer.from_file(str(tokenizer.tokenizer_json))
-    texts = [workload.prompt_text(r) for r in trace]
+    texts = [traces.prompt_text(r) for r in trace]
     real = sum(len(e.ids) for e in tok.encode_batch(texts))
     return real / max(1, sum(approx_tokens(t) for t in texts))
 
@@ -237,10 +242,10 @@ def _trace(
 ) -> list[TraceRecord]:
     # The next turn of a conversation starts after a conservative bound on the previous one's
     # service time at the slowest speed (the whole prompt prefilled, twice the sim's ITL).
-    bound = workload.ServiceBound(
+    bound = traces.ServiceBound(
         prefill_tokens_per_s=PREFILL_TOKENS_PER_S / slowest / token_inflation, itl_s=2 * ITL_S
     )
-    return workload.generate(
+    return traces.generate(
         WEIGHTS,
         rate_per_s=rate_per_s,
         duration_s=duration_s,
@@ -251,7 +256,7 @@ def _trace(
 
 
 def uncached_per_request(trace: Sequence[TraceRecord], token_inflation: float = 1.0) -> float:
-    hits = workload.ideal_hits(trace)
+    hits = traces.ideal_hits(trace)
     missed = hits.prompt_tokens - hits.cached_tokens
     return MISS_FACTOR * token_inflation * missed / max(1, len(trace))
 
@@ -617,7 +622,7 @@ def plot(path: Path, results: Mapping[float, Mapping[str, ArmResult]]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_estimate",
+        prog="python -m loadtest.bench.estimate",
         description="TTFT estimate error per calibration mode on fleets slower than the defaults.",
     )
     add = p.add_argument
@@ -702,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     f = setup.token_inflation
     rate = args.rate or pick_rate(setup, slowest, args.seed)
     trace = _trace(rate, duration_s, args.seed, slowest, f)
-    ideal = workload.ideal_hits(trace)
+    ideal = traces.ideal_hits(trace)
     per_request = uncached_per_request(_trace(rate, PROBE_DURATION_S, args.seed, slowest, f), f)
     offered = {f"{s:g}": rate * per_request / fleet_prefill_tokens_per_s(setup, s) for s in speeds}
     console.print(
@@ -724,7 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     results: dict[float, dict[str, ArmResult]] = {}
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             for speed in speeds:
                 results[speed] = run_speed(console, setup, speed, arms, trace, log_dir, tokenizer)
     except KeyboardInterrupt:

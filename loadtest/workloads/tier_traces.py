@@ -1,4 +1,4 @@
-"""Seeded traces for the tier benchmarks (loadtest/bench_tiers.py and the demo's second section).
+"""Seeded traces for the tier benchmarks (loadtest/bench/tiers.py and the demo's second section).
 
   voice           a latency-critical tenant: one fixed system prompt, a short utterance, a short
                   answer; single turns at a modest Poisson rate.
@@ -9,8 +9,9 @@
                   prompts), `high` (questions about long shared documents, Zipf popularity),
                   `low_shared_header` (one-off documents behind one short shared instruction).
 
-Records are loadtest.workload.TraceRecord, so loadtest.replay replays them. Sizes are in tokens at
-routing.prompt.CHARS_PER_TOKEN characters per token, as in loadtest/workload.py.
+Records are loadtest.workloads.traces.TraceRecord, so loadtest.bench.replay replays them. Sizes are
+in tokens at routing.prompt.CHARS_PER_TOKEN characters per token, as in
+loadtest/workloads/traces.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loadtest.workload import TraceRecord, words_text
+from loadtest.workloads.traces import TraceRecord, words_text
 
 VOICE_SYSTEM_TOKENS = 600
 # A voice agent's instructions (persona, tone, tools): a few hundred tokens, far shorter than the
@@ -70,7 +71,7 @@ class Rate:
         return self.base_per_s + self.burst_per_s
 
 
-# Offered load of the benchmarks (loadtest/bench_tiers.py) and the demo's second section.
+# Offered load of the benchmarks (loadtest/bench/tiers.py) and the demo's second section.
 
 VOICE_RATE_PER_S = 3.0  # one voice agent's users: a request every ~300 ms
 

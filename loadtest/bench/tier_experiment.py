@@ -28,10 +28,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.procs import gateway_from_config, loopback_urls, sim_from_config
-from loadtest.replay import RequestResult, Summary, replay, summarize
+from loadtest.bench.processes import gateway_from_config, loopback_urls, sim_from_config
+from loadtest.bench.replay import RequestResult, Summary, replay, summarize
 from loadtest.sim.config import SIM_MODEL
-from loadtest.workload import TraceRecord
+from loadtest.workloads.traces import TraceRecord
 
 HTTP_TIMEOUT_S = 5.0  # one scrape or reset on loopback
 

@@ -1,20 +1,22 @@
 """Locust scenarios for cachelane (or any OpenAI-compatible endpoint).
 
 Headless, every shape, weighted (chat 3, agent 3, rag 2, unique 1, shared_system 1, voice 1):
-    locust -f loadtest/locustfile.py --headless -u 20 -r 5 -t 60s --host http://127.0.0.1:8000
+    locust -f loadtest/locust/locustfile.py --headless -u 20 -r 5 -t 60s --host http://127.0.0.1:8000
 
 A mix by tags (tags: chat, agent, rag, unique, shared_system, voice; standard = all but voice,
 critical = voice), or by user class names:
-    locust -f loadtest/locustfile.py --headless -u 10 -r 5 -t 60s --host ... --tags rag agent
-    locust -f loadtest/locustfile.py --headless -u 10 -r 5 -t 60s --host ... VoiceUser ChatUser
+    locust -f loadtest/locust/locustfile.py --headless -u 10 -r 5 -t 60s --host ... --tags rag agent
+    locust -f loadtest/locust/locustfile.py --headless -u 10 -r 5 -t 60s --host ... \
+        VoiceUser ChatUser
 
 A critical voice tenant under a burst of standard traffic (the shape sets users over time):
-    locust -f loadtest/locustfile.py,loadtest/locust_shapes.py --headless --host ...
+    locust -f loadtest/locust/locustfile.py,loadtest/locust/shapes.py --headless --host ...
 
 Distributed: one master, several workers (same options on each, or env vars):
-    locust -f loadtest/locustfile.py --master --headless -u 200 -r 20 -t 5m --expect-workers 4 \
+    locust -f loadtest/locust/locustfile.py --master --headless -u 200 -r 20 -t 5m \
+        --expect-workers 4 \
         --host http://127.0.0.1:8000 --csv results/locust
-    locust -f loadtest/locustfile.py --worker --master-host 127.0.0.1     # x4, any machine
+    locust -f loadtest/locust/locustfile.py --worker --master-host 127.0.0.1     # x4, any machine
 
 Tenant API keys: --api-key (every user) and per tenant --chat-api-key, --agent-api-key,
 --rag-api-key, --unique-api-key, --voice-api-key, or the env vars CACHELANE_API_KEY,
@@ -34,7 +36,7 @@ from locust import events
 from locust.env import Environment
 from locust.runners import WorkerRunner
 
-from loadtest.locust_users import (
+from loadtest.locust.users import (
     CACHED_TYPE,
     AgentUser,
     ChatUser,
@@ -43,7 +45,7 @@ from loadtest.locust_users import (
     UniqueUser,
     VoiceUser,
 )
-from loadtest.workload import DEFAULT_MODEL
+from loadtest.workloads.traces import DEFAULT_MODEL
 
 __all__ = ["AgentUser", "ChatUser", "RagUser", "SharedSystemUser", "UniqueUser", "VoiceUser"]
 

@@ -13,7 +13,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.replay import RequestResult, Summary
+from loadtest.bench.replay import RequestResult, Summary
 
 BASELINE = "round_robin"
 CANDIDATE = "cache_aware"

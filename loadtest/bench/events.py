@@ -1,7 +1,7 @@
 """KV events ingested per second: vLLM-format messages (real msgpack bytes) decoded, mapped to
 gateway keys and applied to the index, in one process, for the memory and Redis backends.
 
-    .venv/bin/python -m loadtest.bench_events     # ~30 s; writes results/bench_events.json
+    .venv/bin/python -m loadtest.bench.events     # ~30 s; writes results/bench_events.json
 
 Each message is one engine step's batch as vLLM sends it: a BlockStored of `blocks_per_event`
 blocks of 16 tokens (a prompt's new blocks, chained to the previous event's last block), and,
@@ -20,13 +20,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from gateway.kv_events import ReplicaFeed
-from gateway.kv_wire import encode_batch, encode_seq
+from gateway.engines.events import BlockRemoved, BlockStored, Event, EventBatch
+from gateway.engines.feed import ReplicaFeed
+from gateway.engines.vllm import encode_batch, encode_seq
+from gateway.index.redis_backend import RedisIndex
 from gateway.metrics import Metrics
-from loadtest.redis_proc import RedisServer
+from loadtest.bench.redis_servers import RedisServer
 from routing.index import Index, MemoryIndex
-from routing.index_redis import RedisIndex
-from routing.kv_events import BlockRemoved, BlockStored, Event, EventBatch
 
 BLOCK_TOKENS = 16  # vLLM's default --block-size
 CAPACITY_BLOCKS = 4096  # a replica's HBM in blocks for this run: evictions start after it fills

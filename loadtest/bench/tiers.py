@@ -1,6 +1,6 @@
 """Tier decisions on the simulated fleet: pinned HBM-only pools and remote-tier admission.
 
-    python -m loadtest.bench_tiers [--quick]
+    python -m loadtest.bench.tiers [--quick]
 
 (a) A critical voice tenant (short turns, one system prompt, modest rate) while a burst of standard
     traffic with long, partly offloaded prefixes saturates the fleet: with a pinned HBM-only pool
@@ -8,9 +8,10 @@
 (b) Remote-tier admission: `remote_write: never | always | reuse` on a low-reuse, a high-reuse and
     a low-reuse-behind-a-shared-header workload, replicas with CPU tiers and one remote tier.
 
-Each arm replays one seeded trace open-loop through a fresh gateway (loadtest/tier_arms.py); prints
-the tables and writes results/bench_tiers.json and results/bench_tiers.png. Compare arms as ratios
-within one run: the machine's 2 cores are shared with everything else running on it.
+Each arm replays one seeded trace open-loop through a fresh gateway
+(loadtest/bench/tier_experiment.py); prints the tables and writes results/bench_tiers.json and
+results/bench_tiers.png. Compare arms as ratios within one run: the machine's 2 cores are shared
+with everything else running on it.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import Any
 
 from rich.console import Console
 
-from loadtest import report, tier_report, tier_traces, workload
-from loadtest.demo import _sigterm_as_interrupt
-from loadtest.tier_arms import (
+from loadtest.bench import report, tier_report
+from loadtest.bench.processes import sigterm_as_interrupt
+from loadtest.bench.tier_experiment import (
     ArmResult,
     PinningSetup,
     ReuseSetup,
@@ -34,6 +35,7 @@ from loadtest.tier_arms import (
     run_pinning,
     run_reuse_arm,
 )
+from loadtest.workloads import tier_traces, traces
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 
 PINNING_DURATION_S = 20.0
@@ -47,7 +49,7 @@ MODES = ("never", "always", "reuse")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_tiers",
+        prog="python -m loadtest.bench.tiers",
         description="Pinned HBM-only pools and remote-tier admission on the simulated fleet.",
     )
     add = p.add_argument
@@ -104,11 +106,11 @@ def run_reuse_section(
 ) -> tuple[dict[str, dict[str, ArmResult]], dict[str, Any]]:
     setup = ReuseSetup()
     out: dict[str, dict[str, ArmResult]] = {}
-    traces: dict[str, Any] = {}
+    workloads: dict[str, Any] = {}
     for shape in shapes:
         trace = tier_traces.reuse(shape, tier_traces.REUSE_RATE_PER_S, duration_s, seed)
-        ideal = workload.ideal_hits(trace, DEFAULT_BLOCK_SIZE_TOKENS)
-        traces[shape] = {
+        ideal = traces.ideal_hits(trace, DEFAULT_BLOCK_SIZE_TOKENS)
+        workloads[shape] = {
             "requests": len(trace),
             "ideal_hit_rate": ideal.hit_rate,
             "prompt_tokens": ideal.prompt_tokens,
@@ -126,7 +128,7 @@ def run_reuse_section(
         "duration_s": duration_s,
         "rate_per_s": tier_traces.REUSE_RATE_PER_S,
         "setup": _fields(setup),
-        "workloads": traces,
+        "workloads": workloads,
     }
     return out, info
 
@@ -183,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pinning_info: dict[str, Any] = {}
     reuse_info: dict[str, Any] = {}
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             if not args.skip_pinning:
                 duration = _duration(args.pinning_duration_s, args.quick, PINNING_DURATION_S)
                 pinning, pinning_info = run_pinning_section(console, duration, args.seed, log_dir)

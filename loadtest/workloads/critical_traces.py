@@ -1,4 +1,4 @@
-"""The seeded trace of loadtest/bench_critical.py: four tenants on one busy fleet.
+"""The seeded trace of loadtest/bench/critical.py: four tenants on one busy fleet.
 
   voice  critical  voice calls: one fixed system prompt, short spoken turns, the previous short
                    answer appended each turn (chat).
@@ -10,8 +10,8 @@
 
 Each tenant is its own Poisson process of `Mix.rates_per_s`; a multi-turn tenant continues the
 session that has been ready the longest (its previous turn is over, by a conservative service-time
-bound plus a think time) or starts a new one, as loadtest/workload.py does. Records are
-loadtest.workload.TraceRecord; `tenant` is one of TENANTS, whose class and API key are here.
+bound plus a think time) or starts a new one, as loadtest/workloads/traces.py does. Records are
+loadtest.workloads.traces.TraceRecord; `tenant` is one of TENANTS, whose class and API key are here.
 
 `round_robin_load()` estimates the fleet's prefill utilisation under round robin: it replays the
 trace's prompts over the replicas in arrival order against block LRUs of the fleet's HBM and CPU
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.sim.tiers import BlockLRU
-from loadtest.workload import ServiceBound, TraceRecord, prompt_text, words_text
+from loadtest.workloads.traces import ServiceBound, TraceRecord, prompt_text, words_text
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
 from routing.prompt import approx_tokens
 
@@ -54,7 +54,8 @@ TENANTS: dict[str, Tenant] = {
 CLASSES = ("critical", "standard")
 
 # --- sizes (tokens) --------------------------------------------------------------------------
-# As in loadtest/workload.py: plausible production shapes at a small scale, not measured ones.
+# As in loadtest/workloads/traces.py: plausible production shapes at a small scale, not measured
+# ones.
 
 VOICE_SYSTEM_TOKENS = 800  # a voice agent's persona, rules and tools, the same in every call
 VOICE_USER_TOKENS = (8, 40)  # one spoken sentence, transcribed
@@ -399,7 +400,9 @@ class Floor:
         values = sorted(self.ttft_ms.get(group, []))
         if not values:
             return math.nan
-        pos = (len(values) - 1) * q / 100  # linear interpolation, as loadtest.replay.percentile
+        pos = (
+            (len(values) - 1) * q / 100
+        )  # linear interpolation, as loadtest.bench.replay.percentile
         lo = math.floor(pos)
         hi = min(lo + 1, len(values) - 1)
         return values[lo] + (values[hi] - values[lo]) * (pos - lo)

@@ -20,12 +20,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
 import yaml
-
-from loadtest.redis_proc import free_port
 
 START_TIMEOUT_S = 30.0
 # A sim fleet or a gateway imports FastAPI/uvicorn and binds in ~1-2 s; 30 s covers a loaded
@@ -58,6 +57,14 @@ def _pdeathsig_hook() -> Callable[[], None] | None:
     return hook
 
 
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 def free_port_run(count: int) -> int:
     """The first of `count` consecutive loopback ports that were all free a moment ago."""
     if count == 1:
@@ -77,6 +84,24 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` stops its child processes."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class ManagedProcess:

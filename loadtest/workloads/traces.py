@@ -459,7 +459,7 @@ def read_trace(path: Path) -> list[TraceRecord]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.workload",
+        prog="python -m loadtest.workloads.traces",
         description="Generate a seeded request trace (JSONL) and print its ideal prefix hit rate.",
     )
     parser.add_argument("--shape", default="mixed", choices=[*SHAPES, "mixed"])

@@ -11,7 +11,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from loadtest.tier_arms import ArmResult
+from loadtest.bench.tier_experiment import ArmResult
 
 GB = 1e9
 WRITTEN = "cachelane_sim_remote_bytes_written"

@@ -1,7 +1,7 @@
 """Overhead benchmark: what a router itself costs, against going direct to the replica.
 
-    python -m loadtest.bench_overhead            # ~6 min: every rate, every router
-    python -m loadtest.bench_overhead --quick    # ~1.5 min
+    python -m loadtest.bench.overhead            # ~6 min: every rate, every router
+    python -m loadtest.bench.overhead --quick    # ~1.5 min
 
 1. Added latency. Two zero-delay simulated replicas (--time-factor 0: no prefill or decode
    sleeps, only the simulator's own Python), reached directly and through cachelane
@@ -37,17 +37,18 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from loadtest import report, workload
-from loadtest.procs import SimFleetSettings, sim_fleet
-from loadtest.redis_proc import RedisMissing, RedisServer
-from loadtest.replay import percentile
-from loadtest.routers import RouterSpec, ensure_installed, running_router
+from gateway.index.redis_backend import RedisIndex
+from loadtest.bench import report
+from loadtest.bench.peer_routers import RouterSpec, ensure_installed, running_router
+from loadtest.bench.processes import SimFleetSettings, sim_fleet
+from loadtest.bench.redis_servers import RedisMissing, RedisServer
+from loadtest.bench.replay import percentile
 from loadtest.sim.config import SIM_MODEL
+from loadtest.workloads import traces
 from routing.cost import HBM_CAPACITY_TOKENS, Load
 from routing.decide import Candidate, Policy, RouteRequest, decide
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
 from routing.index import Index, MemoryIndex
-from routing.index_redis import RedisIndex
 from routing.prompt import approx_tokens, chat_text
 from routing.types import Location, Tier
 
@@ -112,7 +113,7 @@ def cpu_seconds(pid: int | None) -> float:
 
 def _body(i: int, stream: bool) -> dict[str, Any]:
     rng = random.Random(f"{SEED}-{i}")
-    text = f"Request {i}. " + workload.words_text(rng, PROMPT_TOKENS)
+    text = f"Request {i}. " + traces.words_text(rng, PROMPT_TOKENS)
     body: dict[str, Any] = {
         "model": SIM_MODEL,
         "messages": [{"role": "user", "content": text}],
@@ -319,7 +320,7 @@ async def bench_decision(backends: dict[str, Index], budget_s: float) -> list[di
     rows: list[dict[str, Any]] = []
     rng = random.Random(SEED)
     for tokens in DECISION_TOKENS:
-        text = workload.words_text(rng, tokens)
+        text = traces.words_text(rng, tokens)
         messages = [{"role": "user", "content": text}]
         for replicas in DECISION_REPLICAS:
             # every replica holds a different share of this prompt; half are busy
@@ -478,7 +479,7 @@ def plot(path: Path, payload: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_overhead",
+        prog="python -m loadtest.bench.overhead",
         description="Gateway-added latency and throughput vs direct and vs sglang-router and "
         "vllm-router; routing decision time in-process.",
     )

@@ -8,11 +8,11 @@ entries under the shape's name:
   cached_tokens  "response time" = the usage's prompt_tokens_details.cached_tokens and
                  "content size" = prompt_tokens, so avg time / avg size is the prefix hit rate.
 
-Shapes reuse loadtest/workload.py's session generators, so Locust and the replay benchmarks send
-the same kind of text: chat (per-app system prompts, growing conversations), agent (long tool
-prompt, growing scratchpad, /v1/completions), rag (Zipf-popular shared documents, unique
-questions), unique (nothing shared), shared_system (one system prompt for everyone) and voice
-(a latency-critical tenant: short system prompt, short turns, short answers).
+Shapes reuse loadtest/workloads/traces.py's session generators, so Locust and the replay benchmarks
+send the same kind of text: chat (per-app system prompts, growing conversations), agent (long tool
+prompt, growing scratchpad, /v1/completions), rag (Zipf-popular shared documents, unique questions),
+unique (nothing shared), shared_system (one system prompt for everyone) and voice (a
+latency-critical tenant: short system prompt, short turns, short answers).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any, ClassVar
 from locust import HttpUser, between, tag, task
 from requests.exceptions import RequestException
 
-from loadtest import workload
-from loadtest.replay import has_text
-from loadtest.scenarios import voice_session
+from loadtest.bench.replay import has_text
+from loadtest.workloads import traces
+from loadtest.workloads.scenarios import voice_session
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -45,7 +45,7 @@ _shared_by_seed: dict[int, Any] = {}
 def shared_prefixes(seed: int) -> Any:
     """The system prompts, tool prompts and documents every user of this seed shares."""
     if seed not in _shared_by_seed:
-        _shared_by_seed[seed] = workload._Shared.build(random.Random(f"{seed}-shared"))
+        _shared_by_seed[seed] = traces._Shared.build(random.Random(f"{seed}-shared"))
     return _shared_by_seed[seed]
 
 
@@ -53,25 +53,25 @@ class StreamingUser(HttpUser):
     """Base class: one session generator per user, each task sends its next turn."""
 
     abstract = True
-    shape: ClassVar[str] = ""  # workload.SHAPES key, or "voice"
+    shape: ClassVar[str] = ""  # traces.SHAPES key, or "voice"
     key_option: ClassVar[str] = ""  # parsed option holding this tenant's API key
-    max_tokens: ClassVar[int] = workload.MAX_TOKENS
+    max_tokens: ClassVar[int] = traces.MAX_TOKENS
 
     def on_start(self) -> None:
         options = self.environment.parsed_options
-        self.model: str = getattr(options, "model", workload.DEFAULT_MODEL)
+        self.model: str = getattr(options, "model", traces.DEFAULT_MODEL)
         self.seed: int = int(getattr(options, "seed", 1))
         worker = getattr(self.environment.runner, "worker_index", 0)
         self.rng = random.Random(f"{self.seed}-{worker}-{self.shape}-{next(_user_ids)}")
         key = getattr(options, self.key_option, "") or getattr(options, "api_key", "")
         self.headers = {"authorization": f"Bearer {key}"} if key else {}
-        self.turns: Iterator[workload.Request] = iter(())
+        self.turns: Iterator[traces.Request] = iter(())
 
-    def new_session(self) -> Iterator[workload.Request]:
-        factory = workload.SHAPES[self.shape]
+    def new_session(self) -> Iterator[traces.Request]:
+        factory = traces.SHAPES[self.shape]
         return factory(random.Random(self.rng.getrandbits(64)), shared_prefixes(self.seed))
 
-    def next_request(self) -> workload.Request:
+    def next_request(self) -> traces.Request:
         request = next(self.turns, None)
         if request is None:
             self.turns = self.new_session()
@@ -236,7 +236,7 @@ class VoiceUser(StreamingUser):
     weight = 1
     wait_time = between(0.3, 1.0)
 
-    def new_session(self) -> Iterator[workload.Request]:
+    def new_session(self) -> Iterator[traces.Request]:
         return voice_session(random.Random(self.rng.getrandbits(64)), self.seed)
 
     @tag("voice", "critical")

@@ -1,6 +1,6 @@
 """KV index benchmark: lookup latency of each backend, and Redis memory per indexed block.
 
-    .venv/bin/python -m loadtest.bench_index [--iterations N] [--budget-s S]
+    .venv/bin/python -m loadtest.bench.index [--iterations N] [--budget-s S]
 
 Starts its own throwaway redis-server (and a 3-master cluster) on loopback. For 1k/8k/32k-token
 prompts it fills the index as 16 replicas holding different prefixes of one prompt (replica i
@@ -31,10 +31,10 @@ from redis.asyncio import Redis
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.redis_proc import RedisClusterProcs, RedisServer
+from gateway.index.redis_backend import RedisIndex
+from loadtest.bench.redis_servers import RedisClusterProcs, RedisServer
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 from routing.index import Index, MemoryIndex
-from routing.index_redis import RedisIndex
 from routing.types import Location, Tier
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # a typical model name: its length is in every key
@@ -47,7 +47,7 @@ BUDGET_S = 5.0  # wall-clock cap per cell, so a slow backend cannot stall the ru
 MEMORY_BLOCKS = 20_000  # used_memory noise is ~tens of kB; 20k blocks make it < 1 % per block
 SOCKET_TIMEOUT_S = 2.0  # not the 0.25 s default: a busy 2-core box stalls 2048-block replies
 SEED = 20240601  # fixed so runs compare
-OUT_PATH = Path(__file__).resolve().parents[1] / "results" / "bench_index.json"
+OUT_PATH = Path(__file__).resolve().parents[2] / "results" / "bench_index.json"
 
 
 def replica_location(i: int, tier: Tier = Tier.HBM) -> Location:

@@ -12,21 +12,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest import report, workload
-from loadtest.procs import SimFleet, SimFleetSettings, gateway, sim_fleet
-from loadtest.replay import RequestResult, Summary, replay, summarize
+from loadtest.bench import report
+from loadtest.bench.processes import (
+    SimFleet,
+    SimFleetSettings,
+    gateway,
+    sigterm_as_interrupt,
+    sim_fleet,
+)
+from loadtest.bench.replay import RequestResult, Summary, replay, summarize
 from loadtest.sim.config import ITL_S
+from loadtest.workloads import traces
 from routing.cost import PREFILL_TOKENS_PER_S
 from routing.decide import Policy
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
@@ -59,7 +62,7 @@ DEFAULT_POLICIES = f"{Policy.ROUND_ROBIN.value},{Policy.CACHE_AWARE.value}"
 
 # The workload's spacing of turns assumes at worst half the simulated speed (queueing): a turn is
 # never sent before the previous one of its session could have finished.
-SERVICE_BOUND = workload.ServiceBound(
+SERVICE_BOUND = traces.ServiceBound(
     prefill_tokens_per_s=PREFILL_TOKENS_PER_S / TIME_FACTOR / 2,
     itl_s=ITL_S * TIME_FACTOR * 2,
 )
@@ -99,26 +102,8 @@ def _policies(text: str) -> list[str]:
     return names
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so every `finally` stops its child processes."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _run_policy(
-    console: Console, fleet: SimFleet, policy: str, trace: list[workload.TraceRecord], out_dir: Path
+    console: Console, fleet: SimFleet, policy: str, trace: list[traces.TraceRecord], out_dir: Path
 ) -> tuple[list[RequestResult], float]:
     fleet.reset_caches()
     with gateway(
@@ -159,11 +144,11 @@ def run_demo(args: argparse.Namespace) -> int:
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    trace = workload.mixed(
+    trace = traces.mixed(
         rate_per_s=args.rate, duration_s=args.duration_s, seed=args.seed, bound=SERVICE_BOUND
     )
-    workload.write_trace(trace, out_dir / "trace.jsonl")
-    ideal = workload.ideal_hits(trace, DEFAULT_BLOCK_SIZE_TOKENS)
+    traces.write_trace(trace, out_dir / "trace.jsonl")
+    ideal = traces.ideal_hits(trace, DEFAULT_BLOCK_SIZE_TOKENS)
     settings = SimFleetSettings(
         replicas=args.replicas, hbm_capacity_tokens=HBM_CAPACITY_TOKENS, time_factor=TIME_FACTOR
     )
@@ -178,7 +163,7 @@ def run_demo(args: argparse.Namespace) -> int:
     results: dict[str, list[RequestResult]] = {}
     tiers: dict[str, Any] | None = None
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             with sim_fleet(settings, out_dir) as fleet:
                 names = [u.removeprefix("http://") for u in fleet.urls]
                 for policy in policies:
@@ -189,7 +174,7 @@ def run_demo(args: argparse.Namespace) -> int:
             report.print_comparison(console, summaries, ideal.hit_rate)
             report.plot(out_dir / "demo.png", results, summaries, ideal.hit_rate)
             if not args.skip_tiers:
-                from loadtest.demo_tiers import run_tiers_section
+                from loadtest.demo.tier_section import run_tiers_section
 
                 tiers = run_tiers_section(console, out_dir, args.seed)
     except KeyboardInterrupt:
@@ -211,8 +196,8 @@ def run_demo(args: argparse.Namespace) -> int:
 def _payload(
     args: argparse.Namespace,
     settings: SimFleetSettings,
-    trace: list[workload.TraceRecord],
-    ideal: workload.IdealHits,
+    trace: list[traces.TraceRecord],
+    ideal: traces.IdealHits,
     summaries: dict[str, Summary],
     wall_s: float,
 ) -> dict[str, Any]:
@@ -225,7 +210,7 @@ def _payload(
             "hbm_capacity_tokens": settings.hbm_capacity_tokens,
             "time_factor": settings.time_factor,
             "block_size_tokens": DEFAULT_BLOCK_SIZE_TOKENS,
-            "max_tokens": workload.MAX_TOKENS,
+            "max_tokens": traces.MAX_TOKENS,
         },
         "trace": {
             "requests": len(trace),

@@ -1,0 +1,1 @@
+"""`cachelane demo`: routing policies compared on a simulated fleet, then the tier decisions."""

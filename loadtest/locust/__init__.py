@@ -1,0 +1,1 @@
+"""Locust scenarios: `locust -f loadtest/locust/locustfile.py ...` (see locustfile.py)."""
