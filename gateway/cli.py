@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from gateway.config import ConfigError, GatewayConfig, load_config, quick_config
+from gateway.extras import missing_message
 from routing.decide import Policy
 
 EPILOG = """\
@@ -69,16 +70,40 @@ def _serve_config(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
-def _sim(args: argparse.Namespace) -> int:
-    from loadtest.sim.fleet import run
+def _sim(argv: list[str]) -> int:
+    """`cachelane sim ...`: the simulator is imported only when this command runs."""
+    try:
+        from loadtest.sim.fleet import build_parser as sim_parser
+        from loadtest.sim.fleet import run
+    except ModuleNotFoundError as err:
+        return _missing_extra("cachelane sim", "sim", err)
+    parser = argparse.ArgumentParser(prog="cachelane sim")
+    return int(run(sim_parser(parser).parse_args(argv)) or 0)
 
-    return int(run(args) or 0)
+
+def _demo(argv: list[str]) -> int:
+    """`cachelane demo ...`: the demo (and matplotlib) are imported only when this command runs."""
+    try:
+        from loadtest.demo.run import add_demo_arguments, run_demo
+    except ModuleNotFoundError as err:
+        return _missing_extra("cachelane demo", "sim", err)
+    parser = argparse.ArgumentParser(prog="cachelane demo")
+    add_demo_arguments(parser)
+    return run_demo(parser.parse_args(argv))
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from loadtest.demo import run_demo
+def _missing_extra(feature: str, extra: str, err: ModuleNotFoundError) -> int:
+    print(f"cachelane: {missing_message(feature, extra, [err.name or str(err)])}", file=sys.stderr)
+    return 2
 
-    return run_demo(args)
+
+# Commands parsed by their own module's parser, imported only when the command runs, so that
+# `cachelane serve` (and `import gateway.cli`) loads none of loadtest; `cachelane --help` lists
+# them.
+LAZY_COMMANDS = {
+    "sim": (_sim, "run simulated GPU replicas"),
+    "demo": (_demo, "run the demo: round_robin vs cache_aware on a simulated fleet"),
+}
 
 
 def _route_explain(args: argparse.Namespace) -> int:
@@ -171,23 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 
-    from loadtest.sim.fleet import build_parser as sim_parser
-
-    sub.add_parser(
-        "sim",
-        parents=[sim_parser(add_help=False)],
-        help="run simulated GPU replicas",
-        description="Run simulated GPU replicas (OpenAI-compatible servers with HBM/CPU/remote "
-        "KV tiers and real sleeps).",
-    ).set_defaults(func=_sim)
-
-    from loadtest.demo import add_demo_arguments
-
-    demo = sub.add_parser(
-        "demo", help="run the demo: round_robin vs cache_aware on a simulated fleet"
-    )
-    add_demo_arguments(demo)
-    demo.set_defaults(func=_demo)
+    for name, (run, help_text) in LAZY_COMMANDS.items():
+        lazy = sub.add_parser(name, help=help_text, add_help=False)
+        lazy.add_argument("argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        lazy.set_defaults(func=lambda args, run=run: run(args.argv))
 
     explain = sub.add_parser(
         "route-explain", help="show the routing decision a running gateway would make"
@@ -202,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LAZY_COMMANDS:  # its own parser takes every argument after the name
+        run, _ = LAZY_COMMANDS[argv[0]]
+        return run(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -1,0 +1,35 @@
+"""Optional dependencies: which pip extra a feature needs, and a clear error when it is missing.
+
+The plain `pip install cachelane` serves in approximate mode. Precise mode (engine KV events,
+the model's tokenizer and chat template) needs `[precise]`; the simulator and the demo `[sim]`;
+the benchmarks and Locust `[bench]` (pyproject.toml lists what each brings).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+PRECISE_MODULES = ("tokenizers", "jinja2", "zmq", "msgpack")
+
+
+class MissingExtra(ImportError):
+    """A feature needs an optional dependency that is not installed."""
+
+
+def install_hint(extra: str) -> str:
+    return f"pip install 'cachelane[{extra}]'"
+
+
+def missing_message(feature: str, extra: str, missing: Sequence[str]) -> str:
+    return (
+        f"{feature} needs the [{extra}] extra (missing: {', '.join(missing)}): "
+        f"{install_hint(extra)}"
+    )
+
+
+def require(feature: str, extra: str, modules: Sequence[str]) -> None:
+    """Raise MissingExtra naming the extra if any of `modules` cannot be imported."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtra(missing_message(feature, extra, missing))
