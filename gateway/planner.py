@@ -126,6 +126,25 @@ class Planner:
     async def plan(
         self, endpoint: str, body: dict[str, Any], tenant: Tenant, *, dry_run: bool = False
     ) -> Plan:
+        """Decide where one request goes, and gather what sending it needs.
+
+        Hashes the prompt (approximate mode: the text of `body`'s messages or prompt; precise
+        mode: the engine's token ids), looks the blocks up in the index, filters the model's
+        healthy replicas by `tenant`'s class, calls decide() with the configured policy, and
+        settles remote-tier admission (counting the prompt's reuse when that matters).
+
+        `endpoint`: "chat" or "completions"; `body`: the parsed request body; `tenant`: who sent
+        it. With `dry_run` (/debug/route) the decision is made the same way, but the request
+        counter, the reuse counts, the critical tenants' bookkeeping and the fallback and
+        admission metrics are left as they were. Nothing is written to the index here either way
+        (record_sent does that once a replica is tried).
+
+        Returns the Plan: the Decision (chosen replica and fallbacks), the hashes and namespace,
+        the admission verdict, and the body to forward. An index that fails is routed around
+        (no hits), never raised. Raises ApiError: 400 for a missing model or a malformed or
+        too-long prompt, 404 for an unknown model, 503 when no healthy or eligible replica is
+        left (the pinned pool down or full, per critical.fallback) or when batch traffic is shed.
+        """
         started = time.perf_counter()
         model = self.model_of(body)
         cache_salt = xxhash.xxh3_128_hexdigest(tenant.cache_scope.encode())

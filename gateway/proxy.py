@@ -124,6 +124,25 @@ class Proxy:
         self._retries = retries
 
     async def forward(self, endpoint: str, raw_body: bytes, plan: Plan) -> Response:
+        """Send a planned request to its replica and return the replica's answer.
+
+        `endpoint`: "chat" or "completions" (the upstream path); `raw_body`: the client's bytes,
+        forwarded unchanged unless the replica's pool adds fields (vLLM's cache_salt, the
+        class's priority: upstream_body); `plan`: Planner.plan's output.
+
+        Replicas are tried in the decision's ranking, skipping unhealthy ones; each try reserves
+        load on the replica and records the prompt in the index (Planner.record_sent). A replica
+        that cannot be reached before its first byte is marked failed (ejected if no connection
+        could be made) and the next one is tried, at most `retries` more times.
+
+        Returns a StreamingResponse for a streamed request the replica accepted (the reservation
+        is released and the TTFT learned when the stream ends, however it ends), otherwise the
+        whole body as a Response; the replica's status passes through (4xx and 5xx included).
+        Raises ApiError: 502 or 504 (upstream_error) when every replica tried was unreachable, or
+        when one failed or timed out in a way a retry cannot mend (after the request may have
+        reached it); 503 (no_replica) when no replica in the ranking was healthy. Any other
+        exception propagates after the reservation is released.
+        """
         path = ENDPOINT_PATHS[endpoint]
         last_error: Exception | None = None
         attempts = 0
