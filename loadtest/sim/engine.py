@@ -9,7 +9,9 @@ One request, in order (every sleep is real and multiplied by spec.time_factor):
      as waiting until they hold it; granted in arrival order, or by the request's priority with
      scheduling_policy "priority", see prefill_queue.py), then prefill the uncached tail;
   5. put every prompt block in HBM, demote HBM's overflow to the CPU tier (CPU overflow is dropped),
-     and write the prompt's blocks to the remote tier unless told not to;
+     and write the prompt's blocks to the remote tier unless told not to: the write runs beside
+     the first token and the decode (a write costs bytes, no modelled time), and the request is
+     not finished until it is done;
   6. decode, one token per itl_s, concurrently with other requests.
 Steps 2 and 3 charge exactly routing.cost.estimate()'s swap and remote terms, so the gateway's cost
 model and the simulator agree by construction; queueing is not modelled, it happens at the slot.
@@ -88,7 +90,6 @@ class PrefillResult:
     cpu_tokens: int  # swapped in from the CPU tier
     remote_tokens: int  # fetched from the remote tier (recomputed ones are not counted here)
     computed_tokens: int  # prefilled: the uncached tail plus any remote tokens recomputed
-    remote_written_blocks: int  # blocks the remote tier newly stored for this request
     queue_wait_s: float = 0.0  # wall time from its KV being loaded to holding the prefill slot
 
     @property
@@ -251,6 +252,9 @@ class SimEngine:
                 self.active_tokens -= request.held_tokens
             else:
                 self.waiting -= 1
+            if request.remote_write is not None:
+                # shielded: a client that leaves does not cancel a write under way
+                await asyncio.shield(request.remote_write)
 
     async def sleep(self, seconds: float) -> None:
         if seconds > 0 and self.spec.time_factor > 0:
@@ -264,6 +268,7 @@ class SimRequest:
         self.priority = priority  # orders the prefill queue under scheduling_policy "priority"
         self.running = False
         self.held_tokens = 0
+        self.remote_write: asyncio.Task[int] | None = None  # the prompt's write to the remote tier
 
     async def prefill(self, *, remote_write: bool = True) -> PrefillResult:
         """Load or compute the prompt's KV; returns when the first token could be sent."""
@@ -321,14 +326,15 @@ class SimRequest:
         s.swap_in_tokens += c * bs
         s.remote_fetch_tokens += fetched * bs
         s.remote_recompute_tokens += (m - fetched) * bs
-        written = await self._write_remote(known_blocks=m, enabled=remote_write)
+        self.remote_write = asyncio.create_task(
+            self._write_remote(known_blocks=m, enabled=remote_write)
+        )
         return PrefillResult(
             prompt_tokens=prompt.prompt_tokens,
             hbm_tokens=hbm_blocks * bs,
             cpu_tokens=c * bs,
             remote_tokens=fetched * bs,
             computed_tokens=computed,
-            remote_written_blocks=written,
             queue_wait_s=queue_wait_s,
         )
 
