@@ -1,0 +1,390 @@
+"""gateway/proxy.py against fake replicas: httpx.MockTransport answers in process, no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.responses import Response, StreamingResponse
+
+from gateway.calibration import CostLearner
+from gateway.config import GatewayConfig, parse_config
+from gateway.errors import ApiError
+from gateway.metrics import Metrics
+from gateway.planner import Plan, Planner
+from gateway.proxy import Proxy
+from gateway.registry import Registry, Replica
+from gateway.reuse import ReuseCounter
+from gateway.tenants import Tenant
+from routing.index import MemoryIndex
+from routing.types import TenantClass
+
+MODEL = "m"
+URLS = ["http://replica-a:8000", "http://replica-b:8000", "http://replica-c:8000"]
+STANDARD = Tenant("acme", TenantClass.STANDARD)
+FIRST_BYTE_DELAY_S = 0.01  # the fake's prefill: over routing/learn.py's 1 ms usable minimum
+SSE = [
+    b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":"lo"}}]}\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":0}}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+@dataclass
+class Sent:
+    replica: str  # host:port
+    path: str
+    content: bytes
+    headers: httpx.Headers
+
+    def json(self) -> dict[str, Any]:
+        body: dict[str, Any] = json.loads(self.content)
+        return body
+
+
+Behaviour = Callable[[httpx.Request], httpx.Response]
+
+
+async def delayed(chunks: list[bytes], *, then: Exception | None = None) -> AsyncIterator[bytes]:
+    await asyncio.sleep(FIRST_BYTE_DELAY_S)
+    for chunk in chunks:
+        yield chunk
+    if then is not None:
+        raise then
+
+
+def answers(request: httpx.Request) -> httpx.Response:
+    """A replica that works: SSE when asked to stream, else one JSON completion."""
+    if json.loads(request.content).get("stream"):
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=delayed(SSE)
+        )
+    body = json.dumps({"choices": [{"message": {"content": "Hello"}}]}).encode()
+    return httpx.Response(
+        200, headers={"content-type": "application/json"}, content=delayed([body])
+    )
+
+
+def refuses(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+@dataclass
+class FakeFleet:
+    """Replicas by name; each answers with its behaviour (default: `answers`)."""
+
+    behaviour: dict[str, Behaviour] = field(default_factory=dict)
+    sent: list[Sent] = field(default_factory=list)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        name = f"{request.url.host}:{request.url.port}"
+        self.sent.append(Sent(name, request.url.path, request.content, request.headers))
+        return self.behaviour.get(name, answers)(request)
+
+
+class Setup:
+    def __init__(self, cfg: GatewayConfig, *, retries: int = 2) -> None:
+        self.metrics = Metrics()
+        self.registry = Registry(cfg)
+        self.planner = Planner(
+            cfg, self.registry, MemoryIndex(), ReuseCounter(self.metrics), self.metrics
+        )
+        self.learner = CostLearner("fit", self.registry.replicas.values(), self.metrics)
+        self.fleet = FakeFleet()
+        client = httpx.AsyncClient(transport=httpx.MockTransport(self.fleet.handle))
+        self.client = client
+        clients = {name: client for name in self.registry.replicas}
+        self.proxy = Proxy(
+            clients, self.registry, self.planner, self.metrics, self.learner, retries=retries
+        )
+
+    async def admit_all(self) -> Setup:
+        for replica in self.registry.replicas.values():
+            await self.registry.mark_ok(replica, frozenset())
+        return self
+
+    async def plan(self, body: dict[str, Any], tenant: Tenant = STANDARD) -> Plan:
+        return await self.planner.plan("chat", body, tenant)
+
+    async def forward(self, raw: bytes, tenant: Tenant = STANDARD) -> tuple[Plan, Response]:
+        plan = await self.plan(json.loads(raw), tenant)
+        return plan, await self.proxy.forward("chat", raw, plan)
+
+    def replica(self, name: str) -> Replica:
+        return self.registry.replicas[name]
+
+    def assert_all_released(self) -> None:
+        for r in self.registry.replicas.values():
+            assert (r.in_flight, r.pending_prefill_tokens, r.awaiting_first_byte) == (0, 0, 0), (
+                r.name
+            )
+            assert not r.joining, r.name
+
+    def samples(self, name: str) -> int:
+        n: int = self.learner.describe()["replicas"][name]["samples"]
+        return n
+
+
+def config(**pool: Any) -> GatewayConfig:
+    return parse_config(
+        {
+            "engine_metrics": {"enabled": False},
+            "pools": [{"name": "p", "replicas": URLS, "models": [MODEL], **pool}],
+        }
+    )
+
+
+async def setup(*, retries: int = 2, **pool: Any) -> Setup:
+    return await Setup(config(**pool), retries=retries).admit_all()
+
+
+def raw_chat(*, stream: bool = False, **extra: Any) -> bytes:
+    # spacing and key order no json.dumps of the parsed body would reproduce
+    messages = '[{"role": "system",   "content": "Be brief. ' + "x" * 600 + '"},'
+    messages += ' {"role": "user", "content": "Hi"}]'
+    tail = "".join(f', "{k}": {json.dumps(v)}' for k, v in extra.items())
+    return (
+        f'{{ "stream": {json.dumps(stream)},"messages": {messages}, "model": "{MODEL}"{tail} }}'
+    ).encode()
+
+
+def stream_of(response: Response) -> AsyncGenerator[bytes, None]:
+    assert isinstance(response, StreamingResponse)
+    it = response.body_iterator
+    assert isinstance(it, AsyncGenerator)
+    return it
+
+
+async def read_all(response: Response) -> bytes:
+    return b"".join([bytes(c) async for c in stream_of(response)])
+
+
+def metric(s: Setup, name: str, **labels: str) -> float:
+    return s.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+# -- the body sent upstream ----------------------------------------------------------------------
+
+
+async def test_the_clients_bytes_go_upstream_unchanged_when_no_pool_option_applies() -> None:
+    s = await setup()
+    raw = raw_chat(temperature=0.25, priority=3)
+    _, response = await s.forward(raw)
+    assert response.status_code == 200
+    [sent] = s.fleet.sent
+    assert sent.content == raw
+    assert sent.path == "/v1/chat/completions"
+    assert sent.headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize(
+    ("klass", "priority"),
+    [(TenantClass.CRITICAL, -1), (TenantClass.STANDARD, 0), (TenantClass.BATCH, 1)],
+)
+async def test_a_priority_pool_receives_the_class_priority(
+    klass: TenantClass, priority: int
+) -> None:
+    s = await setup(engine_priority=True)
+    raw = raw_chat(temperature=0.25, priority=-100)  # a client cannot pick its own priority
+    await s.forward(raw, Tenant("t", klass))
+    [sent] = s.fleet.sent
+    body = sent.json()
+    assert body["priority"] == priority
+    assert "cache_salt" not in body
+    assert {k: v for k, v in body.items() if k != "priority"} == {
+        k: v for k, v in json.loads(raw).items() if k != "priority"
+    }
+
+
+async def test_a_salted_pool_receives_one_salt_per_tenant_cache_scope() -> None:
+    s = await setup(cache_salt=True)
+    raw = raw_chat()
+    tenants = [
+        Tenant("a", TenantClass.STANDARD),
+        Tenant("a", TenantClass.STANDARD),
+        Tenant("b", TenantClass.STANDARD),
+        Tenant("c", TenantClass.STANDARD, share_group="team"),
+        Tenant("d", TenantClass.BATCH, share_group="team"),
+    ]
+    for tenant in tenants:
+        await s.forward(raw, tenant)
+    bodies = [sent.json() for sent in s.fleet.sent]
+    salts = [b["cache_salt"] for b in bodies]
+    assert all(isinstance(salt, str) and salt for salt in salts)
+    assert salts[0] == salts[1]  # one tenant, one salt
+    assert salts[2] not in (salts[0], salts[3])  # another tenant, another salt
+    assert salts[3] == salts[4]  # one share group, one salt
+    assert all("priority" not in b for b in bodies)
+    assert {k: v for k, v in bodies[0].items() if k != "cache_salt"} == json.loads(raw)
+
+
+# -- retries ---------------------------------------------------------------------------------------
+
+
+async def test_a_refused_connection_is_retried_on_the_next_replica_and_marked_failed() -> None:
+    s = await setup()
+    plan = await s.plan(json.loads(raw_chat()))
+    first, second = plan.decision.ranking[:2]
+    s.fleet.behaviour[first] = refuses
+    response = await s.proxy.forward("chat", raw_chat(), plan)
+
+    assert response.status_code == 200
+    assert [sent.replica for sent in s.fleet.sent] == [first, second]
+    assert response.headers["x-cachelane-replica"] == second
+    assert not s.replica(first).healthy
+    assert s.replica(first).last_error is not None
+    assert s.replica(second).healthy
+    assert metric(s, "cachelane_upstream_retries_total", replica=first) == 1
+    s.assert_all_released()
+
+
+async def test_every_replica_refusing_is_502_after_the_configured_retries() -> None:
+    s = await setup(retries=1)
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = refuses
+    plan = await s.plan(json.loads(raw_chat()))
+    with pytest.raises(ApiError) as caught:
+        await s.proxy.forward("chat", raw_chat(), plan)
+    assert caught.value.status == 502
+    assert caught.value.code == "upstream_unavailable"
+    assert [sent.replica for sent in s.fleet.sent] == list(plan.decision.ranking[:2])
+    s.assert_all_released()
+
+
+# -- every reservation released ----------------------------------------------------------------
+
+
+async def test_a_whole_response_releases_its_reservation() -> None:
+    s = await setup()
+    _, response = await s.forward(raw_chat())
+    assert response.status_code == 200
+    assert json.loads(bytes(response.body))["choices"][0]["message"]["content"] == "Hello"
+    s.assert_all_released()
+
+
+async def test_an_upstream_error_status_passes_through_and_releases() -> None:
+    s = await setup()
+    error = {"error": {"message": "bad", "type": "invalid_request_error", "code": "x"}}
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = lambda _: httpx.Response(400, json=error)
+    _, response = await s.forward(raw_chat(stream=True))
+    assert response.status_code == 400
+    assert json.loads(bytes(response.body)) == error
+    assert len(s.fleet.sent) == 1  # an answer, even an error, is not retried
+    s.assert_all_released()
+
+
+async def test_an_upstream_timeout_before_the_first_byte_is_504_and_releases() -> None:
+    s = await setup()
+
+    def times_out(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = times_out
+    with pytest.raises(ApiError) as caught:
+        await s.forward(raw_chat(stream=True))
+    assert caught.value.status == 504
+    assert caught.value.code == "upstream_timeout"
+    s.assert_all_released()
+
+
+async def test_a_stream_holds_its_slot_until_it_ends_then_releases() -> None:
+    s = await setup()
+    plan, response = await s.forward(raw_chat(stream=True))
+    chosen = s.replica(plan.decision.replica)
+    assert (chosen.in_flight, chosen.awaiting_first_byte) == (1, 1)
+    assert chosen.pending_prefill_tokens > 0
+    it = stream_of(response)
+    assert await it.__anext__() == SSE[0]
+    # past the first byte: the prefill is done, the decode still holds its slot
+    assert (chosen.in_flight, chosen.pending_prefill_tokens, chosen.awaiting_first_byte) == (
+        1,
+        0,
+        0,
+    )
+    rest = [chunk async for chunk in it]
+    assert rest == SSE[1:]
+    s.assert_all_released()
+
+
+async def test_a_stream_the_client_closes_early_releases() -> None:
+    s = await setup()
+    _, response = await s.forward(raw_chat(stream=True))
+    it = stream_of(response)
+    await it.__anext__()
+    await it.aclose()  # what the server does when the client goes away mid-stream
+    s.assert_all_released()
+
+
+async def test_a_stream_broken_upstream_ends_with_an_error_event_and_releases() -> None:
+    s = await setup()
+
+    def breaks(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            content=delayed(SSE[:1], then=httpx.ReadError("connection reset")),
+        )
+
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = breaks
+    _, response = await s.forward(raw_chat(stream=True))
+    chunks = [bytes(c) async for c in stream_of(response)]
+    assert chunks[0] == SSE[0]
+    last = chunks[-1]
+    assert last.startswith(b"data: ")
+    assert json.loads(last.removeprefix(b"data: "))["error"]["code"] == "upstream_unavailable"
+    assert metric(s, "cachelane_errors_total", code="upstream_unavailable") == 1
+    s.assert_all_released()
+
+
+# -- decision headers and learning ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_decision_headers_name_the_replica_and_its_estimate(stream: bool) -> None:
+    s = await setup()
+    plan, response = await s.forward(raw_chat(stream=stream))
+    if stream:
+        await read_all(response)
+    [sent] = s.fleet.sent
+    h = response.headers
+    assert h["x-cachelane-replica"] == sent.replica == plan.decision.replica
+    est_ms = float(h["x-cachelane-est-ttft-ms"])
+    assert est_ms == pytest.approx(plan.decision.est_ttft_s * 1000, abs=0.05)
+    assert est_ms > 0
+    terms = dict(part.split("=") for part in h["x-cachelane-est-terms-ms"].split(","))
+    assert set(terms) == {"fixed", "load", "queue", "prefill"}
+    assert sum(float(v) for v in terms.values()) == pytest.approx(est_ms, abs=0.25)
+    assert h["x-cachelane-tenant-class"] == "standard"
+
+
+async def test_a_streamed_request_teaches_its_replicas_cost_fit() -> None:
+    s = await setup()
+    plan, response = await s.forward(raw_chat(stream=True))
+    chosen = plan.decision.replica
+    assert s.samples(chosen) == 0  # learned when the stream ends, not before
+    await read_all(response)
+    assert s.samples(chosen) == 1
+    assert all(s.samples(n) == 0 for n in s.registry.replicas if n != chosen)
+    hist = "cachelane_ttft_seconds_count"
+    assert metric(s, hist, replica=chosen) == 1
+
+    _, again = await s.forward(raw_chat(stream=True))
+    await read_all(again)
+    assert sum(s.samples(n) for n in s.registry.replicas) == 2
+
+
+async def test_a_whole_response_teaches_only_when_prefill_only() -> None:
+    s = await setup()
+    plan, _ = await s.forward(raw_chat(max_tokens=64))  # its first byte came after the decode
+    assert sum(s.samples(n) for n in s.registry.replicas) == 0
+    plan, _ = await s.forward(raw_chat(max_tokens=1))  # a prefill: its TTFT is an observation
+    assert s.samples(plan.decision.replica) == 1
