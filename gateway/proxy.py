@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.calibration import CostLearner, Observation
 from gateway.errors import ApiError, no_replica, upstream_error
@@ -131,9 +133,10 @@ class Proxy:
         class's priority: upstream_body); `plan`: Planner.plan's output.
 
         Replicas are tried in the decision's ranking, skipping unhealthy ones; each try reserves
-        load on the replica and records the prompt in the index (Planner.record_sent). A replica
-        that cannot be reached before its first byte is marked failed (ejected if no connection
-        could be made) and the next one is tried, at most `retries` more times.
+        load on the replica; a replica that accepts the request (status < 400) has the prompt
+        recorded in the index (Planner.record_sent). A replica that cannot be reached before its
+        first byte is marked failed (ejected if no connection could be made) and the next one is
+        tried, at most `retries` more times.
 
         Returns a StreamingResponse for a streamed request the replica accepted (the reservation
         is released and the TTFT learned when the stream ends, however it ends), otherwise the
@@ -154,7 +157,6 @@ class Proxy:
                 break
             attempts += 1
             reservation = self._reserve(plan, replica)
-            await self._planner.record_sent(plan, replica)
             client = self._clients[replica.name]
             request = client.build_request(
                 "POST",
@@ -178,12 +180,15 @@ class Proxy:
                 if isinstance(err, httpx.HTTPError):
                     raise upstream_error(replica.name, err) from err
                 raise
+            if resp.status_code < 400:  # only a replica that took the request holds its prompt
+                await self._planner.record_sent(plan, replica)
             headers = _upstream_headers(resp) | decision_headers(plan, replica)
             if plan.stream and resp.status_code < 400:
                 headers["cache-control"] = "no-cache"
                 headers["x-accel-buffering"] = "no"
-                return StreamingResponse(
+                return RelayResponse(
                     self._relay(resp, reservation, plan),
+                    on_close=partial(_close, resp, reservation),
                     status_code=resp.status_code,
                     headers=headers,
                 )
@@ -255,6 +260,35 @@ class Proxy:
                 self._learn(reservation, plan, ttft_s, cached)
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
+
+
+class RelayResponse(StreamingResponse):
+    """A StreamingResponse that lets go of its upstream however the send ends: also when the
+    server never starts iterating the body (a client gone before the first chunk, which
+    Starlette notices and cancels the send for), where the relay's own `finally` never runs."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        on_close: Callable[[], Awaitable[None]],
+        status_code: int,
+        headers: Mapping[str, str],
+    ) -> None:
+        super().__init__(content, status_code=status_code, headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
+
+
+async def _close(resp: httpx.Response, reservation: Reservation) -> None:
+    reservation.release()  # both are idempotent: the relay may have done it already
+    await resp.aclose()
 
 
 def _prefill_only(plan: Plan) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig, parse_config
@@ -22,7 +23,7 @@ from gateway.registry import Registry, Replica
 from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
 from routing.index import MemoryIndex
-from routing.types import TenantClass
+from routing.types import Location, TenantClass, Tier
 
 MODEL = "m"
 URLS = ["http://replica-a:8000", "http://replica-b:8000", "http://replica-c:8000"]
@@ -92,8 +93,9 @@ class Setup:
     def __init__(self, cfg: GatewayConfig, *, retries: int = 2) -> None:
         self.metrics = Metrics()
         self.registry = Registry(cfg)
+        self.index = MemoryIndex()
         self.planner = Planner(
-            cfg, self.registry, MemoryIndex(), ReuseCounter(self.metrics), self.metrics
+            cfg, self.registry, self.index, ReuseCounter(self.metrics), self.metrics
         )
         self.learner = CostLearner("fit", self.registry.replicas.values(), self.metrics)
         self.fleet = FakeFleet()
@@ -244,6 +246,25 @@ async def test_a_refused_connection_is_retried_on_the_next_replica_and_marked_fa
     s.assert_all_released()
 
 
+async def test_a_replica_that_dropped_the_request_is_not_indexed_as_its_holder() -> None:
+    """A stale keep-alive connection (RemoteProtocolError) is retried elsewhere without ejecting
+    the replica: the prompt is recorded only on the replica that took it."""
+    s = await setup()
+    plan = await s.plan(json.loads(raw_chat()))
+    first, second = plan.decision.ranking[:2]
+
+    def drops(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("server disconnected", request=request)
+
+    s.fleet.behaviour[first] = drops
+    response = await s.proxy.forward("chat", raw_chat(), plan)
+    assert response.headers["x-cachelane-replica"] == second
+    holders = (await s.index.lookup(plan.model, list(plan.hashes)))[0]
+    assert Location(second, Tier.HBM) in holders
+    assert Location(first, Tier.HBM) not in holders
+    assert s.replica(first).healthy  # one dropped connection does not eject it
+
+
 async def test_every_replica_refusing_is_502_after_the_configured_retries() -> None:
     s = await setup(retries=1)
     for name in s.registry.replicas:
@@ -320,6 +341,24 @@ async def test_a_stream_the_client_closes_early_releases() -> None:
     it = stream_of(response)
     await it.__anext__()
     await it.aclose()  # what the server does when the client goes away mid-stream
+    s.assert_all_released()
+
+
+async def test_a_stream_whose_client_left_before_the_first_chunk_releases() -> None:
+    """The server may never iterate the body: the client is gone before the response starts
+    (the send fails at once). The reservation is released and the upstream closed anyway."""
+    s = await setup()
+    _, response = await s.forward(raw_chat(stream=True))
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        raise OSError("client went away")
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}}
+    with pytest.raises(ClientDisconnect):  # Starlette's name for a send that failed
+        await response(scope, receive, send)
     s.assert_all_released()
 
 
