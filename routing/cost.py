@@ -53,7 +53,7 @@ PREFILL_CHUNK_TOKENS = 8_192
 
 FIXED_S = 0.003
 # Per-request overhead outside the prefill: ~3 ms measured on this project's loopback set-up
-# (loadtest/bench_overhead.py: the gateway adds ~2 ms, the replica's HTTP + JSON ~1 ms). Real
+# (loadtest/bench/overhead.py: the gateway adds ~2 ms, the replica's HTTP + JSON ~1 ms). Real
 # engines add tokenization and scheduling; the fit learns their figure.
 
 HBM_CAPACITY_TOKENS = 800_000

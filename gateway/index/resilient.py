@@ -32,7 +32,7 @@ RESYNC_MAX_OPS = 4096
 # out of the shared index by TTL anyway.
 
 MAX_PENDING_WRITES = 256
-# Background records in flight: at ~7 ms each (an 8k-token prompt, loadtest/bench_index.py) that
+# Background records in flight: at ~7 ms each (an 8k-token prompt, loadtest/bench/index.py) that
 # is ~2 s of Redis work queued, past which recording applies backpressure.
 
 ErrorHook = Callable[[str, BaseException], None]
