@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# cachelane gateway image: the same package `pip install .` gives (pyproject.toml), nothing else.
+# cachelane gateway image: the package `pip install '.[sim]'` gives (pyproject.toml), nothing else:
+# the gateway in either routing mode ([sim] includes [precise]) and the simulated replicas.
 #
 #   docker build -t cachelane:local .
 #   docker run --rm -p 8000:8000 -v $PWD/deploy/compose/gateway-sim.yaml:/etc/cachelane/config.yaml:ro cachelane:local
@@ -17,17 +18,17 @@ WORKDIR /src
 # Every dependency ships manylinux wheels for CPython 3.11 (amd64 and arm64), so no compiler is
 # needed here; if one ever needs compiling, install build-essential in this stage only.
 COPY . .
-RUN pip wheel --wheel-dir /wheels .
+RUN pip wheel --wheel-dir /wheels '.[sim]'
 
 # ---- runtime: python + the wheels, as a non-root user ----------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     MPLCONFIGDIR=/tmp/matplotlib
-# MPLCONFIGDIR: the CLI imports matplotlib (for `cachelane demo`); without a writable config dir it
-# warns at every start. /tmp is writable here and is an emptyDir in the Kubernetes manifests.
+# MPLCONFIGDIR: `cachelane demo` imports matplotlib (the [sim] extra); without a writable config
+# dir it warns at every start. /tmp is writable here and is an emptyDir in the Kubernetes manifests.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels cachelane \
+    pip install --no-index --find-links /wheels 'cachelane[sim]' \
  && groupadd --system --gid 10001 cachelane \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin cachelane \
  && mkdir -p /etc/cachelane

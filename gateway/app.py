@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import __version__
 from gateway.admin import admin_router
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
@@ -83,7 +84,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await gw.close()
 
-    app = FastAPI(title="cachelane", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="cachelane", version=__version__, lifespan=lifespan)
     _install_error_handlers(app)
     app.include_router(admin_router)
 

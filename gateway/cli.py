@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from gateway.config import ConfigError, GatewayConfig, load_config, quick_config
-from gateway.extras import missing_message
+from gateway.extras import SIM_MODULES, missing_message, missing_modules
 from routing.decide import Policy
 
 EPILOG = """\
@@ -72,29 +72,32 @@ def _serve_config(args: argparse.Namespace) -> GatewayConfig:
 
 def _sim(argv: list[str]) -> int:
     """`cachelane sim ...`: the simulator is imported only when this command runs."""
-    try:
-        from loadtest.sim.fleet import build_parser as sim_parser
-        from loadtest.sim.fleet import run
-    except ModuleNotFoundError as err:
-        return _missing_extra("cachelane sim", "sim", err)
+    if _missing_extra("cachelane sim", "sim"):
+        return 2
+    from loadtest.sim.fleet import build_parser as sim_parser
+    from loadtest.sim.fleet import run
+
     parser = argparse.ArgumentParser(prog="cachelane sim")
     return int(run(sim_parser(parser).parse_args(argv)) or 0)
 
 
 def _demo(argv: list[str]) -> int:
     """`cachelane demo ...`: the demo (and matplotlib) are imported only when this command runs."""
-    try:
-        from loadtest.demo.run import add_demo_arguments, run_demo
-    except ModuleNotFoundError as err:
-        return _missing_extra("cachelane demo", "sim", err)
+    if _missing_extra("cachelane demo", "sim"):
+        return 2
+    from loadtest.demo.run import add_demo_arguments, run_demo
+
     parser = argparse.ArgumentParser(prog="cachelane demo")
     add_demo_arguments(parser)
     return run_demo(parser.parse_args(argv))
 
 
-def _missing_extra(feature: str, extra: str, err: ModuleNotFoundError) -> int:
-    print(f"cachelane: {missing_message(feature, extra, [err.name or str(err)])}", file=sys.stderr)
-    return 2
+def _missing_extra(feature: str, extra: str) -> bool:
+    """Say which extra to install (before any work starts) if the command needs one."""
+    missing = missing_modules(SIM_MODULES)
+    if missing:
+        print(f"cachelane: {missing_message(feature, extra, missing)}", file=sys.stderr)
+    return bool(missing)
 
 
 # Commands parsed by their own module's parser, imported only when the command runs, so that
@@ -197,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     for name, (run, help_text) in LAZY_COMMANDS.items():
-        lazy = sub.add_parser(name, help=help_text, add_help=False)
+        # every argument goes to the command's own parser: none is an option of this stub
+        lazy = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="\0")
         lazy.add_argument("argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         lazy.set_defaults(func=lambda args, run=run: run(args.argv))
 

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
+from gateway.extras import PRECISE_MODULES, missing_message, missing_modules
 from routing.cost import (
     FIXED_S,
     HBM_CAPACITY_TOKENS,
@@ -418,6 +419,9 @@ class GatewayConfig(Strict):
 
 
 def _check_precise(pools: list[PoolConfig]) -> None:
+    missing = missing_modules(PRECISE_MODULES)
+    if missing:
+        raise ValueError(missing_message("routing.mode precise", "precise", missing))
     for i, pool in enumerate(pools):
         where = f"pools.{i} ({pool.name!r})"
         if pool.kv_events is None or pool.tokenizer is None:

@@ -11,10 +11,7 @@ import importlib.util
 from collections.abc import Sequence
 
 PRECISE_MODULES = ("tokenizers", "jinja2", "zmq", "msgpack")
-
-
-class MissingExtra(ImportError):
-    """A feature needs an optional dependency that is not installed."""
+SIM_MODULES = (*PRECISE_MODULES, "matplotlib")  # the simulator tokenizes and publishes KV events
 
 
 def install_hint(extra: str) -> str:
@@ -28,8 +25,6 @@ def missing_message(feature: str, extra: str, missing: Sequence[str]) -> str:
     )
 
 
-def require(feature: str, extra: str, modules: Sequence[str]) -> None:
-    """Raise MissingExtra naming the extra if any of `modules` cannot be imported."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise MissingExtra(missing_message(feature, extra, missing))
+def missing_modules(modules: Sequence[str]) -> list[str]:
+    """Those of `modules` that are not installed (found without importing them)."""
+    return [m for m in modules if importlib.util.find_spec(m) is None]

@@ -19,13 +19,12 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from gateway.config import ConfigError, GatewayConfig
 from gateway.engines.events import precise_namespace
-from gateway.engines.tokenizer import PromptTokenizer, UnsupportedPrompt
 from gateway.errors import ApiError, bad_request, no_replica
 from gateway.metrics import Metrics
 from gateway.pinning import PinnedPoolWatch
@@ -41,6 +40,9 @@ from routing.index import Index, record_prompt
 from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
 from routing.speculative import SpeculativeIndex
 from routing.types import BlockHits, Location, TenantClass, Tier
+
+if TYPE_CHECKING:  # precise mode only: jinja2 and tokenizers are the [precise] extra
+    from gateway.engines.tokenizer import PromptTokenizer
 
 log = logging.getLogger("cachelane.planner")
 
@@ -357,6 +359,8 @@ class Planner:
         self, endpoint: str, body: dict[str, Any], model: str, cache_salt: str
     ) -> tuple[str, list[int], int]:
         """(namespace, block keys, prompt tokens) from the engine's own token ids."""
+        from gateway.engines.tokenizer import UnsupportedPrompt
+
         pools = [r.pool for r in self._registry.replicas.values() if model in r.pool.models]
         salted = any(p.cache_salt for p in pools)
         namespace = precise_namespace(model, cache_salt if salted else None)
@@ -459,6 +463,8 @@ class Planner:
 
 def load_tokenizers(config: GatewayConfig) -> dict[str, PromptTokenizer]:
     """Each pool's tokenizer, read at start-up; a file that does not load is a ConfigError."""
+    from gateway.engines.tokenizer import PromptTokenizer
+
     out: dict[str, PromptTokenizer] = {}
     for i, pool in enumerate(config.pools):
         t = pool.tokenizer

@@ -7,14 +7,13 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import Request
 
 from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig
-from gateway.engines.feed import KvEvents
 from gateway.errors import ApiError
 from gateway.fit_store import FitStore
 from gateway.flow import ClassLimits, FlowControl, Shed
@@ -30,6 +29,9 @@ from gateway.tenants import CLASS_HEADER, Tenant, TenantStore
 from routing.index import Index, MemoryIndex
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
+
+if TYPE_CHECKING:  # precise mode only: pyzmq and msgpack are the [precise] extra
+    from gateway.engines.feed import KvEvents
 
 log = logging.getLogger("cachelane.state")
 
@@ -134,6 +136,8 @@ class Gateway:
         self.speculative: SpeculativeIndex | None = None
         routing_index: Index = self.index
         if config.routing.mode == "precise":
+            from gateway.engines.feed import KvEvents
+
             self.speculative = routing_index = SpeculativeIndex(self.index)
             replicas = [(r.name, r.url, r.pool) for r in self.registry.replicas.values()]
             self.kv_events = KvEvents(config, replicas, routing_index, self.metrics)

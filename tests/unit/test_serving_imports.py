@@ -3,8 +3,17 @@ neither may pull in the load-testing code or its heavy dependencies (`sim` and `
 only when those commands run), so the plain `pip install cachelane` serves."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+import gateway.config as config_module
+from gateway.config import ConfigError, parse_config
+from gateway.extras import PRECISE_MODULES
+from loadtest.sim.tiny_tokenizer import write_tiny_tokenizer
 
 # Top-level packages the serving path must not import: the loadtest package, and what only the
 # simulator, the demo, the benchmarks or Locust need (the [sim] / [bench] extras).
@@ -29,3 +38,28 @@ def test_gateway_app_and_cli_import_no_loadtest_or_its_dependencies() -> None:
     loaded = _loaded_top_level_modules()
     assert "gateway" in loaded  # the probe ran
     assert sorted(loaded.intersection(NOT_FOR_SERVING)) == []
+
+
+def test_serving_imports_no_precise_extra_module() -> None:
+    """Approximate mode runs on the plain install: jinja2, tokenizers, pyzmq and msgpack (the
+    [precise] extra) are imported only when routing.mode is precise."""
+    loaded = _loaded_top_level_modules()
+    assert sorted(loaded.intersection(PRECISE_MODULES)) == []
+
+
+def test_precise_mode_without_the_extra_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = write_tiny_tokenizer(tmp_path)
+    pool = {
+        "name": "p",
+        "models": ["m"],
+        "replicas": ["http://127.0.0.1:8001"],
+        "kv_events": {"port_offset": 1000},
+        "tokenizer": {"path": str(files.tokenizer_json), "chat_template": str(files.chat_template)},
+    }
+    data = {"routing": {"mode": "precise"}, "pools": [pool]}
+    parse_config(data)  # installed here: accepted
+    monkeypatch.setattr(config_module, "missing_modules", lambda modules: ["tokenizers"])
+    with pytest.raises(ConfigError, match=re.escape("pip install 'cachelane[precise]'")):
+        parse_config(data)
