@@ -91,7 +91,9 @@ async def run(count: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.events", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--messages", type=int, default=5000, help="messages per cell")
     parser.add_argument("--out", type=Path, default=Path("results/bench_events.json"))
     args = parser.parse_args()

@@ -181,7 +181,10 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.index",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--budget-s", type=float, default=BUDGET_S)
     parser.add_argument("--out", type=Path, default=OUT_PATH)

@@ -1,0 +1,1 @@
+"""Helpers only the tests use: real servers on loopback, free ports, throwaway Redis servers."""
