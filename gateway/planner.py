@@ -139,7 +139,7 @@ class Planner:
         it. With `dry_run` (/debug/route) the decision is made the same way, but the request
         counter, the reuse counts, the critical tenants' bookkeeping and the fallback and
         admission metrics are left as they were. Nothing is written to the index here either way
-        (record_sent does that once a replica is tried).
+        (record_sent does that once a replica accepted the request).
 
         Returns the Plan: the Decision (chosen replica and fallbacks), the hashes and namespace,
         the admission verdict, and the body to forward. An index that fails is routed around
