@@ -25,9 +25,7 @@ A_CPU = Location("a", Tier.CPU)
 B_HBM = Location("b", Tier.HBM)
 B_CPU = Location("b", Tier.CPU)
 REMOTE = Location("a", Tier.REMOTE)  # a remote tier that happens to share replica a's name
-TTL_S = 0.3  # short enough to sleep past; long enough that a loaded CI box reads before expiry
-
-IndexFactory = Callable[..., Index]
+TTL_S = 0.3  # Redis: short enough to sleep past; long enough that a loaded CI box reads in time
 
 
 def to_cpu(location: Location) -> Location | None:
@@ -38,24 +36,41 @@ def hbm_capacity(blocks: int) -> Callable[[Location], int | None]:
     return lambda loc: blocks if loc.tier is Tier.HBM else None
 
 
-@pytest.fixture(params=["memory", "redis", "redis_cluster"])
-async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[IndexFactory]:
-    created: list[Index] = []
-    prefix = f"t{uuid.uuid4().hex[:12]}"  # a fresh key space per test on the shared server
+class IndexFactory:
+    """Makes indexes of one backend, and lets time pass for them: the memory index reads an
+    injected clock that `wait` moves (exact, no sleep); Redis expires keys on the server's own
+    clock, so there `wait` sleeps."""
 
-    def make(**options: Any) -> Index:
+    def __init__(self, backend: str, request: pytest.FixtureRequest) -> None:
+        self.backend = backend
+        self._request = request
+        self._prefix = f"t{uuid.uuid4().hex[:12]}"  # a fresh key space per test
+        self._now = 0.0
+        self.created: list[Index] = []
+
+    def __call__(self, **options: Any) -> Index:
         index: Index
-        if request.param == "memory":
-            index = MemoryIndex(**options)
+        if self.backend == "memory":
+            index = MemoryIndex(clock=lambda: self._now, **options)
         else:
-            cluster = request.param == "redis_cluster"
-            url = request.getfixturevalue("redis_cluster_url" if cluster else "redis_url")
-            index = RedisIndex.from_url(url, cluster=cluster, key_prefix=prefix, **options)
-        created.append(index)
+            cluster = self.backend == "redis_cluster"
+            url = self._request.getfixturevalue("redis_cluster_url" if cluster else "redis_url")
+            index = RedisIndex.from_url(url, cluster=cluster, key_prefix=self._prefix, **options)
+        self.created.append(index)
         return index
 
-    yield make
-    for index in created:
+    async def wait(self, seconds: float) -> None:
+        if self.backend == "memory":
+            self._now += seconds
+        else:
+            await asyncio.sleep(seconds)
+
+
+@pytest.fixture(params=["memory", "redis", "redis_cluster"])
+async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[IndexFactory]:
+    factory = IndexFactory(request.param, request)
+    yield factory
+    for index in factory.created:
         await index.close()
 
 
@@ -106,11 +121,11 @@ async def test_entries_expire_after_ttl_unless_refreshed(make_index: IndexFactor
     await index.record(MODEL, [1, 2], A_HBM)
     await index.record(MODEL, [1], B_HBM)
     assert await index.lookup(MODEL, [1, 2]) == [{A_HBM, B_HBM}, {A_HBM}]
-    await asyncio.sleep(TTL_S * 0.6)
+    await make_index.wait(TTL_S * 0.6)
     await index.record(MODEL, [1], B_HBM)  # refreshes B's entry only
-    await asyncio.sleep(TTL_S * 0.6)
+    await make_index.wait(TTL_S * 0.6)
     assert await index.lookup(MODEL, [1, 2]) == [{B_HBM}]
-    await asyncio.sleep(TTL_S * 0.6)
+    await make_index.wait(TTL_S * 0.6)
     assert await index.lookup(MODEL, [1, 2]) == []
 
 
@@ -179,7 +194,7 @@ async def test_expired_entry_pushed_out_does_not_come_back_as_cpu_hit(
 ) -> None:
     index = make_index(ttl_s=TTL_S, capacity_blocks=hbm_capacity(2), spill_to=to_cpu)
     await index.record(MODEL, [1, 2], A_HBM)
-    await asyncio.sleep(TTL_S * 1.2)
+    await make_index.wait(TTL_S * 1.2)
     await index.record(MODEL, [3, 4], A_HBM)  # pushes 1 and 2 out of HBM, expired
     assert await index.lookup(MODEL, [1, 2]) == []
     assert await index.lookup(MODEL, [3, 4]) == [{A_HBM}] * 2
