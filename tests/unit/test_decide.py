@@ -204,3 +204,20 @@ def test_shared_system_prompt_does_not_pile_onto_one_replica() -> None:
     assert min(counts.values()) > 0, counts
     assert max(counts.values()) <= 1.5 * len(chosen) / len(names), counts
     assert Reason.QUEUE in reasons, "the queueing term is what spread the load"
+
+
+def test_every_configurable_policy_is_registered() -> None:
+    from routing.policies import POLICIES, Policy
+
+    assert set(POLICIES) == set(Policy)
+    for policy, impl in POLICIES.items():
+        decision = decide(
+            RouteRequest([1, 2], 32, 16),
+            [Candidate("a"), Candidate("b")],
+            [],
+            policy,
+            seq=0,
+            rng=random.Random(0),
+        )
+        assert decision.policy is policy, impl
+        assert sorted(decision.ranking) == ["a", "b"]
