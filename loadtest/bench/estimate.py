@@ -123,7 +123,7 @@ class Setup:
     # Capacities are in the workload's own token counts (routing.prompt.approx_tokens); with a real
     # tokenizer (precise mode) they are scaled by how many more tokens it makes of the same text.
     token_inflation: float = 1.0
-    # As tier_arms.ReuseSetup: 4 x (12k + 8k) = 80k tokens of HBM and CPU in the fleet against
+    # As tier_experiment.ReuseSetup: 4 x (12k + 8k) = 80k tokens of HBM and CPU in the fleet against
     # ~10-20 live conversations of 1-7k tokens each and ~160k tokens of documents, so prefixes move
     # HBM -> CPU -> out, and a later turn or question finds them in HBM, the CPU or the remote tier.
 

@@ -85,7 +85,7 @@ RATES_PER_S = {
     "tiered-high": 10.0,
 }
 # Offered load per scenario. 2 cores are shared by client, router and fleet: ~15 streamed req/s
-# keeps Python well under both (demo.py). Agentic prompts grow to ~20k tokens, so fewer of them.
+# keeps Python well under both (demo/run.py). Agentic prompts grow to ~20k tokens, so fewer of them.
 VOICE_RATE_PER_S = 3.0
 BURST_RATE_PER_S = 22.0
 # The critical scenario: a steady voice tenant, and a standard burst ~1.5x the demo's comfortable
@@ -93,7 +93,7 @@ BURST_RATE_PER_S = 22.0
 
 SERVICE_BOUND = traces.ServiceBound(
     prefill_tokens_per_s=PREFILL_TOKENS_PER_S / TIME_FACTOR / 2, itl_s=ITL_S * TIME_FACTOR * 2
-)  # as demo.py: a turn is never sent before its previous turn could have finished
+)  # as demo/run.py: a turn is never sent before its previous turn could have finished
 
 VOICE_KEY = "bench-voice-key"
 STANDARD_KEY = "bench-standard-key"
