@@ -59,7 +59,7 @@ test-engine: install-dev $(ENGINE_VENV)/.installed
 lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy routing gateway loadtest
+	$(VENV)/bin/mypy routing gateway loadtest tests
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache *.egg-info

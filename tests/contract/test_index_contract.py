@@ -379,6 +379,7 @@ async def test_a_block_value_keeps_only_live_holders(redis_url: str) -> None:
         keys = [key async for key in admin.scan_iter(f"{prefix}:b:*")]
         assert len(keys) == 1
         value = await admin.get(keys[0])
+        assert isinstance(value, bytes)
         assert value.count(b"\n") == 2 and b"hbm:a " not in value
     finally:
         await admin.aclose()

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.app import create_app
 from gateway.config import parse_config
@@ -128,7 +129,7 @@ async def test_ttft_estimates_are_learned_from_the_engines(
         async with AsyncOpenAI(base_url=f"{app.state.url}/v1", api_key="x", max_retries=0) as c:
             for i in range(WARMUP_REQUESTS + MEASURED_REQUESTS):
                 words = "parcel manifest route depot " * (5 + (i * 7) % 40)
-                messages = [
+                messages: list[ChatCompletionMessageParam] = [
                     {"role": "system", "content": system_prompt(TOPICS[i % len(TOPICS)])},
                     {"role": "user", "content": f"{i}: {words}"},
                 ]
@@ -154,7 +155,7 @@ class Seen:
     uncached_tokens: int  # prompt_tokens - cached_tokens, from the engine's usage
 
 
-async def timed_request(c: AsyncOpenAI, messages: list[dict[str, str]]) -> Seen:
+async def timed_request(c: AsyncOpenAI, messages: list[ChatCompletionMessageParam]) -> Seen:
     started = time.perf_counter()
     raw = await c.chat.completions.with_raw_response.create(
         model=MODEL,
@@ -203,7 +204,9 @@ async def hit_rate(app: Any) -> float:
 
     async def conversation(c: AsyncOpenAI, topic: str) -> None:
         nonlocal cached, prompt
-        messages = [{"role": "system", "content": system_prompt(topic)}]
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": system_prompt(topic)}
+        ]
         for turn in range(TURNS):
             messages.append({"role": "user", "content": f"{topic} question {turn}?"})
             done = await c.chat.completions.create(

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.app import create_app
 from gateway.config import parse_config
@@ -28,7 +29,7 @@ SYSTEM = "You are a meticulous assistant for a logistics company. " * 12  # ~130
 WAIT_S = 20.0  # events reach the gateway in milliseconds; this bounds a stuck test
 
 
-def chat(user: str, system: str = SYSTEM) -> list[dict[str, str]]:
+def chat(user: str, system: str = SYSTEM) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
@@ -85,7 +86,7 @@ async def test_index_follows_real_vllm_events_and_routes_on_them(
     )
     names = [r.url.removeprefix("http://") for r in vllm_replicas]
 
-    def keys_of(messages: list[dict[str, str]]) -> list[int]:
+    def keys_of(messages: list[ChatCompletionMessageParam]) -> list[int]:
         ids = tok.chat_ids({"messages": messages})
         return token_block_hashes(ids, block_size_tokens=BLOCK_SIZE_TOKENS, namespace=MODEL)
 
@@ -121,7 +122,9 @@ async def test_index_follows_real_vllm_events_and_routes_on_them(
             )
             assert second.headers["x-cachelane-replica"] == x
             assert second.headers["x-cachelane-reason"] == "hbm_hit"
-            details = second.parse().usage.prompt_tokens_details  # type: ignore[union-attr]
+            usage = second.parse().usage
+            assert usage is not None
+            details = usage.prompt_tokens_details
             assert details is not None and details.cached_tokens is not None
             assert details.cached_tokens >= 3 * BLOCK_SIZE_TOKENS
             assert (
@@ -142,7 +145,9 @@ async def test_index_follows_real_vllm_events_and_routes_on_them(
                 model=MODEL, messages=chat("another q", other_system), max_tokens=1
             )
             assert routed.headers["x-cachelane-replica"] == y
-            details = routed.parse().usage.prompt_tokens_details  # type: ignore[union-attr]
+            usage = routed.parse().usage
+            assert usage is not None
+            details = usage.prompt_tokens_details
             assert details is not None and details.cached_tokens
             assert (
                 int(routed.headers["x-cachelane-expected-cached-tokens"]) == details.cached_tokens

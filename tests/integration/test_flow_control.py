@@ -21,12 +21,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
@@ -66,7 +68,7 @@ ONE_SLOW_REPLICA = [PoolSpec("shared", 1, costs=SLOW)]
 # --- prompts and clients ---------------------------------------------------------------------
 
 
-def prompt(tag: str, tokens: int) -> list[dict[str, str]]:
+def prompt(tag: str, tokens: int) -> list[ChatCompletionMessageParam]:
     """A chat prompt of about `tokens` tokens that shares no block with any other tag's."""
     filler = f"{tag}: the quick brown fox jumps over the lazy dog. "
     text = (filler * (tokens * 4 // len(filler) + 1))[: tokens * 4]
@@ -77,14 +79,16 @@ def auth(tenant: str) -> dict[str, str]:
     return {"authorization": f"Bearer {KEYS[tenant]}"}
 
 
-def body(messages: list[dict[str, str]], max_tokens: int = 2, **kw: Any) -> dict[str, Any]:
+def body(
+    messages: list[ChatCompletionMessageParam], max_tokens: int = 2, **kw: Any
+) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **kw}
 
 
 async def first_token_in_order(
     url: str,
     tenant: str,
-    messages: list[dict[str, str]],
+    messages: list[ChatCompletionMessageParam],
     order: list[str],
     tag: str,
     max_tokens: int = 2,
@@ -104,7 +108,7 @@ async def first_token_in_order(
 
 
 async def ask(
-    url: str, tenant: str, messages: list[dict[str, str]], max_tokens: int = 2
+    url: str, tenant: str, messages: list[ChatCompletionMessageParam], max_tokens: int = 2
 ) -> tuple[Mapping[str, str], int]:
     """One non-streamed request with the openai client: its headers and usage's cached_tokens."""
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS[tenant], max_retries=0) as c:
@@ -137,7 +141,11 @@ class OpenStream:
 
 
 async def open_stream(
-    h: httpx.AsyncClient, tenant: str, messages: list[dict[str, str]], *, first_token: bool
+    h: httpx.AsyncClient,
+    tenant: str,
+    messages: list[ChatCompletionMessageParam],
+    *,
+    first_token: bool,
 ) -> OpenStream:
     """Start a long streamed generation (20k tokens, ~20 s); with `first_token`, return once it
     is past its prefill."""
@@ -339,7 +347,7 @@ async def test_held_requests_released_standard_first_round_robin_between_tenants
                 [("web", "web-1"), ("web", "web-2"), ("web", "web-3"), ("acme", "acme-1")]
             ):
                 tasks.append(send(tenant, tag))
-                await until(lambda i=i: depth_is(h, "standard", i + 1), f"{tag} held")
+                await until(partial(depth_is, h, "standard", i + 1), f"{tag} held")
             await asyncio.gather(*tasks)
 
         assert order == ["busy", "web-1", "acme-1", "web-2", "web-3", "bulk-1"]
@@ -544,7 +552,7 @@ async def test_engine_priority_orders_the_replicas_prefill_queue() -> None:
                 coro = first_token_in_order(f.gateway_url, tenant, prompt(tag, tokens), order, tag)
                 tasks.append(asyncio.create_task(asyncio.wait_for(coro, WAIT_S)))
                 # the busy one holds the prefill slot; each next one waits in the engine's queue
-                await until(lambda i=i: sim_holds(h, i + 1), f"{tag} to reach the replica")
+                await until(partial(sim_holds, h, i + 1), f"{tag} to reach the replica")
             await asyncio.gather(*tasks)
         assert order == ["busy", "critical", "standard", "batch"]
 
@@ -644,7 +652,7 @@ async def test_critical_spill_over_budget_goes_to_the_shared_replica_with_its_pr
     head = "Voice agent instructions: greet the caller and answer briefly. " * 40  # 640 tokens
     doc = "Timetable excerpt: the 8:15 to Leeds calls at York and Wakefield. " * 80
 
-    def voice(*parts: str) -> list[dict[str, str]]:
+    def voice(*parts: str) -> list[ChatCompletionMessageParam]:
         return [{"role": "system", "content": "".join(parts)}, {"role": "user", "content": "go"}]
 
     classes = {"critical": {"ttft_budget_ms": 10}}
@@ -695,7 +703,10 @@ async def test_critical_spill_over_budget_counts_remote_tier_hits() -> None:
     )
     offload = PoolSpec("offload", 2, {"remote_write": "always"}, remote=True, costs=costs)
     doc = "Fare rules: an off-peak return is valid on any train after 9:30. " * 120
-    messages = [{"role": "system", "content": doc}, {"role": "user", "content": "first"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": doc},
+        {"role": "user", "content": "first"},
+    ]
     classes = {"critical": {"ttft_budget_ms": 60}}
     async with tiered_fleet([pinned, offload], tenants=TENANTS, classes=classes) as f:
         (p,) = f.pools["pinned"]
@@ -802,7 +813,10 @@ async def test_cost_placed_critical_follow_up_stays_where_its_context_is() -> No
     )
     shared = PoolSpec("shared", 1, costs=SLOW)
     doc = "Timetable: the 8:15 to Leeds calls at York, Wakefield and Doncaster. " * 100
-    first = [{"role": "system", "content": doc}, {"role": "user", "content": "first"}]
+    first: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": doc},
+        {"role": "user", "content": "first"},
+    ]
     critical = {"fallback": "spill", "placement": "cost"}
     routing = {"calibration": "none"}  # the configured costs, not a fit of the test's TTFTs
     async with tiered_fleet(
@@ -819,7 +833,10 @@ async def test_cost_placed_critical_follow_up_stays_where_its_context_is() -> No
             )
             assert seeded.status_code == 200
             assert seeded.headers["x-cachelane-replica"] == s
-            follow = [*first, {"role": "assistant", "content": "ok"}]
+            follow: list[ChatCompletionMessageParam] = [
+                *first,
+                {"role": "assistant", "content": "ok"},
+            ]
             follow.append({"role": "user", "content": "second"})
             headers, cached = await asyncio.wait_for(ask(f.gateway_url, "voice", follow), WAIT_S)
             assert headers["x-cachelane-replica"] == s and cached > 1000
@@ -886,7 +903,10 @@ async def test_standard_kept_off_a_replica_where_a_critical_request_is_loading_k
     believed = {"prefill_tokens_per_s": 50.0, "remote_gbps": 0.02}
     offload = PoolSpec("offload", 3, {"remote_write": "always", "costs": believed}, remote=True)
     doc = "Fare rules: an off-peak return is valid on any train after 9:30. " * 100
-    messages = [{"role": "system", "content": doc}, {"role": "user", "content": "first"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": doc},
+        {"role": "user", "content": "first"},
+    ]
     critical = {"fallback": "spill", "clear_while_loading": clear}
     routing = {"calibration": "none"}
     async with tiered_fleet([offload], tenants=TENANTS, critical=critical, routing=routing) as f:

@@ -7,17 +7,18 @@ import asyncio
 import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 
 SYSTEM = "You are a meticulous assistant for a logistics company. " * 40  # ~560 tokens
 
 
-def client(url: str, **kw: object) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **kw)  # type: ignore[arg-type]
+def client(url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-def chat(user: str) -> list[dict[str, str]]:
+def chat(user: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -95,7 +96,8 @@ async def test_shared_prefix_lands_on_the_replica_that_holds_it() -> None:
         assert second.headers["x-cachelane-reason"] == "hbm_hit"
         usage = second.parse().usage
         assert usage is not None and usage.prompt_tokens_details is not None
-        assert usage.prompt_tokens_details.cached_tokens >= 500
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert cached is not None and cached >= 500
         assert int(second.headers["x-cachelane-expected-cached-tokens"]) >= 500
 
 

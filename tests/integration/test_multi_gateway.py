@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.app import create_app
 from loadtest.sim.config import SimReplicaSpec
@@ -53,7 +54,7 @@ async def test_a_conversation_alternating_between_gateways_stays_on_its_replica(
         client(gateway_urls[1]) as b,
     ):
         gateways = (a, b)
-        conversations: dict[str, list[dict[str, str]]] = {
+        conversations: dict[str, list[ChatCompletionMessageParam]] = {
             topic: [{"role": "system", "content": f"Topic: {topic}. {SYSTEM}"}]
             for topic in ("freight", "payroll")
         }

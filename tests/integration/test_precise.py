@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.app import create_app
 from gateway.config import parse_config
@@ -128,7 +129,7 @@ def client(url: str, api_key: str = "unused") -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
 
 
-def chat(user: str, system: str = SYSTEM) -> list[dict[str, str]]:
+def chat(user: str, system: str = SYSTEM) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.integration.fleet import MODEL, PoolSpec, tiered_fleet
 
@@ -34,7 +35,7 @@ PINNED = PoolSpec(
 SHARED = PoolSpec("shared", 2)
 
 
-def chat(user: str, system: str = SYSTEM) -> list[dict[str, str]]:
+def chat(user: str, system: str = SYSTEM) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 

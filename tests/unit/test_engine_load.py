@@ -4,7 +4,7 @@ import time
 import pytest
 
 from gateway.config import parse_config
-from gateway.registry import Registry
+from gateway.registry import Registry, Replica
 from gateway.scraper import EngineLoad, parse_engine_load
 from routing.cost import Load
 
@@ -36,7 +36,7 @@ def test_parse_engine_load(text: str, running: float, waiting: float, usage: flo
     assert (load.running, load.waiting, load.kv_usage) == (running, waiting, usage)
 
 
-def replica():  # type: ignore[no-untyped-def]
+def replica() -> Replica:
     config = parse_config({"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"]}]})
     return next(iter(Registry(config).replicas.values()))
 

@@ -51,7 +51,7 @@ async def settle() -> None:
 
 def start(
     fc: FlowControl, tenant: str, cls: TenantClass, ready: Callable[[], bool]
-) -> asyncio.Task:
+) -> asyncio.Task[float]:
     return asyncio.create_task(fc.admit(tenant, cls, ready))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 
@@ -124,8 +126,8 @@ def new_map(capacity: int = 100) -> EngineBlockMap:
     return EngineBlockMap(model=MODEL, block_size_tokens=BS, capacity_blocks=capacity)
 
 
-def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: object) -> BlockStored:
-    return BlockStored(tuple(hashes), parent, tuple(tokens), kw.pop("block_size", BS), **kw)  # type: ignore[arg-type]
+def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: Any) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tuple(tokens), kw.pop("block_size", BS), **kw)
 
 
 TOKENS = list(range(100, 124))  # six blocks of four

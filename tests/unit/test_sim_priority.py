@@ -176,6 +176,7 @@ def test_release_of_a_free_slot_is_an_error() -> None:
 
 def test_spec_rejects_an_unknown_policy() -> None:
     with pytest.raises(ValueError, match="scheduling_policy"):
+        # deliberately not a SchedulingPolicy: the runtime check is what is under test
         SimReplicaSpec(name="s", port=1, scheduling_policy="lifo")  # type: ignore[arg-type]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from routing.index import MemoryIndex
 from routing.speculative import SpeculativeIndex
@@ -10,6 +12,7 @@ from routing.types import Location, Tier
 
 A = Location("a:1", Tier.HBM)
 B = Location("b:1", Tier.HBM)
+T = TypeVar("T")
 
 
 class Clock:
@@ -28,7 +31,7 @@ def make(ttl_s: float = 10.0, max_marks: int = 1000) -> tuple[SpeculativeIndex, 
     ), clock
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
