@@ -119,6 +119,11 @@ DESCRIPTIONS: dict[str, str] = {
     "prewarm.timeout_s": "Seconds one prewarm may take.",
     "max_body_bytes": "Largest request body accepted (8 MiB: a 128k-token prompt is ~512 KiB of "
     "text; the rest is headroom for base64 images).",
+    "max_json_depth": "Deepest nesting of arrays and objects accepted in a request body; deeper is "
+    "a 400 (json_too_deep). Default 128, serde_json's recursion limit; at most 512.",
+    "max_number_chars": "Longest number literal accepted in a request body; longer is a 400 "
+    "(number_too_large), refused before it is converted. Default 1000, Jackson's "
+    "StreamReadConstraints default maxNumberLength.",
     "remote_tiers": "Shared remote KV tiers (LMCache server, Mooncake store, ...) that pools can "
     "read from.",
     "remote_tiers[].name": "Name that pools[].remote_tier refers to.",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -17,9 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import __version__
 from gateway.admin import admin_router
+from gateway.body import BodyError, parse_body_async
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics
@@ -218,15 +219,13 @@ async def _read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         chunks.append(chunk)
     raw = b"".join(chunks)
     request.state.raw_body = raw
+    config: GatewayConfig = request.app.state.gw.config
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad_request(
-            f"the request body is not valid JSON: {err}", code="invalid_json"
-        ) from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", code="invalid_json")
-    return body
+        return await parse_body_async(
+            raw, max_depth=config.max_json_depth, max_number_chars=config.max_number_chars
+        )
+    except BodyError as err:
+        raise bad_request(str(err), code=err.code) from None
 
 
 def _too_large(max_bytes: int) -> ApiError:
@@ -318,10 +317,39 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         return await api_error(request, bad_request(str(err.errors()), code="invalid_request"))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return await api_error(
-            request,
-            ApiError(500, "internal gateway error", code="internal_error", type="server_error"),
-        )
+    app.add_middleware(_Unexpected)
+
+
+class _Unexpected:
+    """Any other exception: its traceback logged once (here), and a 500 in the error envelope,
+    counted. An exception handler for Exception would run in Starlette's ServerErrorMiddleware,
+    which re-raises after it, so uvicorn logged each traceback a second time; this middleware sits
+    inside that one and does not re-raise. A response already under way cannot become a 500: it
+    is cut off (uvicorn closes the connection)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            log.exception("unexpected error on %s", scope.get("path"))
+            err = ApiError(
+                500, "internal gateway error", code="internal_error", type="server_error"
+            )
+            gw = getattr(scope["app"].state, "gw", None)
+            if gw is not None:
+                gw.metrics.errors.labels(err.code).inc()
+            if not started:
+                await err.response()(scope, receive, send)

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
+from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
 from gateway.extras import PRECISE_MODULES, missing_message, missing_modules
 from routing.cost import (
     FIXED_S,
@@ -392,6 +393,8 @@ class GatewayConfig(Strict):
     overload: OverloadConfig = OverloadConfig()
     prewarm: PrewarmConfig = PrewarmConfig()
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
+    max_json_depth: int = Field(DEFAULT_MAX_JSON_DEPTH, ge=2, le=MAX_JSON_DEPTH_LIMIT)
+    max_number_chars: int = Field(DEFAULT_MAX_NUMBER_CHARS, ge=20)
     remote_tiers: list[RemoteTierConfig] = Field(default_factory=list)
     pools: list[PoolConfig] = Field(min_length=1)
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import random
+import string
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import xxhash
 
@@ -75,9 +77,16 @@ def prompt_of(endpoint: str, body: dict[str, Any]) -> str:
         raise bad_request(str(err), param="messages" if endpoint == "chat" else "prompt") from None
 
 
+_HEADER_SAFE = "".join(c for c in string.punctuation if c != "%")
+
+
 def namespace_of(model: str, tenant: Tenant) -> str:
-    """Hash namespace: prefixes are shared within one model and one tenant cache scope."""
-    return f"{model}|{tenant.cache_scope}"
+    """Hash namespace: prefixes are shared within one model and one tenant cache scope.
+
+    It travels to the replicas in a header (proxy.NAMESPACE_HEADER), whose values are ASCII: a
+    tenant or share-group name is a label, not a header value, so everything but printable ASCII
+    (and `%` itself, to stay one-to-one) is percent-encoded as UTF-8 (RFC 3986)."""
+    return quote(f"{model}|{tenant.cache_scope}", safe=_HEADER_SAFE, errors="surrogatepass")
 
 
 class Planner:
@@ -149,7 +158,7 @@ class Planner:
         """
         started = time.perf_counter()
         model = self.model_of(body)
-        cache_salt = xxhash.xxh3_128_hexdigest(tenant.cache_scope.encode())
+        cache_salt = xxhash.xxh3_128_hexdigest(tenant.cache_scope.encode(errors="surrogatepass"))
         if self._precise:
             namespace, hashes, prompt_tokens = self._precise_prompt(
                 endpoint, body, model, cache_salt

@@ -9,7 +9,7 @@ and prefix-stable.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import xxhash
@@ -30,17 +30,34 @@ def _render_part(part: Any) -> str:
         raise PromptError("content parts must be strings or objects")
     kind = part.get("type")
     if kind == "text":
-        return str(part.get("text", ""))
+        return _text(part.get("text", ""), "a text part's 'text'")
     if kind in ("image_url", "input_image"):
         image = part.get("image_url", part.get("input_image"))
-        url = image.get("url", "") if isinstance(image, Mapping) else str(image or "")
+        url = image.get("url", "") if isinstance(image, Mapping) else image or ""
+        url = _text(url, "an image part's URL")
         # Data URLs can be megabytes; only their identity matters for caching.
         return f"<image:{xxhash.xxh3_64_hexdigest(url.encode())}>"
     if kind == "input_audio":
         audio = part.get("input_audio") or {}
         data = audio.get("data", "") if isinstance(audio, Mapping) else ""
-        return f"<audio:{xxhash.xxh3_64_hexdigest(str(data).encode())}>"
-    return json.dumps(part, sort_keys=True, separators=(",", ":"))
+        data = _text(data, "an audio part's 'data'")
+        return f"<audio:{xxhash.xxh3_64_hexdigest(data.encode())}>"
+    return _json(part)
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise PromptError(f"{what} must be a string")
+    return value
+
+
+def _json(value: Any) -> str:
+    """The canonical JSON of a part or tool call (the body parser bounded its depth and numbers;
+    keys that are not all strings, or a value that is not JSON, are a client's error)."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as err:
+        raise PromptError(f"a message part is not valid JSON: {err}") from None
 
 
 def _render_content(content: Any) -> str:
@@ -48,7 +65,7 @@ def _render_content(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, Sequence):
+    if isinstance(content, list):
         return "".join(_render_part(p) for p in content)
     raise PromptError("message content must be a string or a list of parts")
 
@@ -65,8 +82,11 @@ def chat_text(messages: Any) -> str:
         if isinstance(message.get("name"), str):
             pieces.append(f"[{message['name']}]")
         pieces.append(_render_content(message.get("content")))
-        for call in message.get("tool_calls") or ():
-            pieces.append(f"<tool_call>{json.dumps(call, sort_keys=True, separators=(',', ':'))}")
+        calls = message.get("tool_calls") or []
+        if not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls):
+            raise PromptError(f"'messages[{i}].tool_calls' must be an array of objects")
+        for call in calls:
+            pieces.append(f"<tool_call>{_json(call)}")
         if isinstance(message.get("tool_call_id"), str):
             pieces.append(f"<tool_result:{message['tool_call_id']}>")
         pieces.append("\n")

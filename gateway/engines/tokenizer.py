@@ -99,7 +99,10 @@ def _text_content(content: Any) -> Any:
         if isinstance(part, str):
             texts.append(part)
         elif isinstance(part, Mapping) and part.get("type") == "text":
-            texts.append(str(part.get("text", "")))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise PromptError("a text part's 'text' must be a string")
+            texts.append(text)
         else:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise UnsupportedPrompt(f"content part of type {kind!r} is not text")
@@ -162,6 +165,12 @@ class PromptTokenizer:
             )
         except jinja2.exceptions.TemplateError as err:
             raise TemplateError(f"the chat template refused the messages: {err}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as err:
+            # the template met values of types it does not expect (a client's tool_calls as a
+            # number, say): the engine's own rendering fails the same way, with a 400
+            raise TemplateError(
+                f"the chat template cannot render these messages: {type(err).__name__}: {err}"
+            ) from None
 
     def chat_ids(self, body: Mapping[str, Any]) -> list[int]:
         special = bool(body.get("add_special_tokens", False))
@@ -175,13 +184,25 @@ class PromptTokenizer:
         if isinstance(prompt, list) and prompt:
             first = prompt[0]
             if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return list(prompt)
+                return self._in_vocabulary(prompt)
             # A batch of prompts is several engine requests; the first one is routed on.
             if isinstance(first, str) and first:
                 return self.encode(first, add_special_tokens=special)
-            if isinstance(first, list) and first and all(isinstance(t, int) for t in first):
-                return list(first)
+            if (
+                isinstance(first, list)
+                and first
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in first)
+            ):
+                return self._in_vocabulary(first)
         raise PromptError("'prompt' must be a non-empty string, array of strings or token ids")
+
+    def _in_vocabulary(self, ids: list[int]) -> list[int]:
+        """Token ids as given, each one of the model's (vLLM answers 400 for any other)."""
+        size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = next((t for t in ids if not 0 <= t < size), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is out of the vocabulary (0 to {size - 1})")
+        return list(ids)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
