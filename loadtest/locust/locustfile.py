@@ -22,22 +22,24 @@ Tenant API keys: --api-key (every user) and per tenant --chat-api-key, --agent-a
 --rag-api-key, --unique-api-key, --voice-api-key, or the env vars CACHELANE_API_KEY,
 CACHELANE_CHAT_API_KEY, ... --model (CACHELANE_MODEL) and --seed pick the model and the text.
 
-Stats: per shape, "POST" is the full streamed response, "TTFT" the time to first token, and
-"cached_tokens" has cached tokens as its response time and prompt tokens as its content size;
-at the end the prefix hit rate per shape is logged. With --csv they are rows of *_stats.csv.
+Stats: Locust's request statistics hold the requests (POST per shape: the full streamed
+response). Time to first token and the prefix hit rate per shape are kept beside them
+(outcomes.py): logged as a table when the run ends, written to <--csv prefix>_outcomes.csv with
+--csv, served as JSON at /cachelane/outcomes by the web UI, and merged from every worker.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from locust import events
 from locust.env import Environment
 from locust.runners import WorkerRunner
 
+from loadtest.locust.outcomes import OUTCOMES
 from loadtest.locust.users import (
-    CACHED_TYPE,
     AgentUser,
     ChatUser,
     RagUser,
@@ -55,8 +57,14 @@ log = logging.getLogger("cachelane.locust")
 
 
 def _add_options(parser: Any) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, env_var="CACHELANE_MODEL")
-    parser.add_argument("--seed", type=int, default=1, env_var="CACHELANE_SEED")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, env_var="CACHELANE_MODEL",
+        help="model name sent in every request (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, default=1, env_var="CACHELANE_SEED",
+        help="seed of the shared prompts and the sessions' text (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--api-key", default="", env_var="CACHELANE_API_KEY", is_secret=True,
         help="bearer token for every user without a tenant key of its own",
@@ -72,34 +80,68 @@ def _add_options(parser: Any) -> None:
 
 
 def _drop_users_without_tasks(environment: Environment, **_: Any) -> None:
-    """With --tags / --exclude-tags, users whose every task is filtered out do not spawn
-    (Locust would spawn them and fail with "No tasks defined")."""
+    """With --tags / --exclude-tags, users none of whose tasks is selected do not spawn (Locust
+    would spawn them and fail with "No tasks defined")."""
     options = environment.parsed_options
     if options is None or not (options.tags or options.exclude_tags):
         return
-    environment._filter_tasks_by_tags()
-    environment.user_classes[:] = [u for u in environment.user_classes if u.tasks]
+    tags = set(options.tags or ())
+    excluded = set(options.exclude_tags or ())
+
+    def selected(task: Any) -> bool:
+        task_tags: set[str] = getattr(task, "locust_tag_set", set())  # set by @tag
+        return (not tags or bool(task_tags & tags)) and not task_tags & excluded
+
+    environment.user_classes[:] = [
+        u for u in environment.user_classes if any(selected(t) for t in u.tasks)
+    ]
     if not environment.user_classes:
         log.error("no user class has a task left after --tags / --exclude-tags")
 
 
-def _log_hit_rates(environment: Environment, **_: Any) -> None:
-    if isinstance(environment.runner, WorkerRunner) or environment.stats is None:
+def _serve_outcomes(environment: Environment, web_ui: Any = None, **_: Any) -> None:
+    if web_ui is not None:
+        web_ui.app.add_url_rule("/cachelane/outcomes", "cachelane_outcomes", OUTCOMES.summary)
+
+
+def _send_outcomes(client_id: str, data: dict[str, Any]) -> None:
+    data["cachelane_outcomes"] = OUTCOMES.take()
+
+
+def _receive_outcomes(client_id: str, data: dict[str, Any]) -> None:
+    OUTCOMES.merge(data.get("cachelane_outcomes") or {})
+
+
+def _reset_outcomes(environment: Environment, **_: Any) -> None:
+    if not isinstance(environment.runner, WorkerRunner):
+        OUTCOMES.reset()
+
+
+def _report_outcomes(environment: Environment, **_: Any) -> None:
+    if isinstance(environment.runner, WorkerRunner):
         return
-    for (name, method), entry in sorted(environment.stats.entries.items()):
-        if method != CACHED_TYPE or not entry.total_content_length:
-            continue
-        rate = entry.total_response_time / entry.total_content_length
+    for shape, row in OUTCOMES.summary().items():
         log.info(
-            "%s: prefix hit rate %.1f%% (%d requests, %d cached / %d prompt tokens)",
-            name,
-            100 * rate,
-            entry.num_requests,
-            entry.total_response_time,
-            entry.total_content_length,
+            "%s: TTFT p50 %.0f ms, p95 %.0f ms, p99 %.0f ms; prefix hit rate %.1f%% "
+            "(%d requests, %d cached / %d prompt tokens)",
+            shape,
+            row["ttft_p50_ms"],
+            row["ttft_p95_ms"],
+            row["ttft_p99_ms"],
+            100 * row["hit_rate"],
+            row["requests"],
+            row["cached_tokens"],
+            row["prompt_tokens"],
         )
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if prefix:
+        OUTCOMES.write_csv(Path(f"{prefix}_outcomes.csv"))
 
 
 events.init_command_line_parser.add_listener(_add_options)  # type: ignore[no-untyped-call]
 events.init.add_listener(_drop_users_without_tasks)  # type: ignore[no-untyped-call]
-events.test_stop.add_listener(_log_hit_rates)  # type: ignore[no-untyped-call]
+events.init.add_listener(_serve_outcomes)  # type: ignore[no-untyped-call]
+events.report_to_master.add_listener(_send_outcomes)  # type: ignore[no-untyped-call]
+events.worker_report.add_listener(_receive_outcomes)  # type: ignore[no-untyped-call]
+events.test_start.add_listener(_reset_outcomes)  # type: ignore[no-untyped-call]
+events.quitting.add_listener(_report_outcomes)  # type: ignore[no-untyped-call]

@@ -1,12 +1,10 @@
 """Locust user classes for cachelane: one per workload shape, streaming through raw SSE.
 
-Every request streams (`stream: true`, `stream_options.include_usage`) and reports three Locust
-entries under the shape's name:
-  POST           the full response time (to the end of the stream), failures included;
-  TTFT           time to the first chunk carrying generated text (the role-only first chat
-                 chunk does not count), in ms;
-  cached_tokens  "response time" = the usage's prompt_tokens_details.cached_tokens and
-                 "content size" = prompt_tokens, so avg time / avg size is the prefix hit rate.
+Every request streams (`stream: true`, `stream_options.include_usage`) and is one Locust request
+(POST, named after its shape: the full response time, to the end of the stream, failures
+included). Its time to the first chunk carrying generated text (the role-only first chat chunk
+does not count) and its usage's cached and prompt tokens go to outcomes.py, beside Locust's
+request statistics.
 
 Shapes reuse loadtest/workloads/traces.py's session generators, so Locust and the replay benchmarks
 send the same kind of text: chat (per-app system prompts, growing conversations), agent (long tool
@@ -28,13 +26,11 @@ from locust import HttpUser, between, tag, task
 from requests.exceptions import RequestException
 
 from loadtest.bench.replay import has_text
+from loadtest.locust.outcomes import OUTCOMES
 from loadtest.workloads import traces
 from loadtest.workloads.scenarios import voice_session
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-
-TTFT_TYPE = "TTFT"
-CACHED_TYPE = "cached_tokens"
 
 VOICE_MAX_TOKENS = 16  # a voice answer starts speaking after a few tokens; TTFT is what counts
 
@@ -135,26 +131,11 @@ class StreamingUser(HttpUser):
         self.report(name, ttft_ms, usage)
 
     def report(self, name: str, ttft_ms: float | None, usage: dict[str, Any] | None) -> None:
-        fire = self.environment.events.request.fire
-        if ttft_ms is not None:
-            fire(
-                request_type=TTFT_TYPE,
-                name=name,
-                response_time=ttft_ms,
-                response_length=0,
-                exception=None,
-                context={},
-            )
-        if usage is not None:
-            details = usage.get("prompt_tokens_details") or {}
-            fire(
-                request_type=CACHED_TYPE,
-                name=name,
-                response_time=int(details.get("cached_tokens") or 0),
-                response_length=int(usage.get("prompt_tokens") or 0),
-                exception=None,
-                context={},
-            )
+        if usage is None:
+            return
+        details = usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0)
+        OUTCOMES.add(name, ttft_ms, int(usage.get("prompt_tokens") or 0), cached)
 
 
 class ChatUser(StreamingUser):
