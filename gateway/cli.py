@@ -109,25 +109,52 @@ LAZY_COMMANDS = {
 }
 
 
+def _first_model(gateway: str, headers: dict[str, str]) -> str:
+    """The first model the gateway serves (GET /v1/models), for a route-explain without --model."""
+    resp = httpx.get(f"{gateway}/v1/models", headers=headers, timeout=10)
+    if resp.status_code != 200:
+        raise ValueError(f"cannot list the gateway's models: {_readable_error(resp)}")
+    models = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+    if not models:
+        raise ValueError("the gateway serves no model yet (no replica has answered); pass --model")
+    return str(models[0])
+
+
+def _readable_error(resp: httpx.Response) -> str:
+    """'404 model_not_found: the model ... does not exist' from an OpenAI error envelope."""
+    try:
+        error = resp.json().get("error")
+    except ValueError:
+        error = None
+    if isinstance(error, dict):
+        code = error.get("code") or error.get("type")
+        return f"{resp.status_code} {code}: {error.get('message')}"
+    return f"{resp.status_code}: {resp.text[:300]}"
+
+
 def _route_explain(args: argparse.Namespace) -> int:
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    if args.file:
-        body = json.loads(Path(args.file).read_text())
-    else:
-        body = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}]}
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
+        if args.file:
+            body = json.loads(Path(args.file).read_text())
+        else:
+            model = args.model or _first_model(args.gateway, headers)
+            body = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
         resp = httpx.post(f"{args.gateway}/debug/route", json=body, headers=headers, timeout=10)
     except httpx.HTTPError as err:
         print(f"cachelane: cannot reach the gateway at {args.gateway}: {err}", file=sys.stderr)
         return 1
-    data = resp.json()
-    if resp.status_code != 200:
-        print(f"cachelane: {resp.status_code}: {data.get('error', data)}", file=sys.stderr)
+    except (OSError, ValueError) as err:
+        print(f"cachelane: {err}", file=sys.stderr)
         return 1
+    if resp.status_code != 200:
+        print(f"cachelane: the gateway answered {_readable_error(resp)}", file=sys.stderr)
+        return 1
+    data = resp.json()
     console = Console()
     console.print(
         f"[bold]{data['policy']}[/] -> [bold green]{data['replica']}[/] "
@@ -211,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--gateway", default="http://127.0.0.1:8000", help="gateway base URL")
     explain.add_argument("--file", help="a JSON request body (chat or completions)")
     explain.add_argument("--prompt", default="Hello", help="a user message, when no --file")
-    explain.add_argument("--model", default="sim-llama-8b", help="model, when no --file")
+    explain.add_argument(
+        "--model", help="model, when no --file (default: the first the gateway lists)"
+    )
     explain.add_argument("--api-key", help="API key, if the gateway requires one")
     explain.set_defaults(func=_route_explain)
     return parser

@@ -249,6 +249,26 @@ async def test_debug_route_explains_without_sending() -> None:
             assert "cachelane_decisions_total{" not in metrics, "nothing was routed"
 
 
+async def test_route_explain_picks_the_served_model_and_prints_errors_readably(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gateway.cli import main
+
+    async with fleet(2) as f:
+        # without --model: the first model the gateway lists
+        code = await asyncio.to_thread(main, ["route-explain", "--gateway", f.gateway_url])
+        out, _ = capsys.readouterr()
+        assert code == 0
+        assert "cache_aware -> " in out and "because cold" in out
+        # an unknown model: the envelope's code and message, not a Python dict
+        code = await asyncio.to_thread(
+            main, ["route-explain", "--gateway", f.gateway_url, "--model", "no-such-model"]
+        )
+        _, err = capsys.readouterr()
+        assert code == 1
+        assert "404 model_not_found: " in err and "{" not in err
+
+
 async def test_ready_and_metrics() -> None:
     async with fleet(2) as f:
         async with httpx.AsyncClient(base_url=f.gateway_url) as h:
