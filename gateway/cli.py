@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import httpx
 from gateway.config import ConfigError, GatewayConfig, load_config, quick_config
 from gateway.extras import SIM_MODULES, missing_message, missing_modules
 from routing.decide import Policy
+
+CONFIG_ENV = "CACHELANE_CONFIG"  # the config file's path when --config is not given
 
 EPILOG = """\
 examples:
@@ -50,8 +53,9 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_config(args: argparse.Namespace) -> GatewayConfig:
     if args.config and args.replicas:
         raise ConfigError("give either --config or --replicas, not both")
-    if args.config:
-        config = load_config(args.config)
+    path = args.config or (None if args.replicas else os.environ.get(CONFIG_ENV))
+    if path:
+        config = load_config(path)
         listen = config.listen.model_copy(
             update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         )
@@ -60,7 +64,7 @@ def _serve_config(args: argparse.Namespace) -> GatewayConfig:
             routing = routing.model_copy(update={"policy": Policy(args.policy)})
         return config.model_copy(update={"listen": listen, "routing": routing})
     if not args.replicas:
-        raise ConfigError("give --config FILE or --replicas URL[,URL...]")
+        raise ConfigError(f"give --config FILE (or set {CONFIG_ENV}) or --replicas URL[,URL...]")
     urls = [u.strip() for u in args.replicas.split(",") if u.strip()]
     return quick_config(
         urls,
@@ -203,6 +207,25 @@ def _route_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_config(args: argparse.Namespace) -> int:
+    path = args.file or os.environ.get(CONFIG_ENV)
+    if not path:
+        print(f"cachelane: give a config FILE (or set {CONFIG_ENV})", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(path)
+    except ConfigError as err:
+        print(f"cachelane: {err}", file=sys.stderr)
+        return 2
+    replicas = sum(len(p.replicas) for p in config.pools)
+    print(
+        f"{path}: valid; {len(config.pools)} pool(s), {replicas} replica(s), "
+        f"{len(config.tenants)} tenant(s), routing {config.routing.mode} "
+        f"{config.routing.policy.value}, index {config.index.backend}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cachelane",
@@ -214,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the gateway in front of OpenAI-compatible replicas")
-    serve.add_argument("--config", help="YAML config file (see deploy/examples/)")
+    serve.add_argument(
+        "--config", help=f"YAML config file (see deploy/examples/; default: ${CONFIG_ENV})"
+    )
     serve.add_argument("--replicas", help="quick start without a file: comma-separated URLs")
     serve.add_argument(
         "--policy",
@@ -231,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
         lazy = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="\0")
         lazy.add_argument("argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         lazy.set_defaults(func=lambda args, run=run: run(args.argv))
+
+    check = sub.add_parser(
+        "check-config",
+        help="validate a config file (variables and secret files resolved) and exit: "
+        "0 when valid, 2 with every error",
+    )
+    check.add_argument("file", nargs="?", help=f"the config (default: ${CONFIG_ENV})")
+    check.set_defaults(func=_check_config)
 
     explain = sub.add_parser(
         "route-explain", help="show the routing decision a running gateway would make"

@@ -6,7 +6,9 @@ silently falling back to a default. Cost constants default to routing/cost.py (s
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -14,6 +16,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
+from gateway import config_env
 from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
 from gateway.extras import PRECISE_MODULES, missing_message, missing_modules
 from routing.cost import (
@@ -472,7 +475,8 @@ def parse_config(data: object, source: str = "config") -> GatewayConfig:
         raise ConfigError(f"{source} is invalid:\n{_describe(err)}") from None
 
 
-def load_config(path: str | Path) -> GatewayConfig:
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Read, resolve (`${VAR}`, `*_file` secrets: gateway/config_env.py) and validate a config."""
     p = Path(path)
     try:
         data = yaml.safe_load(p.read_text())
@@ -480,6 +484,10 @@ def load_config(path: str | Path) -> GatewayConfig:
         raise ConfigError(f"cannot read config {p}: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{p} is not valid YAML: {err}") from None
+    try:
+        data = config_env.resolve(data, os.environ if env is None else env)
+    except config_env.EnvError as err:
+        raise ConfigError(f"{p}: {err}") from None
     return parse_config(data, str(p))
 
 
