@@ -57,6 +57,13 @@ DESCRIPTIONS: dict[str, str] = {
     "health.timeout_s": "Seconds a check may take before it counts as failed.",
     "health.fail_after": "Consecutive failed checks before a replica is taken out of routing "
     "(2: one lost packet does not eject it; two intervals, ~4 s, do).",
+    "health.eject_after_errors": "Passive health, like Envoy's outlier detection "
+    "(consecutive_5xx, default 5): a replica whose own traffic gets this many 5xx answers or "
+    "first-byte timeouts in a row is taken out of routing; a successful answer resets the count. "
+    "0: off.",
+    "health.ejection_s": "A replica ejected for its errors stays out at least this long, then the "
+    "health check re-admits it (Envoy's base_ejection_time, 30 s). Metric: "
+    "cachelane_replica_ejections_total by reason.",
     "engine_metrics": "Scraping each replica's /metrics for load that other gateways put on it.",
     "engine_metrics.enabled": "Scrape replicas' /metrics (vLLM or SGLang metric names).",
     "engine_metrics.interval_s": "Seconds between scrapes (vLLM updates its scheduler gauges "
@@ -150,6 +157,12 @@ DESCRIPTIONS: dict[str, str] = {
     "pools[].remote_write": "Which prompts the replicas write to the remote tier: `reuse` (only "
     "where expected reuse pays for the write, routing/admission.py), `always` or `never` "
     "(baselines).",
+    "pools[].first_byte_timeout_s": "Seconds to wait for a streamed answer's first byte (its "
+    "first token). Past it the request is cancelled on that replica and retried on the next "
+    "(it was never answered), and the replica counts a failure toward "
+    "health.eject_after_errors. 60: nginx's proxy_read_timeout default; a 128k-token prefill "
+    "takes ~4 s. A non-streamed answer's first byte is its whole answer, so it stays under "
+    "upstream.read_timeout_s.",
     "pools[].models": "Models the pool serves. Empty: read from each replica's /v1/models.",
     "pools[].hbm_capacity_tokens": "Tokens of KV one replica's HBM holds. Unset: read from the "
     "engine's `vllm:cache_config_info` metric (num_gpu_blocks x block_size), and until the first "

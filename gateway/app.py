@@ -244,7 +244,9 @@ async def _serve(request: Request, endpoint: str) -> Response:
         plan = await _hold(gw, request, await gw.planner.plan(endpoint, body, tenant))
         _count_decision(gw, plan)
         gw.prewarmer.consider(plan)
-        response = await gw.proxy.forward(endpoint, request.state.raw_body, plan)
+        response = await gw.proxy.forward(
+            endpoint, request.state.raw_body, plan, client_gone=request.is_disconnected
+        )
         status = response.status_code
         return response
     except ApiError as err:

@@ -36,6 +36,13 @@ from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 from routing.index import DEFAULT_TTL_S
 from routing.types import TenantClass
 
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
+# 60 s: nginx's proxy_read_timeout default (the wait for an upstream's answer in most proxies put in
+# front of vLLM). A 128k-token prompt prefills in ~4 s at routing/cost.py's PREFILL_TOKENS_PER_S,
+# so the rest is room for the engine's own queue (flow control keeps that short).
+DEFAULT_EJECT_AFTER_ERRORS = 5  # Envoy's outlier_detection.consecutive_5xx default
+DEFAULT_EJECTION_S = 30.0  # Envoy's outlier_detection.base_ejection_time default
+
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # 8 MiB: a 128k-token prompt is ~512 KiB of text; the rest is headroom for base64 images.
 
@@ -203,6 +210,12 @@ class PoolConfig(Strict):
     cpu_capacity_tokens: Annotated[int, Field(ge=0)] = 0  # 0: no CPU offload tier
     remote_tier: str | None = None
     max_prompt_tokens: PositiveInt | None = None
+    first_byte_timeout_s: PositiveFloat = Field(
+        default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
+        description="Longest wait for the first byte of a streamed answer (its first token). "
+        "Past it the request is cancelled on that replica and sent to the next one, and the "
+        "replica counts a failure (health.eject_after_errors).",
+    )
     costs: CostsConfig = CostsConfig()
     sim: SimConfig = SimConfig()
     kv_events: KvEventsConfig | None = Field(
@@ -253,6 +266,17 @@ class HealthConfig(Strict):
     interval_s: PositiveFloat = 2.0
     timeout_s: PositiveFloat = 1.0
     fail_after: PositiveInt = 2  # consecutive failed checks before a replica is ejected
+    eject_after_errors: Annotated[int, Field(ge=0)] = Field(
+        default=DEFAULT_EJECT_AFTER_ERRORS,
+        description="Passive health: consecutive 5xx answers or first-byte timeouts on a "
+        "replica's own traffic before it is ejected (Envoy's outlier detection, "
+        "consecutive_5xx). 0: off.",
+    )
+    ejection_s: Annotated[float, Field(ge=0)] = Field(
+        default=DEFAULT_EJECTION_S,
+        description="A replica ejected for its errors is re-admitted by the health check no "
+        "sooner than this (Envoy's base_ejection_time).",
+    )
 
 
 class EngineMetricsConfig(Strict):

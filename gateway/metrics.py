@@ -70,6 +70,20 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.ejections = Counter(
+            "cachelane_replica_ejections",
+            "Replicas taken out of routing, by replica and reason: connect (refused a "
+            "connection), health_check (failed its checks), 5xx (answered errors in a row), "
+            "timeout (no first byte in time, in a row)",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.client_gone = Counter(
+            "cachelane_client_gone",
+            "Requests whose client left before the answer began; the upstream request was "
+            "cancelled",
+            registry=r,
+        )
         self.retries = Counter(
             "cachelane_upstream_retries",
             "Requests re-sent to another replica before the first byte, by the replica that failed",

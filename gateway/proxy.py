@@ -1,9 +1,15 @@
 """Send a planned request to its replica and relay the answer, streaming byte for byte.
 
 Retries: when the chosen replica cannot be reached before the first byte (refused, reset, stale
-keep-alive), the next replica in the decision's ranking is tried, at most `retries` times; an
-unreachable replica is ejected at once and re-admitted by the health checker. Once the replica
-has answered, its status and body pass through as they are (4xx included).
+keep-alive), or sends no first byte of a streamed answer within its pool's first_byte_timeout_s
+(the request is cancelled there), the next replica in the decision's ranking is tried, at most
+`retries` times; an unreachable replica is ejected at once and re-admitted by the health checker.
+Once the replica has answered, its status and body pass through as they are (4xx and 5xx
+included). Passive health (Registry.answered, Registry.errored): 5xx answers and first-byte
+timeouts in a row eject a replica, like Envoy's outlier detection.
+
+A client that leaves before its answer began (polled through `client_gone`) has its upstream
+request cancelled: the connection is closed, which makes vLLM abort the request.
 
 Every path releases the load it reserved: `Reservation.release()` is synchronous and idempotent
 and runs in `finally`, so success, client disconnect (the relay task is cancelled) and upstream
@@ -12,6 +18,8 @@ failure all give the slot back.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -39,6 +47,8 @@ _EJECTING = (httpx.ConnectError, httpx.ConnectTimeout)
 _PASSED_HEADERS = ("content-type",)
 NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in this namespace
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
+
+DISCONNECT_POLL_S = 0.1  # a client that leaves before its answer is noticed this fast
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -125,27 +135,64 @@ class Proxy:
         self._learner = learner
         self._retries = retries
 
-    async def forward(self, endpoint: str, raw_body: bytes, plan: Plan) -> Response:
+    async def forward(
+        self,
+        endpoint: str,
+        raw_body: bytes,
+        plan: Plan,
+        *,
+        client_gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> Response:
         """Send a planned request to its replica and return the replica's answer.
 
         `endpoint`: "chat" or "completions" (the upstream path); `raw_body`: the client's bytes,
         forwarded unchanged unless the replica's pool adds fields (vLLM's cache_salt, the
-        class's priority: upstream_body); `plan`: Planner.plan's output.
+        class's priority: upstream_body); `plan`: Planner.plan's output; `client_gone`: asked
+        every DISCONNECT_POLL_S until the answer is ready (Starlette's
+        `Request.is_disconnected`): once the client has left, the upstream request is
+        cancelled, its reservation released, and ApiError 499 raised.
 
         Replicas are tried in the decision's ranking, skipping unhealthy ones; each try reserves
         load on the replica; a replica that accepts the request (status < 400) has the prompt
         recorded in the index (Planner.record_sent). A replica that cannot be reached before its
         first byte is marked failed (ejected if no connection could be made) and the next one is
-        tried, at most `retries` more times.
+        tried, at most `retries` more times; so is one that sends no first byte of a streamed
+        answer within its pool's `first_byte_timeout_s` (the request is cancelled there, and it
+        counts a passive error, as does a 5xx answer: Registry.answered).
 
         Returns a StreamingResponse for a streamed request the replica accepted (the reservation
         is released and the TTFT learned when the stream ends, however it ends), otherwise the
         whole body as a Response; the replica's status passes through (4xx and 5xx included).
-        Raises ApiError: 502 or 504 (upstream_error) when every replica tried was unreachable, or
-        when one failed or timed out in a way a retry cannot mend (after the request may have
-        reached it); 503 (no_replica) when no replica in the ranking was healthy. Any other
-        exception propagates after the reservation is released.
+        Raises ApiError: 502 or 504 (upstream_error) when every replica tried was unreachable or
+        silent, or when one failed or timed out in a way a retry cannot mend (after the request
+        may have reached it); 503 (no_replica) when no replica in the ranking was healthy; 499
+        when the client left first. Any other exception propagates after the reservation is
+        released.
         """
+        if client_gone is None:
+            return await self._forward(endpoint, raw_body, plan)
+        task = asyncio.ensure_future(self._forward(endpoint, raw_body, plan))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await client_gone():
+                    break
+        except BaseException:
+            task.cancel()  # cancelled itself: the try lets go of what it holds
+            raise
+        task.cancel()  # the upstream connection is closed, so the engine aborts the request
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            late = await task  # it may have finished meanwhile: nobody will read its answer
+            if isinstance(late, RelayResponse):
+                await late.close_upstream()
+        self._metrics.client_gone.inc()
+        raise ApiError(
+            499, "the client closed the request before it was answered", code="client_closed"
+        )
+
+    async def _forward(self, endpoint: str, raw_body: bytes, plan: Plan) -> Response:
         path = ENDPOINT_PATHS[endpoint]
         last_error: Exception | None = None
         attempts = 0
@@ -164,30 +211,58 @@ class Proxy:
                 content=upstream_body(plan, replica, raw_body),
                 headers=upstream_request_headers(plan),
             )
+            # a streamed answer's first byte is its first token; a whole answer's first byte
+            # comes after the whole generation, so only upstream.read_timeout_s bounds it
+            timeout_s = replica.pool.first_byte_timeout_s if plan.stream else None
+            resp: httpx.Response | None = None
+            chunks: AsyncIterator[bytes] | None = None
+            first: bytes | None = None
             try:
-                resp = await client.send(request, stream=True)
+                async with asyncio.timeout(timeout_s):
+                    resp = await client.send(request, stream=True)
+                    if resp.status_code < 400:  # only a replica that took it holds its prompt
+                        await self._planner.record_sent(plan, replica)
+                        if plan.stream:
+                            chunks = resp.aiter_raw()
+                            first = await anext(chunks, None)
+            except TimeoutError:
+                await _discard(resp, reservation)
+                silent = httpx.ReadTimeout(
+                    f"no first byte in {timeout_s} s", request=request
+                )  # 504 if no other replica answers
+                await self._registry.errored(replica, repr(silent), reason="timeout")
+                self._metrics.retries.labels(replica.name).inc()
+                log.warning(
+                    "replica %s sent no first byte in %s s, trying the next one",
+                    replica.name,
+                    timeout_s,
+                )
+                last_error = silent
+                continue
             except _RETRYABLE as err:
-                reservation.release()
+                await _discard(resp, reservation)
                 await self._registry.mark_failed(
-                    replica, repr(err), eject=isinstance(err, _EJECTING)
+                    replica, repr(err), eject=isinstance(err, _EJECTING), reason="connect"
                 )
                 self._metrics.retries.labels(replica.name).inc()
                 log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
                 last_error = err
                 continue
             except BaseException as err:
-                reservation.release()
+                await _discard(resp, reservation)
+                if isinstance(err, httpx.ReadTimeout):
+                    await self._registry.errored(replica, repr(err), reason="timeout")
                 if isinstance(err, httpx.HTTPError):
                     raise upstream_error(replica.name, err) from err
                 raise
-            if resp.status_code < 400:  # only a replica that took the request holds its prompt
-                await self._planner.record_sent(plan, replica)
+            await self._registry.answered(replica, resp.status_code)
             headers = _upstream_headers(resp) | decision_headers(plan, replica)
-            if plan.stream and resp.status_code < 400:
+            if chunks is not None:
                 headers["cache-control"] = "no-cache"
                 headers["x-accel-buffering"] = "no"
+                ttft_s = None if first is None else self._first_byte(reservation, plan)
                 return RelayResponse(
-                    self._relay(resp, reservation, plan),
+                    self._relay(resp, chunks, first, ttft_s, reservation, plan),
                     on_close=partial(_close, resp, reservation),
                     status_code=resp.status_code,
                     headers=headers,
@@ -235,20 +310,27 @@ class Proxy:
         self._learner.observe(Observation(replica, score, ttft_s, cached))
 
     async def _relay(
-        self, resp: httpx.Response, reservation: Reservation, plan: Plan
+        self,
+        resp: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first: bytes | None,
+        ttft_s: float | None,
+        reservation: Reservation,
+        plan: Plan,
     ) -> AsyncIterator[bytes]:
-        """Relay the stream byte for byte; the TTFT is learned from when it ends (the engine's
-        usage, if the client asked for it, comes in the last chunk), however it ends."""
-        ttft_s: float | None = None
+        """Relay the stream byte for byte, from its first chunk (read before the response was
+        returned, within the first-byte timeout); the TTFT is learned from when it ends (the
+        engine's usage, if the client asked for it, comes in the last chunk), however it ends."""
         cached: int | None = None
         try:
-            async for chunk in resp.aiter_raw():
-                if ttft_s is None:
-                    ttft_s = self._first_byte(reservation, plan)
-                found = cached_tokens_in(chunk)
-                if found is not None:
-                    cached = found
-                yield chunk
+            if first is not None:
+                cached = cached_tokens_in(first)
+                yield first
+                async for chunk in chunks:
+                    found = cached_tokens_in(chunk)
+                    if found is not None:
+                        cached = found
+                    yield chunk
         except httpx.HTTPError as err:
             api_error: ApiError = upstream_error(reservation.replica.name, err)
             self._metrics.errors.labels(api_error.code).inc()
@@ -278,12 +360,25 @@ class RelayResponse(StreamingResponse):
         super().__init__(content, status_code=status_code, headers=headers)
         self._on_close = on_close
 
+    async def close_upstream(self) -> None:
+        """For a response that will never be sent: release its reservation, close its upstream."""
+        await self._on_close()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._on_close()
+
+
+async def _discard(resp: httpx.Response | None, reservation: Reservation) -> None:
+    """A try that will not be answered: give its slot back and close its upstream connection
+    (the engine aborts a request whose connection closed)."""
+    reservation.release()
+    if resp is not None:
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
 
 
 async def _close(resp: httpx.Response, reservation: Reservation) -> None:

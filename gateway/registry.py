@@ -34,7 +34,10 @@ class Replica:
     costs: PoolCosts
     rules: PoolRules
     healthy: bool = False
-    consecutive_failures: int = 0
+    consecutive_failures: int = 0  # failed health checks and dropped connections in a row
+    consecutive_errors: int = 0  # passive health: 5xx answers and first-byte timeouts in a row
+    ejected_until_s: float = 0.0  # monotonic; the health check re-admits no sooner
+    ejection_reason: str | None = None  # why it was last taken out (metrics label)
     models: frozenset[str] = frozenset()
     in_flight: int = 0
     pending_prefill_tokens: int = 0
@@ -171,6 +174,8 @@ class Registry:
     ) -> None:
         self.replicas: dict[str, Replica] = {}
         self._fail_after = config.health.fail_after
+        self._eject_after_errors = config.health.eject_after_errors
+        self._ejection_s = config.health.ejection_s
         self._on_change = on_change
         self.on_load_change: Callable[[], None] = _no_listener  # flow control's kick
         for pool in config.pools:
@@ -229,24 +234,58 @@ class Registry:
         ]
         return min(limits) if limits else None
 
-    async def mark_failed(self, replica: Replica, error: str, *, eject: bool) -> None:
-        """Count a failure; `eject` takes the replica out at once (it refused a connection)."""
+    async def mark_failed(
+        self, replica: Replica, error: str, *, eject: bool, reason: str = "health_check"
+    ) -> None:
+        """Count a failure; `eject` takes the replica out at once (it refused a connection).
+        `reason` labels the ejection, if this one ejects it."""
         replica.consecutive_failures += 1
         replica.last_error = error
         fail_after = 1 if eject else self._fail_after
-        if replica.healthy and replica.consecutive_failures >= fail_after:
-            replica.healthy = False
-            log.warning("replica %s ejected: %s", replica.name, error)
-            if self._on_change is not None:
-                await self._on_change(replica, False)
+        if replica.consecutive_failures >= fail_after:
+            await self._eject(replica, error, reason)
+
+    async def answered(self, replica: Replica, status: int) -> None:
+        """Passive health, like Envoy's outlier detection (consecutive_5xx): a replica's own
+        traffic tells how it answers. A 5xx counts an error, anything else resets the count;
+        `health.eject_after_errors` errors in a row eject it for at least `health.ejection_s`."""
+        if status < 500:
+            replica.consecutive_errors = 0
+            return
+        await self.errored(replica, f"answered {status}", reason="5xx")
+
+    async def errored(self, replica: Replica, error: str, *, reason: str) -> None:
+        """Count a passive error (a 5xx answer, `reason` "5xx"; no first byte in time,
+        "timeout") toward `health.eject_after_errors`."""
+        replica.consecutive_errors += 1
+        replica.last_error = error
+        limit = self._eject_after_errors
+        if limit and replica.consecutive_errors >= limit and replica.healthy:
+            replica.ejected_until_s = time.monotonic() + self._ejection_s
+            await self._eject(
+                replica, f"{replica.consecutive_errors} errors in a row, last: {error}", reason
+            )
+
+    async def _eject(self, replica: Replica, error: str, reason: str) -> None:
+        if not replica.healthy:
+            return
+        replica.healthy = False
+        replica.ejection_reason = reason
+        log.warning("replica %s ejected (%s): %s", replica.name, reason, error)
+        if self._on_change is not None:
+            await self._on_change(replica, False)
 
     async def mark_ok(self, replica: Replica, models: frozenset[str]) -> None:
-        """Record a passed check; a replica that was out is (re)admitted."""
-        replica.consecutive_failures = 0
-        replica.last_error = None
+        """Record a passed check; a replica that was out is (re)admitted, unless it was ejected
+        for its errors less than `health.ejection_s` ago."""
+        if not replica.healthy and time.monotonic() < replica.ejected_until_s:
+            return
+        replica.consecutive_failures = 0  # a check says nothing of how it answers requests:
+        replica.last_error = None  # consecutive_errors is reset by an answer, or re-admission
         if not replica.pool.models:
             replica.models = models
         if not replica.healthy:
+            replica.consecutive_errors = 0
             replica.healthy = True
             log.info("replica %s admitted, models %s", replica.name, sorted(replica.models))
             if self._on_change is not None:

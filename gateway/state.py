@@ -271,6 +271,8 @@ class Gateway:
     async def _replica_changed(self, replica: Replica, healthy: bool) -> None:
         self.metrics.replica_healthy.labels(replica.name).set(1 if healthy else 0)
         if not healthy:
+            reason = replica.ejection_reason or "health_check"
+            self.metrics.ejections.labels(replica.name, reason).inc()
             if self.kv_events is not None and replica.name in self.kv_events.feeds:
                 self.kv_events.feeds[replica.name].replica_down()
             # Its cache may be gone (restart) or unreachable; stale entries would route to it.

@@ -121,23 +121,31 @@ async def ask(
 
 
 class OpenStream:
-    """A long streamed generation, read in the background; `aclose()` hangs up, and the gateway
-    then releases the request's slot."""
+    """A long streamed generation, sent and read in the background (the gateway answers a stream
+    with its first token: until then it may still retry it elsewhere); `aclose()` hangs up, and
+    the gateway then releases the request's slot."""
 
-    def __init__(self, resp: httpx.Response) -> None:
-        self.resp = resp
-        self.headers = resp.headers
+    def __init__(self, h: httpx.AsyncClient, request: httpx.Request) -> None:
+        self.resp: httpx.Response | None = None
         self.first_token = asyncio.Event()
-        self._reader = asyncio.create_task(self._read())
+        self._reader = asyncio.create_task(self._read(h, request))
 
-    async def _read(self) -> None:
+    @property
+    def headers(self) -> httpx.Headers:
+        assert self.resp is not None, "not answered yet"
+        return self.resp.headers
+
+    async def _read(self, h: httpx.AsyncClient, request: httpx.Request) -> None:
+        self.resp = await h.send(request, stream=True)
+        assert self.resp.status_code == 200, await self.resp.aread()
         async for _ in self.resp.aiter_raw():
             self.first_token.set()
 
     async def aclose(self) -> None:
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
-        await self.resp.aclose()
+        if self.resp is not None:
+            await self.resp.aclose()
 
 
 async def open_stream(
@@ -148,18 +156,22 @@ async def open_stream(
     first_token: bool,
 ) -> OpenStream:
     """Start a long streamed generation (20k tokens, ~20 s); with `first_token`, return once it
-    is past its prefill."""
+    is past its prefill, else at once (wait for it to be in flight on its replica)."""
     request = h.build_request(
         "POST",
         "/v1/chat/completions",
         json=body(messages, max_tokens=20_000, stream=True),
         headers=auth(tenant),
     )
-    resp = await asyncio.wait_for(h.send(request, stream=True), WAIT_S)
-    assert resp.status_code == 200, await resp.aread()
-    stream = OpenStream(resp)
+    stream = OpenStream(h, request)
     if first_token:
-        await asyncio.wait_for(stream.first_token.wait(), WAIT_S)
+        first = asyncio.ensure_future(stream.first_token.wait())
+        await asyncio.wait({first, stream._reader}, timeout=WAIT_S, return_when="FIRST_COMPLETED")
+        if not first.done():
+            first.cancel()
+            if stream._reader.done():
+                stream._reader.result()  # raises what stopped it
+            raise TimeoutError("no first token")
     return stream
 
 
@@ -452,7 +464,8 @@ async def test_client_gone_while_held_leaves_the_queue() -> None:
             # the client's connection is closed now; give the gateway a bounded while to notice
             left = await holds_within(lambda: depth_is(h, "standard", 0), 1.0)
             assert in_flight(f, replica) == 1  # the busy request is still in its prefill
-            await busy.aclose()
+            await busy.aclose()  # before its first token: noticed within DISCONNECT_POLL_S
+            await until(lambda: in_flight(f, replica) == 0, "the busy request to be cancelled")
             later = await asyncio.wait_for(
                 h.post(
                     "/v1/chat/completions", json=body(prompt("later", 100)), headers=auth("web")

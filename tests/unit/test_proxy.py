@@ -320,11 +320,10 @@ async def test_a_stream_holds_its_slot_until_it_ends_then_releases() -> None:
     s = await setup()
     plan, response = await s.forward(raw_chat(stream=True))
     chosen = s.replica(plan.decision.replica)
-    assert (chosen.in_flight, chosen.awaiting_first_byte) == (1, 1)
-    assert chosen.pending_prefill_tokens > 0
     it = stream_of(response)
     assert await it.__anext__() == SSE[0]
-    # past the first byte: the prefill is done, the decode still holds its slot
+    # the first byte came before the response was returned (within the first-byte timeout):
+    # the prefill is done, the decode still holds its slot
     assert (chosen.in_flight, chosen.pending_prefill_tokens, chosen.awaiting_first_byte) == (
         1,
         0,
@@ -427,3 +426,90 @@ async def test_a_whole_response_teaches_only_when_prefill_only() -> None:
     assert sum(s.samples(n) for n in s.registry.replicas) == 0
     plan, _ = await s.forward(raw_chat(max_tokens=1))  # a prefill: its TTFT is an observation
     assert s.samples(plan.decision.replica) == 1
+
+
+# -- failing replicas: first-byte timeout, passive health, clients that leave ----------------------
+
+
+async def never(request: httpx.Request) -> AsyncIterator[bytes]:
+    await asyncio.sleep(3600)
+    yield b""
+
+
+def stalls(request: httpx.Request) -> httpx.Response:
+    """Headers at once, then no first token (a hung engine behind vLLM's server)."""
+    return httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=never(request)
+    )
+
+
+async def test_a_stream_without_a_first_byte_in_time_is_retried_on_the_next_replica() -> None:
+    s = await setup(first_byte_timeout_s=0.05)
+    plan = await s.plan(json.loads(raw_chat(stream=True)))
+    first, second = plan.decision.ranking[:2]
+    s.fleet.behaviour[first] = stalls
+    response = await s.proxy.forward("chat", raw_chat(stream=True), plan)
+    assert response.headers["x-cachelane-replica"] == second
+    assert await read_all(response) == b"".join(SSE)
+    assert [sent.replica for sent in s.fleet.sent] == [first, second]
+    assert s.replica(first).consecutive_errors == 1
+    assert s.replica(first).healthy  # one timeout is not yet eject_after_errors (5)
+    assert metric(s, "cachelane_upstream_retries_total", replica=first) == 1
+    assert s.samples(first) == 0
+    s.assert_all_released()
+
+
+async def test_every_replica_silent_is_504_and_releases() -> None:
+    s = await setup(first_byte_timeout_s=0.05)
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = stalls
+    with pytest.raises(ApiError) as caught:
+        await s.forward(raw_chat(stream=True))
+    assert caught.value.status == 504
+    s.assert_all_released()
+
+
+async def test_consecutive_5xx_eject_and_a_success_resets_the_count() -> None:
+    cfg = parse_config(
+        {
+            "engine_metrics": {"enabled": False},
+            "health": {"eject_after_errors": 2},
+            "pools": [{"name": "p", "replicas": URLS, "models": [MODEL]}],
+        }
+    )
+    s = await Setup(cfg).admit_all()
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = lambda _: httpx.Response(500, json={"error": {}})
+    target = s.replica(URLS[0].removeprefix("http://"))
+    await s.registry.answered(target, 500)
+    await s.registry.answered(target, 200)  # an answer resets the count
+    await s.registry.answered(target, 503)
+    assert target.healthy
+    await s.registry.answered(target, 502)
+    assert not target.healthy
+    assert target.ejection_reason == "5xx"
+    await s.registry.mark_ok(target, frozenset())  # within health.ejection_s: stays out
+    assert not target.healthy
+    _, response = await s.forward(raw_chat(max_tokens=1))
+    assert response.status_code == 500  # passes through, teaches the cost model nothing
+    assert sum(s.samples(n) for n in s.registry.replicas) == 0
+    s.assert_all_released()
+
+
+async def test_a_client_that_leaves_before_the_answer_cancels_it_and_releases() -> None:
+    s = await setup()
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = lambda r: httpx.Response(200, content=never(r))
+    plan = await s.plan(json.loads(raw_chat()))
+    calls = 0
+
+    async def gone() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls >= 2
+
+    with pytest.raises(ApiError) as caught:
+        await s.proxy.forward("chat", raw_chat(), plan, client_gone=gone)
+    assert caught.value.status == 499
+    assert metric(s, "cachelane_client_gone_total") == 1
+    s.assert_all_released()
