@@ -161,7 +161,7 @@ class Estimate:
     remote_s: float
     prefill_s: float
     remote_fetch: bool  # True when fetching from the remote tier beats recomputing those tokens
-    queue_tokens: float = 0.0  # prefill tokens believed ahead of the request (t_queue's input)
+    queue_tokens: float = 0.0  # t_queue in prefill tokens: the work it waits for (the fit's input)
     swap_tokens: float = 0.0  # CPU-tier tokens x (1 + swap-ins sharing PCIe) (t_swap's input)
 
     @property
