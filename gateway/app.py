@@ -97,17 +97,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await _serve(request, "completions")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await _serve(request, "embeddings")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _serve(request, "responses")
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         gw: Gateway = request.app.state.gw
         gw.authenticate(request)
-        names = sorted(gw.registry.known_models())
-        return {
-            "object": "list",
-            "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": "cachelane"} for m in names
-            ],
-        }
+        return {"object": "list", "data": list(gw.registry.model_cards().values())}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> dict[str, Any]:
+        gw: Gateway = request.app.state.gw
+        gw.authenticate(request)
+        card = gw.registry.model_cards().get(model)
+        if card is None:
+            gw.planner.model_of({"model": model})  # 503 while it may yet be served, else 404
+        return card or {}
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -151,6 +162,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         tenant = gw.authenticate(request)
         body = await _read_json(request, gw.config.max_body_bytes)
         endpoint = "chat" if "messages" in body else "completions"
+        endpoint = "responses" if "input" in body and "prompt" not in body else endpoint
         plan = await gw.planner.plan(endpoint, body, tenant, dry_run=True)
         return explain(plan) | {"load": gw.loads(), "costs": gw.learner.describe()}
 

@@ -39,7 +39,14 @@ from routing.decide import Candidate, Decision, Policy, RouteRequest, decide
 from routing.filters import Eligibility, Fallback, admitted, eligible, lendable, should_shed
 from routing.hashing import block_hashes, token_block_hashes
 from routing.index import Index, record_prompt
-from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
+from routing.prompt import (
+    PromptError,
+    approx_tokens,
+    chat_text,
+    completion_text,
+    embedding_text,
+    responses_messages,
+)
 from routing.speculative import SpeculativeIndex
 from routing.types import BlockHits, Location, TenantClass, Tier
 
@@ -66,27 +73,57 @@ class Plan:
     body: dict[str, Any]
     stream: bool
     hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
+    endpoint: str = "chat"  # chat, completions, responses, embeddings
+
+
+PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "responses": "input"}
 
 
 def prompt_of(endpoint: str, body: dict[str, Any]) -> str:
     try:
         if endpoint == "chat":
             return chat_text(body.get("messages"))
+        if endpoint == "responses":
+            return chat_text(responses_messages(body.get("input"), body.get("instructions")))
+        if endpoint == "embeddings":
+            return embedding_text(body.get("input"))
         return completion_text(body.get("prompt"))
     except PromptError as err:
-        raise bad_request(str(err), param="messages" if endpoint == "chat" else "prompt") from None
+        raise bad_request(str(err), param=PROMPT_PARAM.get(endpoint, "input")) from None
+
+
+def client_salt_of(body: dict[str, Any]) -> str | None:
+    """vLLM's `cache_salt` as the client sent it (a non-empty string, as vLLM requires)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise bad_request("'cache_salt' must be a non-empty string if provided", param="cache_salt")
+    return salt
 
 
 _HEADER_SAFE = "".join(c for c in string.punctuation if c != "%")
 
 
-def namespace_of(model: str, tenant: Tenant) -> str:
-    """Hash namespace: prefixes are shared within one model and one tenant cache scope.
+def namespace_of(model: str, tenant: Tenant, client_salt: str | None = None) -> str:
+    """Hash namespace: prefixes are shared within one model and one tenant cache scope, and
+    within one client `cache_salt` (the engine shares no prefix across salts).
 
     It travels to the replicas in a header (proxy.NAMESPACE_HEADER), whose values are ASCII: a
     tenant or share-group name is a label, not a header value, so everything but printable ASCII
     (and `%` itself, to stay one-to-one) is percent-encoded as UTF-8 (RFC 3986)."""
-    return quote(f"{model}|{tenant.cache_scope}", safe=_HEADER_SAFE, errors="surrogatepass")
+    namespace = quote(f"{model}|{tenant.cache_scope}", safe=_HEADER_SAFE, errors="surrogatepass")
+    if client_salt is None:
+        return namespace
+    return f"{namespace}|salt:{quote(client_salt, safe='', errors='surrogatepass')}"
+
+
+def engine_salt(tenant: Tenant, client_salt: str | None) -> str:
+    """The cache_salt sent to a pool with `cache_salt: true`: the tenant scope's, and the
+    client's own salt folded in when it sent one (so it still separates what the client
+    separated)."""
+    seed = tenant.cache_scope if client_salt is None else f"{tenant.cache_scope}\0{client_salt}"
+    return xxhash.xxh3_128_hexdigest(seed.encode(errors="surrogatepass"))
 
 
 class Planner:
@@ -125,7 +162,17 @@ class Planner:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad_request("'model' is required and must be a string", param="model")
-        if model not in self._registry.known_models():
+        status = self._registry.model_status(model)
+        if status == "pending":
+            raise ApiError(
+                503,
+                f"no replica serving model {model!r} has answered yet; retry shortly",
+                code="model_not_ready",
+                type="service_unavailable",
+                param="model",
+                headers={"retry-after": str(max(1, round(self._config.health.interval_s)))},
+            )
+        if status == "unknown":
             raise ApiError(
                 404,
                 f"the model {model!r} does not exist; GET /v1/models lists the served models",
@@ -158,21 +205,30 @@ class Planner:
         """
         started = time.perf_counter()
         model = self.model_of(body)
-        cache_salt = xxhash.xxh3_128_hexdigest(tenant.cache_scope.encode(errors="surrogatepass"))
-        if self._precise:
+        client_salt = client_salt_of(body)
+        cache_salt = engine_salt(tenant, client_salt)
+        policy = self._policy
+        if endpoint == "embeddings":  # no prefix reuse: by load alone, nothing hashed
+            policy = Policy.LEAST_LOADED
+            prompt_tokens = approx_tokens(prompt_of(endpoint, body))
+            namespace = namespace_of(model, tenant, client_salt)
+            hashes: list[int] = []
+        elif self._precise:
             namespace, hashes, prompt_tokens = self._precise_prompt(
-                endpoint, body, model, cache_salt
+                endpoint, body, model, cache_salt, client_salt
             )
         else:
             text = prompt_of(endpoint, body)
             prompt_tokens = approx_tokens(text)
-            namespace = namespace_of(model, tenant)
+            namespace = namespace_of(model, tenant, client_salt)
             hashes = block_hashes(text, block_size_tokens=self._block_size, namespace=namespace)
         self._check_length(model, prompt_tokens, endpoint)
         if not self._registry.healthy_for(model):
             raise no_replica(model)
         hits = await self._lookup(model, hashes)
-        decision, allowed = self._route(model, tenant, hashes, prompt_tokens, hits, dry_run=dry_run)
+        decision, allowed = self._route(
+            model, tenant, hashes, prompt_tokens, hits, dry_run=dry_run, policy=policy
+        )
         chosen = self._registry.replicas[decision.replica]
         # Reuse counts feed remote-tier admission and prewarming only: with Redis they cost a
         # round trip, so a request whose pool has no remote tier skips them unless warming is on.
@@ -197,6 +253,7 @@ class Planner:
             body=body,
             stream=bool(body.get("stream")),
             hits=hits,
+            endpoint=endpoint,
         )
 
     def replan(self, plan: Plan) -> Plan:
@@ -205,7 +262,13 @@ class Planner:
         started = time.perf_counter()
         # counted as a dry run: the first plan of this request was counted already
         decision, allowed = self._route(
-            plan.model, plan.tenant, plan.hashes, plan.prompt_tokens, plan.hits, dry_run=True
+            plan.model,
+            plan.tenant,
+            plan.hashes,
+            plan.prompt_tokens,
+            plan.hits,
+            dry_run=True,
+            policy=plan.decision.policy,
         )
         self._seq += 1
         chosen = self._registry.replicas[decision.replica]
@@ -247,8 +310,11 @@ class Planner:
         hits: BlockHits,
         *,
         dry_run: bool,
+        policy: Policy | None = None,
     ) -> tuple[Decision, Eligibility]:
-        """Filters, then decide(), then the critical spill and batch shedding. Synchronous."""
+        """Filters, then decide(), then the critical spill and batch shedding. Synchronous.
+        `policy`: the configured one unless given (embeddings go by load)."""
+        policy = policy or self._policy
         replicas = self._registry.healthy_for(model)
         if not replicas:
             raise no_replica(model)
@@ -269,9 +335,7 @@ class Planner:
                 self._metrics.critical_fallbacks.labels(allowed.fallback.value).inc()
             raise self._rejection(model, allowed.fallback)
         request = RouteRequest(hashes, prompt_tokens, self._block_size)
-        decision = decide(
-            request, allowed.candidates, hits, self._policy, seq=self._seq, rng=self._rng
-        )
+        decision = decide(request, allowed.candidates, hits, policy, seq=self._seq, rng=self._rng)
         budget = self._config.classes.critical.ttft_budget_ms
         if allowed.overflow and budget is not None and decision.est_ttft_s * 1000 > budget:
             # the pinned pool is too slow for this one: the shared pools, full cost model
@@ -279,7 +343,7 @@ class Planner:
                 request,
                 allowed.candidates + allowed.overflow,
                 hits,
-                self._policy,
+                policy,
                 seq=self._seq,
                 rng=self._rng,
             )
@@ -362,30 +426,41 @@ class Planner:
         kept = [c for c in allowed.candidates if ok(c)]
         if not kept:
             return decision
-        return decide(request, kept, hits, self._policy, seq=self._seq, rng=self._rng)
+        return decide(request, kept, hits, decision.policy, seq=self._seq, rng=self._rng)
 
     def _precise_prompt(
-        self, endpoint: str, body: dict[str, Any], model: str, cache_salt: str
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        model: str,
+        cache_salt: str,
+        client_salt: str | None = None,
     ) -> tuple[str, list[int], int]:
-        """(namespace, block keys, prompt tokens) from the engine's own token ids."""
+        """(namespace, block keys, prompt tokens) from the engine's own token ids. The salt the
+        engine will hash with: the gateway's (pool `cache_salt: true`, the client's folded in),
+        else the client's own, which then reaches the engine as it was sent."""
         from gateway.engines.tokenizer import UnsupportedPrompt
 
         pools = [r.pool for r in self._registry.replicas.values() if model in r.pool.models]
         salted = any(p.cache_salt for p in pools)
-        namespace = precise_namespace(model, cache_salt if salted else None)
+        namespace = precise_namespace(model, cache_salt if salted else client_salt)
         tokenizer = next((self._tokenizers[p.name] for p in pools), None)
         try:
             if tokenizer is None:
                 raise UnsupportedPrompt(f"no pool names {model!r} with a tokenizer")
-            ids = tokenizer.chat_ids(body) if endpoint == "chat" else tokenizer.completion_ids(body)
+            if endpoint == "responses":  # the engine renders it as the chat it stands for
+                messages = responses_messages(body.get("input"), body.get("instructions"))
+                ids = tokenizer.chat_ids({**body, "messages": messages})
+            elif endpoint == "chat":
+                ids = tokenizer.chat_ids(body)
+            else:
+                ids = tokenizer.completion_ids(body)
         except UnsupportedPrompt as err:
             self._metrics.precise_fallbacks.labels("unsupported").inc()
             log.info("precise mode cannot tokenize this request (%s): routing without hits", err)
             return namespace, [], approx_tokens(prompt_of(endpoint, body))
         except PromptError as err:
-            raise bad_request(
-                str(err), param="messages" if endpoint == "chat" else "prompt"
-            ) from None
+            raise bad_request(str(err), param=PROMPT_PARAM.get(endpoint, "input")) from None
         hashes = token_block_hashes(ids, block_size_tokens=self._block_size, namespace=namespace)
         return namespace, hashes, len(ids)
 
@@ -396,7 +471,7 @@ class Planner:
                 f"the prompt is about {prompt_tokens} tokens; model {model!r} accepts at most "
                 f"{limit}",
                 code="context_length_exceeded",
-                param="messages" if endpoint == "chat" else "prompt",
+                param=PROMPT_PARAM.get(endpoint, "input"),
             )
 
     def _rejection(self, model: str, fallback: Fallback | None) -> ApiError:

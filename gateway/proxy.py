@@ -50,7 +50,12 @@ REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to
 
 DISCONNECT_POLL_S = 0.1  # a client that leaves before its answer is noticed this fast
 
-ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINT_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
+}
 
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
@@ -104,7 +109,7 @@ def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
     """The client's bytes as they came, unless the pool isolates tenants with vLLM's cache_salt
     or schedules by the class's priority."""
     extra: dict[str, Any] = {}
-    if replica.pool.cache_salt:
+    if replica.pool.cache_salt and plan.endpoint != "embeddings":  # vLLM's pooling takes none
         extra["cache_salt"] = plan.cache_salt
     if replica.pool.engine_priority:
         extra["priority"] = ENGINE_PRIORITY[plan.tenant.tenant_class]

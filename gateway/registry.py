@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import httpx
 
@@ -39,6 +40,9 @@ class Replica:
     ejected_until_s: float = 0.0  # monotonic; the health check re-admits no sooner
     ejection_reason: str | None = None  # why it was last taken out (metrics label)
     models: frozenset[str] = frozenset()
+    # the engine's own /v1/models entries by id (max_model_len, owned_by, root, ...), as last seen
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    answered_check: bool = False  # has it ever passed a health check (its models are known)
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     awaiting_first_byte: int = 0
@@ -219,6 +223,31 @@ class Registry:
     def known_models(self) -> set[str]:
         return {m for r in self.replicas.values() for m in r.models}
 
+    def model_status(self, model: str) -> Literal["known", "pending", "unknown"]:
+        """ "known": a pool names it or a replica said it serves it; "pending": not (yet), but a
+        replica whose pool lists no models has not answered its first health check, so it may
+        (a 503 with Retry-After, which clients retry, rather than a 404); else "unknown"."""
+        if model in self.known_models():
+            return "known"
+        if any(not r.pool.models and not r.answered_check for r in self.replicas.values()):
+            return "pending"
+        return "unknown"
+
+    def model_cards(self) -> dict[str, dict[str, Any]]:
+        """Every known model's /v1/models entry: the engine's own (its fields passed through, a
+        healthy replica's first), else a bare one for a model a pool names that no replica has
+        listed yet."""
+        cards: dict[str, dict[str, Any]] = {}
+        ordered = sorted(self.replicas.values(), key=lambda r: not r.healthy)
+        for replica in ordered:
+            for model in sorted(replica.models):
+                card = replica.model_cards.get(model)
+                if card is not None and model not in cards:
+                    cards[model] = {**card, "id": model}
+        for model in self.known_models() - cards.keys():
+            cards[model] = {"id": model, "object": "model", "created": 0, "owned_by": "cachelane"}
+        return dict(sorted(cards.items()))
+
     def healthy_for(self, model: str) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy and model in r.models]
 
@@ -275,9 +304,18 @@ class Registry:
         if self._on_change is not None:
             await self._on_change(replica, False)
 
-    async def mark_ok(self, replica: Replica, models: frozenset[str]) -> None:
-        """Record a passed check; a replica that was out is (re)admitted, unless it was ejected
-        for its errors less than `health.ejection_s` ago."""
+    async def mark_ok(
+        self,
+        replica: Replica,
+        models: frozenset[str],
+        cards: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Record a passed check (`cards`: the engine's /v1/models entries by id); a replica
+        that was out is (re)admitted, unless it was ejected for its errors less than
+        `health.ejection_s` ago."""
+        if cards is not None:
+            replica.model_cards = cards
+        replica.answered_check = True
         if not replica.healthy and time.monotonic() < replica.ejected_until_s:
             return
         replica.consecutive_failures = 0  # a check says nothing of how it answers requests:
@@ -292,12 +330,15 @@ class Registry:
                 await self._on_change(replica, True)
 
 
-async def probe(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> frozenset[str]:
-    """One active health check: GET /v1/models (any OpenAI-compatible server answers it)."""
+async def probe(
+    client: httpx.AsyncClient, replica: Replica, timeout_s: float
+) -> dict[str, dict[str, Any]]:
+    """One active health check: GET /v1/models (any OpenAI-compatible server answers it).
+    Returns the engine's entries by model id, as it sent them."""
     resp = await client.get(f"{replica.url}/v1/models", timeout=timeout_s)
     resp.raise_for_status()
     data = resp.json().get("data", [])
-    return frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+    return {str(m["id"]): m for m in data if isinstance(m, dict) and "id" in m}
 
 
 class HealthChecker:
@@ -322,11 +363,17 @@ class HealthChecker:
 
     async def _check(self, replica: Replica) -> None:
         try:
-            models = await probe(self._client, replica, self._timeout_s)
-        except (httpx.HTTPError, ValueError) as err:
+            cards = await probe(self._client, replica, self._timeout_s)
+        except (httpx.HTTPError, ValueError, AttributeError) as err:
+            if not replica.answered_check and replica.last_error is None:  # said once
+                log.warning(
+                    "replica %s cannot be reached (%r); it gets no traffic until it answers",
+                    replica.name,
+                    err,
+                )
             await self._registry.mark_failed(replica, f"health check: {err!r}", eject=False)
             return
-        await self._registry.mark_ok(replica, models)
+        await self._registry.mark_ok(replica, frozenset(cards), cards)
 
     async def run(self) -> None:
         while True:

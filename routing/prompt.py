@@ -110,3 +110,43 @@ def completion_text(prompt: Any) -> str:
 def approx_tokens(text: str) -> int:
     """Approximate token count of text (ceil of characters / CHARS_PER_TOKEN)."""
     return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def responses_messages(input_: Any, instructions: Any = None) -> list[dict[str, Any]]:
+    """A Responses API request's `input` (a string, or a list of items) as chat messages, with
+    `instructions` as the system message: the conversation the engine renders. An item with a
+    role is a message (its content parts pass as they are); any other item (a function call,
+    its output, reasoning) stands as a message whose role is its `type`."""
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        messages.append({"role": "system", "content": _text(instructions, "'instructions'")})
+    if isinstance(input_, str):
+        if not input_:
+            raise PromptError("'input' must not be empty")
+        return [*messages, {"role": "user", "content": input_}]
+    if not isinstance(input_, list) or not input_:
+        raise PromptError("'input' must be a non-empty string or array of items")
+    for i, item in enumerate(input_):
+        if not isinstance(item, Mapping):
+            raise PromptError(f"'input[{i}]' must be an object")
+        if isinstance(item.get("role"), str):
+            messages.append({"role": item["role"], "content": item.get("content")})
+        elif isinstance(item.get("type"), str):
+            messages.append({"role": item["type"], "content": _json(item)})
+        else:
+            raise PromptError(f"'input[{i}]' must have a string 'role' or 'type'")
+    return messages
+
+
+def embedding_text(input_: Any) -> str:
+    """Canonical text of an embeddings request's `input` (a string, strings, token ids, or
+    arrays of token ids), only to count its tokens: embeddings reuse no prefix."""
+    if isinstance(input_, list) and input_ and all(isinstance(p, list) for p in input_):
+        return "\n".join(completion_text(p) for p in input_)
+    try:
+        return completion_text(input_)
+    except PromptError:
+        raise PromptError(
+            "'input' must be a non-empty string, array of strings, array of token ids or "
+            "array of token id arrays"
+        ) from None

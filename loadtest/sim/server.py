@@ -40,9 +40,17 @@ from loadtest.sim import protocol
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.engine import ContextLengthExceeded, PrefillResult, Prompt, SimEngine
 from loadtest.sim.kv_publisher import KvEventPublisher
+from loadtest.sim.openai_extra import ResponseWriter, embeddings_response
 from loadtest.sim.protocol import ApiError, ChunkWriter, Kind
 from loadtest.sim.remote import REMOTE_TIMEOUT_S, RemoteClient
-from routing.prompt import PromptError, chat_text, completion_text
+from routing.prompt import (
+    PromptError,
+    approx_tokens,
+    chat_text,
+    completion_text,
+    embedding_text,
+    responses_messages,
+)
 
 NAMESPACE_HEADER = "x-cachelane-namespace"  # same names as the gateway's proxy (gateway/proxy.py)
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"
@@ -100,6 +108,66 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(request, Kind.COMPLETION)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        body = await _json_body(request)
+        _check_model(spec, body)
+        raw = body.get("input")
+        try:
+            embedding_text(raw)  # validates it
+        except PromptError as err:
+            raise ApiError(400, str(err), code="invalid_value", param="input") from None
+        inputs: list[Any] = [raw] if isinstance(raw, str) else list(raw or [])
+        if all(isinstance(x, int) for x in inputs):
+            inputs = [raw]
+        texts = [x if isinstance(x, str) else json.dumps(x) for x in inputs]
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise ApiError(
+                400,
+                f"Unsupported encoding_format {fmt!r}.",
+                code="invalid_value",
+                param="encoding_format",
+            )
+        tokens = sum(approx_tokens(t) for t in texts)
+        return embeddings_response(spec.model, texts, fmt, tokens)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        engine = _engine(request)
+        body = await _json_body(request)
+        _check_model(spec, body)
+        try:
+            messages = responses_messages(body.get("input"), body.get("instructions"))
+            text = chat_text(messages)
+        except PromptError as err:
+            raise ApiError(400, str(err), code="invalid_value", param="input") from None
+        chat_body = {**body, "messages": messages}
+        max_tokens = _max_tokens(Kind.CHAT, {"max_tokens": body.get("max_output_tokens")})
+        priority = _priority(spec, body)
+        prompt = _fitting_prompt(engine, request, Kind.CHAT, text, max_tokens, chat_body)
+        remote_write = request.headers.get(REMOTE_WRITE_HEADER, "1").strip() != "0"
+        out = ResponseWriter(spec.model, body)
+
+        async def run() -> AsyncIterator[bytes]:
+            async with engine.admit(prompt, priority=priority) as req:
+                result = await req.prefill(remote_write=remote_write)
+                for event in out.opening():
+                    yield event
+                pieces = []
+                async for i in req.decode(max_tokens):
+                    pieces.append(protocol.token_text(i))
+                    yield out.delta(pieces[-1])
+            for event in out.closing("".join(pieces), _usage(result, max_tokens)):
+                yield event
+
+        if body.get("stream"):
+            return StreamingResponse(run(), media_type="text/event-stream")
+        async with engine.admit(prompt, priority=priority) as req:
+            result = await req.prefill(remote_write=remote_write)
+            text_out = "".join([protocol.token_text(i) async for i in req.decode(max_tokens)])
+        return JSONResponse(out.response(text_out, _usage(result, max_tokens)))
 
     async def _generate(request: Request, kind: Kind) -> Response:
         engine = _engine(request)
@@ -268,7 +336,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _prompt_text(spec: SimReplicaSpec, kind: Kind, body: dict[str, Any]) -> str:
+def _check_model(spec: SimReplicaSpec, body: dict[str, Any]) -> None:
     model = body.get("model", spec.model)
     if model != spec.model:
         raise ApiError(
@@ -277,6 +345,10 @@ def _prompt_text(spec: SimReplicaSpec, kind: Kind, body: dict[str, Any]) -> str:
             code="model_not_found",
             param="model",
         )
+
+
+def _prompt_text(spec: SimReplicaSpec, kind: Kind, body: dict[str, Any]) -> str:
+    _check_model(spec, body)
     if body.get("n", 1) != 1:
         raise ApiError(400, "The simulator only supports n=1.", code="invalid_value", param="n")
     try:

@@ -287,3 +287,36 @@ async def test_cache_salt_keeps_tenants_apart(tokenizer_files: TinyTokenizerFile
 
 def test_tokenizer_files_are_local(tokenizer_files: TinyTokenizerFiles) -> None:
     assert Path(tokenizer_files.tokenizer_json).stat().st_size > 0
+
+
+@pytest.mark.parametrize("pool_salt", [False, True])
+async def test_a_client_cache_salt_selects_the_engines_namespace(
+    tokenizer_files: TinyTokenizerFiles, pool_salt: bool
+) -> None:
+    """vLLM folds the request's cache_salt into its block hashes: the client's own (a pool
+    without `cache_salt`), or the gateway's with the client's folded in. Either way the router
+    predicts the hits the engine gives, and none across salts."""
+    async with precise_fleet(tokenizer_files, 2, cache_salt=pool_salt) as f:
+        async with client(f.gateway_url) as c:
+
+            async def ask(user: str, salt: str | None) -> Any:
+                return await c.chat.completions.with_raw_response.create(
+                    model=MODEL,
+                    messages=chat(user),
+                    max_tokens=1,
+                    extra_body={} if salt is None else {"cache_salt": salt},
+                )
+
+            first = await ask("q1", "alpha")
+            i = replica_index(f, first.headers["x-cachelane-replica"])
+            await until(lambda: f.index_size(i) > 0, "the salted blocks")
+            for salt in ("beta", None):
+                other = await ask("q1", salt)
+                assert other.headers["x-cachelane-expected-cached-tokens"] == "0"
+                usage = other.parse().usage
+                assert usage.prompt_tokens_details.cached_tokens == 0
+            again = await ask("q2", "alpha")
+            assert again.headers["x-cachelane-replica"] == f.name(i)
+            expected = int(again.headers["x-cachelane-expected-cached-tokens"])
+            usage = again.parse().usage
+            assert expected > 0 and expected == usage.prompt_tokens_details.cached_tokens
