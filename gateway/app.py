@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import __version__
+from gateway import __version__, logs
 from gateway.admin import admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.config import GatewayConfig
@@ -85,8 +85,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await gw.close()
 
+    logs.quiet_http_clients()
     app = FastAPI(title="cachelane", version=__version__, lifespan=lifespan)
     _install_error_handlers(app)
+    app.add_middleware(logs.RequestContext)  # outside _Unexpected: its 500s are logged too
     app.include_router(admin_router)
 
     @app.post("/v1/chat/completions")
@@ -252,8 +254,10 @@ async def _serve(request: Request, endpoint: str) -> Response:
     tenant = None
     try:
         tenant = gw.authenticate(request)
+        logs.note_tenant(tenant)
         body = await _read_json(request, gw.config.max_body_bytes)
         plan = await _hold(gw, request, await gw.planner.plan(endpoint, body, tenant))
+        logs.note_plan(plan)
         _count_decision(gw, plan)
         gw.prewarmer.consider(plan)
         response = await gw.proxy.forward(

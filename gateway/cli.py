@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -31,21 +30,21 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.logs import configure_logging
 
     try:
         config = _serve_config(args)
     except ConfigError as err:
         print(f"cachelane: {err}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     uvicorn.run(
         create_app(config),
         host=config.listen.host,
         port=config.listen.port,
         log_level=args.log_level,
-        access_log=False,
+        log_config=None,  # uvicorn's lines go through the root handler, in --log-format
+        access_log=False,  # cachelane.access writes one line per request instead
     )
     return 0
 
@@ -249,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen address (default 127.0.0.1, or the config's)")
     serve.add_argument("--port", type=int, help="listen port (default 8000, or the config's)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text, or json: one object a line (the access line's fields at the top level)",
+    )
     serve.set_defaults(func=_serve)
 
     for name, (run, help_text) in LAZY_COMMANDS.items():

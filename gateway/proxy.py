@@ -32,6 +32,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway import logs
 from gateway.calibration import CostLearner, Observation
 from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.metrics import Metrics
@@ -95,6 +96,7 @@ def estimate_terms(e: Estimate) -> str:
 
 def upstream_request_headers(plan: Plan) -> dict[str, str]:
     headers = {"content-type": "application/json", NAMESPACE_HEADER: plan.namespace}
+    headers.update(logs.upstream_headers())  # x-request-id
     if plan.admission is not None:
         headers[REMOTE_WRITE_HEADER] = "1" if plan.admission.write else "0"
     return headers

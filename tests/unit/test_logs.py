@@ -1,0 +1,66 @@
+"""gateway/logs.py: request id cleaning, the request id filter, and the two log formats."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from gateway.logs import (
+    JsonFormatter,
+    RequestIdFilter,
+    TextFormatter,
+    clean_request_id,
+    upstream_headers,
+)
+
+
+def record(
+    msg: str = "hello %s", args: tuple[object, ...] = ("world",), **extra: object
+) -> logging.LogRecord:
+    r = logging.LogRecord("cachelane.test", logging.INFO, __file__, 1, msg, args, None)
+    for k, v in extra.items():
+        setattr(r, k, v)
+    return r
+
+
+def test_a_safe_request_id_is_kept_and_anything_else_replaced() -> None:
+    for kept in ("abc", "A-1_2.3:4", "x" * 128):
+        assert clean_request_id(kept) == kept
+    for bad in (None, "", "x" * 129, "a b", "a\nb", "é", "a;b", "a/b"):
+        new = clean_request_id(bad)
+        assert len(new) == 32 and int(new, 16) >= 0
+    assert clean_request_id(None) != clean_request_id(None)
+
+
+def test_outside_a_request_nothing_is_forwarded_and_no_id_is_set() -> None:
+    assert upstream_headers() == {}
+    r = record()
+    assert RequestIdFilter().filter(r)
+    assert r.request_id is None  # type: ignore[attr-defined]
+
+
+def test_json_lines_carry_the_message_the_id_and_the_access_fields() -> None:
+    line = json.loads(JsonFormatter().format(record(request_id="r1")))
+    assert line["msg"] == "hello world" and line["request_id"] == "r1"
+    assert line["level"] == "INFO" and line["logger"] == "cachelane.test"
+    assert line["ts"].endswith("+00:00")
+    access = {"request_id": "r2", "method": "GET", "path": "/v1/models", "status": 200, "x": None}
+    line = json.loads(JsonFormatter().format(record("ignored", (), access=access)))
+    assert line["msg"] == "GET /v1/models 200"
+    assert line["request_id"] == "r2" and line["status"] == 200 and line["x"] is None
+
+
+def test_json_lines_carry_a_traceback() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        r = record(exc_info=sys.exc_info())
+    line = json.loads(JsonFormatter().format(r))
+    assert "ValueError: boom" in line["exc"]
+
+
+def test_text_lines_end_with_the_request_id() -> None:
+    assert TextFormatter().format(record(request_id="r1")).endswith("hello world request_id=r1")
+    assert TextFormatter().format(record(request_id=None)).endswith("hello world")
