@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -23,8 +24,9 @@ from gateway.admin import admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, model_label
 from gateway.planner import Plan
+from gateway.proxy import RelayResponse
 from gateway.registry import replica_name
 from gateway.state import Gateway
 
@@ -250,12 +252,16 @@ def _too_large(max_bytes: int) -> ApiError:
 
 async def _serve(request: Request, endpoint: str) -> Response:
     gw: Gateway = request.app.state.gw
+    started = time.perf_counter()
     status = 500
     tenant = None
+    model: object = None
+    relay: RelayResponse | None = None
     try:
         tenant = gw.authenticate(request)
         logs.note_tenant(tenant)
         body = await _read_json(request, gw.config.max_body_bytes)
+        model = body.get("model")
         plan = await _hold(gw, request, await gw.planner.plan(endpoint, body, tenant))
         logs.note_plan(plan)
         _count_decision(gw, plan)
@@ -264,12 +270,19 @@ async def _serve(request: Request, endpoint: str) -> Response:
             endpoint, request.state.raw_body, plan, client_gone=request.is_disconnected
         )
         status = response.status_code
+        relay = response if isinstance(response, RelayResponse) else None
         return response
     except ApiError as err:
         status = err.status
         raise
     finally:
-        gw.metrics.requests.labels(endpoint, str(status)).inc()
+        label = model_label(model, gw.registry.known_models())
+        gw.metrics.requests.labels(endpoint, label, str(status)).inc()
+        e2e = gw.metrics.e2e_seconds.labels(endpoint, label)
+        if relay is None:
+            e2e.observe(time.perf_counter() - started)
+        else:  # a stream ends when its last byte is sent, after this returns
+            relay.on_finish(lambda: e2e.observe(time.perf_counter() - started))
         if tenant is not None:
             gw.metrics.tenant_requests.labels(
                 tenant.name, tenant.tenant_class.value, str(status)
@@ -303,7 +316,7 @@ def _count_decision(gw: Gateway, plan: Plan) -> None:
     gw.metrics.decisions.labels(d.policy.value, d.reason.value, d.replica).inc()
     gw.metrics.decision_seconds.observe(plan.decision_s)
     gw.metrics.expected_cached_tokens.inc(d.expected_cached_tokens)
-    gw.metrics.prompt_tokens.inc(plan.prompt_tokens)
+    gw.metrics.estimated_prompt_tokens.inc(plan.prompt_tokens)
     log.debug(
         "route %s -> %s (%s) est %.1f ms cached %d",
         plan.model,

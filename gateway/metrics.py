@@ -1,8 +1,41 @@
-"""Prometheus metrics of one gateway (a registry per app, so tests can run several apps)."""
+"""Prometheus metrics of one gateway (a registry per app, so tests can run several apps).
+
+The registry also carries the process's own metrics (process_*, python_info) and exposes no
+`_created` series. `model` labels take only models the replicas serve (`model_label`), so client
+input cannot add label values.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Collection, Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.metrics_core import Metric
+
+OTHER_MODEL = "other"  # the `model` label of a request for a model no replica serves (or none)
+
+
+def model_label(model: object, known: Collection[str]) -> str:
+    """`model` if a replica serves it, else OTHER_MODEL: label values never come from input."""
+    return model if isinstance(model, str) and model in known else OTHER_MODEL
+
+
+class _NoCreatedRegistry(CollectorRegistry):
+    """A registry whose exposition has no `_created` samples (prometheus_client's
+    disable_created_metrics() does this process-wide; this does it for this registry alone)."""
+
+    def collect(self) -> Iterable[Metric]:
+        for family in super().collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
 
 _DECISION_BUCKETS_S = (
     0.00005,
@@ -18,16 +51,19 @@ _DECISION_BUCKETS_S = (
     0.1,
 )
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_E2E_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = _NoCreatedRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.requests = Counter(
             "cachelane_requests",
-            "Requests by endpoint and final status",
-            ["endpoint", "status"],
+            "Requests by endpoint, model and final status",
+            ["endpoint", "model", "status"],
             registry=r,
         )
         self.errors = Counter("cachelane_errors", "Error responses by code", ["code"], registry=r)
@@ -42,8 +78,26 @@ class Metrics:
             "Prompt tokens the chosen replica was expected to have cached",
             registry=r,
         )
+        self.estimated_prompt_tokens = Counter(
+            "cachelane_estimated_prompt_tokens",
+            "Prompt tokens routed, as the gateway counts them (approximate; the engines' own count "
+            "is cachelane_prompt_tokens)",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
-            "cachelane_prompt_tokens", "Prompt tokens routed (approximate)", registry=r
+            "cachelane_prompt_tokens",
+            "Prompt tokens the engines reported in their answers' usage, by replica, tenant and "
+            "model",
+            ["replica", "tenant", "model"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "cachelane_cached_tokens",
+            "Prompt tokens the engines reported served from their cache "
+            "(usage.prompt_tokens_details.cached_tokens), by replica, tenant and model; "
+            "divided by cachelane_prompt_tokens: the observed hit rate",
+            ["replica", "tenant", "model"],
+            registry=r,
         )
         self.decision_seconds = Histogram(
             "cachelane_decision_seconds",
@@ -53,9 +107,17 @@ class Metrics:
         )
         self.ttft_seconds = Histogram(
             "cachelane_ttft_seconds",
-            "Observed time to first byte from the replica",
-            ["replica"],
+            "Observed time to first token of streamed requests, by replica and model",
+            ["replica", "model"],
             buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_seconds = Histogram(
+            "cachelane_e2e_seconds",
+            "Time from a request's arrival to the end of its answer (streamed: its last byte), "
+            "every request, by endpoint and model",
+            ["endpoint", "model"],
+            buckets=_E2E_BUCKETS_S,
             registry=r,
         )
         self.replica_healthy = Gauge(
@@ -110,7 +172,7 @@ class Metrics:
         )
         self.tenant_ttft_seconds = Histogram(
             "cachelane_tenant_ttft_seconds",
-            "Observed time to first byte by tenant",
+            "Observed time to first token of streamed requests, by tenant",
             ["tenant", "tenant_class"],
             buckets=_TTFT_BUCKETS_S,
             registry=r,

@@ -59,6 +59,7 @@ ENDPOINT_PATHS = {
 }
 
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 
 
 def cached_tokens_in(chunk: bytes) -> int | None:
@@ -66,6 +67,15 @@ def cached_tokens_in(chunk: bytes) -> int | None:
     if b"cached_tokens" not in chunk:
         return None
     match = _CACHED_TOKENS.search(chunk)
+    return int(match.group(1)) if match else None
+
+
+def prompt_tokens_in(chunk: bytes) -> int | None:
+    """`usage.prompt_tokens` (/v1/responses: `input_tokens`) if this piece of a response
+    carries it."""
+    if b"_tokens" not in chunk:
+        return None
+    match = _PROMPT_TOKENS.search(chunk)
     return int(match.group(1)) if match else None
 
 
@@ -282,6 +292,8 @@ class Proxy:
                 ttft_s = self._first_byte(reservation, plan)
                 reservation.release()
                 await resp.aclose()
+            if resp.status_code < 400:
+                self._count_usage(plan, replica, prompt_tokens_in(content), content)
             if _prefill_only(plan) and resp.status_code < 400:
                 self._learn(reservation, plan, ttft_s, cached_tokens_in(content))
             return Response(content, status_code=resp.status_code, headers=headers)
@@ -300,14 +312,28 @@ class Proxy:
     def _first_byte(self, reservation: Reservation, plan: Plan) -> float:
         ttft_s = reservation.first_byte()
         replica = reservation.replica
-        self._metrics.ttft_seconds.labels(replica.name).observe(ttft_s)
-        tenant = plan.tenant
-        self._metrics.tenant_ttft_seconds.labels(tenant.name, tenant.tenant_class.value).observe(
-            ttft_s
-        )
+        if plan.stream:  # a whole answer's first byte comes after the whole generation
+            self._metrics.ttft_seconds.labels(replica.name, plan.model).observe(ttft_s)
+            tenant = plan.tenant
+            self._metrics.tenant_ttft_seconds.labels(
+                tenant.name, tenant.tenant_class.value
+            ).observe(ttft_s)
         score = plan.decision.score(replica.name)
         self._metrics.estimated_queue.labels(replica.name).observe(score.estimate.queue_s)
         return ttft_s
+
+    def _count_usage(
+        self, plan: Plan, replica: Replica, prompt: int | None, last: bytes | None
+    ) -> None:
+        """The engine's `usage` (the last one a stream sent): cachelane_prompt_tokens and
+        cachelane_cached_tokens, whose ratio is the observed hit rate. An answer without usage
+        (a stream without include_usage) counts nothing; one without cached_tokens counts 0."""
+        if prompt is None:
+            return
+        cached = (cached_tokens_in(last) if last is not None else None) or 0
+        labels = (replica.name, plan.tenant.name, plan.model)
+        self._metrics.prompt_tokens.labels(*labels).inc(prompt)
+        self._metrics.cached_tokens.labels(*labels).inc(min(cached, prompt))
 
     def _learn(
         self, reservation: Reservation, plan: Plan, ttft_s: float, cached: int | None
@@ -329,14 +355,20 @@ class Proxy:
         returned, within the first-byte timeout); the TTFT is learned from when it ends (the
         engine's usage, if the client asked for it, comes in the last chunk), however it ends."""
         cached: int | None = None
+        prompt: int | None = None
+        usage: bytes | None = None  # the last chunk that carried usage
         try:
             if first is not None:
                 cached = cached_tokens_in(first)
+                prompt = prompt_tokens_in(first)
+                usage = first if prompt is not None else None
                 yield first
                 async for chunk in chunks:
                     found = cached_tokens_in(chunk)
                     if found is not None:
                         cached = found
+                    if (tokens := prompt_tokens_in(chunk)) is not None:
+                        prompt, usage = tokens, chunk
                     yield chunk
         except httpx.HTTPError as err:
             api_error: ApiError = upstream_error(reservation.replica.name, err)
@@ -345,6 +377,8 @@ class Proxy:
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
             reservation.release()
+            if resp.status_code < 400:
+                self._count_usage(plan, reservation.replica, prompt, usage)
             if ttft_s is not None:
                 self._learn(reservation, plan, ttft_s, cached)
             with anyio.CancelScope(shield=True):
@@ -366,6 +400,11 @@ class RelayResponse(StreamingResponse):
     ) -> None:
         super().__init__(content, status_code=status_code, headers=headers)
         self._on_close = on_close
+        self._finished: list[Callable[[], None]] = []
+
+    def on_finish(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the send has ended, however it ended."""
+        self._finished.append(callback)
 
     async def close_upstream(self) -> None:
         """For a response that will never be sent: release its reservation, close its upstream."""
@@ -377,6 +416,8 @@ class RelayResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._on_close()
+            for callback in self._finished:
+                callback()
 
 
 async def _discard(resp: httpx.Response | None, reservation: Reservation) -> None:

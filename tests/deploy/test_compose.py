@@ -210,14 +210,16 @@ def _exported_metric_names() -> set[str]:
 def test_dashboard_queries_only_exported_metrics() -> None:
     dashboard = json.loads((COMPOSE_DIR / "grafana" / "dashboards" / "cachelane.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    used = {m for e in exprs for m in re.findall(r"\b(cachelane_[a-z_]+)", e)}
+    used = {m for e in exprs for m in re.findall(r"\b(cachelane_[a-z0-9_]+)", e)}
     missing = used - _exported_metric_names()
     assert not missing, f"the dashboard queries metrics gateway/metrics.py lacks: {missing}"
     for required in (
         "cachelane_decisions_total",
         "cachelane_expected_cached_tokens_total",
         "cachelane_prompt_tokens_total",
+        "cachelane_cached_tokens_total",
         "cachelane_ttft_seconds_bucket",
+        "cachelane_e2e_seconds_bucket",
         "cachelane_replica_healthy",
         "cachelane_replica_in_flight",
         "cachelane_errors_total",
@@ -232,6 +234,11 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     )
     for vllm in vllm_names:
         assert any(vllm in e for e in exprs), vllm
+    # the hit rate is the engines' observed one, not the router's expectation
+    (hit_rate,) = [p for p in dashboard["panels"] if p["title"].startswith("Cache hit rate")]
+    for target in hit_rate["targets"]:
+        assert "cachelane_cached_tokens_total" in target["expr"]
+        assert "cachelane_prompt_tokens_total" in target["expr"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
 

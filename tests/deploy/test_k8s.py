@@ -5,6 +5,7 @@ gateway's ports in the manifests are the port its config listens on."""
 from __future__ import annotations
 
 import base64
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ import yaml
 from gateway.cli import build_parser as cli_parser
 from gateway.config import GatewayConfig, load_config, parse_config
 from tests.deploy import kustomize_check
-from tests.deploy.util import K8S_DIR, load_docs, load_one, rel, yaml_files
+from tests.deploy.util import COMPOSE_DIR, K8S_DIR, load_docs, load_one, rel, yaml_files
 
 TARGETS = [K8S_DIR / "base", *sorted(p for p in (K8S_DIR / "overlays").iterdir() if p.is_dir())]
 GATEWAY = ("Deployment", "cachelane-gateway")
@@ -217,3 +218,28 @@ def test_init_container_merge_gives_a_valid_config(target: Path, tmp_path: Path)
     exec(compile(script, "merge-config", "exec"), {})  # the image's python runs the same code
     merged = load_config(tmp_path / "config.yaml")
     assert merged.tenants, "tenants from the Secret reached the gateway's config"
+
+
+DASHBOARD = "cachelane-grafana-dashboard"
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=rel)
+def test_the_grafana_dashboard_ships_as_a_config_map(target: Path) -> None:
+    """The compose dashboard, unchanged, in a ConfigMap Grafana's sidecar picks up."""
+    compose = (COMPOSE_DIR / "grafana" / "dashboards" / "cachelane.json").read_text()
+    (source,) = kustomize_check.check(target).generators[DASHBOARD]
+    assert source.read_text() == compose, f"copy {rel(source)} from the compose dashboard"
+    (gen,) = [
+        g
+        for g in load_one(K8S_DIR / "base" / "kustomization.yaml")["configMapGenerator"]
+        if g["name"] == DASHBOARD
+    ]
+    assert gen["options"]["labels"] == {"grafana_dashboard": "1"}
+
+
+def test_rendered_dashboard_config_map(rendered: list[dict[str, Any]]) -> None:
+    (cm,) = [o for o in rendered if o["kind"] == "ConfigMap" and o["metadata"]["name"] == DASHBOARD]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["cachelane.json"])
+    compose = COMPOSE_DIR / "grafana" / "dashboards" / "cachelane.json"
+    assert dashboard == json.loads(compose.read_text())

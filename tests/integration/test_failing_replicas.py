@@ -219,5 +219,5 @@ async def test_a_client_that_leaves_cancels_the_upstream_request_and_frees_its_s
         assert (faulty.awaiting_first_byte, faulty.pending_prefill_tokens) == (0, 0)
         assert not faulty.joining
         assert m.metric("cachelane_client_gone_total") == 1
-        assert m.metric("cachelane_requests_total", endpoint="chat", status="499") == 1
+        assert m.metric("cachelane_requests_total", endpoint="chat", model=MODEL, status="499") == 1
         assert faulty.healthy  # a client leaving says nothing about the replica

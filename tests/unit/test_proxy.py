@@ -413,7 +413,7 @@ async def test_a_streamed_request_teaches_its_replicas_cost_fit() -> None:
     assert s.samples(chosen) == 1
     assert all(s.samples(n) == 0 for n in s.registry.replicas if n != chosen)
     hist = "cachelane_ttft_seconds_count"
-    assert metric(s, hist, replica=chosen) == 1
+    assert metric(s, hist, replica=chosen, model=MODEL) == 1
 
     _, again = await s.forward(raw_chat(stream=True))
     await read_all(again)

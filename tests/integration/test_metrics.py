@@ -1,0 +1,141 @@
+"""/metrics on a real gateway in front of simulated replicas (issue 12, item 4): the engines'
+observed prompt and cached tokens, TTFT for streamed requests only, an end-to-end histogram for
+every request, a bounded `model` label, process metrics, and no `_created` series."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.fleet import MODEL, fleet
+
+# a long shared prefix, so the second request finds it cached on its replica
+PREFIX = "You are a careful assistant. " * 60
+
+
+def body(user: str, *, stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": PREFIX}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    if stream:
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+async def scrape(h: httpx.AsyncClient) -> tuple[str, Samples]:
+    text = (await h.get("/metrics")).text
+    samples = [
+        (s.name, dict(s.labels), s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
+    return text, samples
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    return sum(
+        v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items())
+    )
+
+
+async def streamed_usage(h: httpx.AsyncClient, payload: dict[str, Any]) -> dict[str, Any]:
+    usage: dict[str, Any] = {}
+    async with h.stream("POST", "/v1/chat/completions", json=payload) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line.removeprefix("data: ")).get("usage") or usage
+    return usage
+
+
+async def test_prompt_and_cached_tokens_come_from_the_engines_usage() -> None:
+    async with fleet(1) as f:
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=10) as h:
+            usages = []
+            for i in range(2):
+                r = await h.post("/v1/chat/completions", json=body(f"question {i}"))
+                assert r.status_code == 200
+                usages.append(r.json()["usage"])
+            usages.append(await streamed_usage(h, body("question 2", stream=True)))
+            # a stream without include_usage carries no usage: nothing to count
+            plain = body("question 3", stream=True)
+            del plain["stream_options"]
+            assert await streamed_usage(h, plain) == {}
+            _, samples = await scrape(h)
+
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert cached > 0  # the second and third requests reused the first one's prefix
+    (replica,) = [r.removeprefix("http://") for r in f.replica_urls]
+    labels = {"replica": replica, "tenant": "anonymous", "model": MODEL}
+    assert total(samples, "cachelane_prompt_tokens_total", **labels) == prompt
+    assert total(samples, "cachelane_cached_tokens_total", **labels) == cached
+    assert total(samples, "cachelane_prompt_tokens_total") == prompt  # no other series
+    # the router's own estimate is kept apart
+    assert total(samples, "cachelane_estimated_prompt_tokens_total") > 0
+
+
+async def test_ttft_counts_streamed_requests_and_e2e_counts_every_request() -> None:
+    itl_s = 0.02
+    async with fleet(2, itl_s=itl_s) as f:
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=10) as h:
+            for i in range(2):
+                r = await h.post("/v1/chat/completions", json=body(f"whole {i}", max_tokens=4))
+                assert r.status_code == 200
+            await streamed_usage(h, body("streamed", stream=True, max_tokens=20))
+            bad = await h.post("/v1/chat/completions", json={"model": MODEL})  # no messages
+            assert bad.status_code == 400
+            _, samples = await scrape(h)
+
+    # TTFT: the one streamed request, labelled by replica and model
+    assert total(samples, "cachelane_ttft_seconds_count") == 1
+    assert total(samples, "cachelane_ttft_seconds_count", model=MODEL) == 1
+    assert total(samples, "cachelane_tenant_ttft_seconds_count") == 1
+    # end to end: all four, the 400 included
+    e2e = "cachelane_e2e_seconds"
+    assert total(samples, f"{e2e}_count", endpoint="chat", model=MODEL) == 4
+    # the stream's end-to-end time runs to its last token (20 tokens ~20 ms apart), not to its
+    # first byte: the streamed request alone lasted longer than the TTFT histogram's sum
+    assert total(samples, f"{e2e}_sum") >= 19 * itl_s
+    assert total(samples, f"{e2e}_sum") > total(samples, "cachelane_ttft_seconds_sum") + 0.3
+    assert total(samples, "cachelane_requests_total", endpoint="chat", model=MODEL) == 4
+    assert total(samples, "cachelane_requests_total", model=MODEL, status="400") == 1
+
+
+async def test_an_unknown_model_adds_no_label_value() -> None:
+    async with fleet(1) as f:
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=10) as h:
+            for name in ("no-such-model-1", "no-such-model-2"):
+                r = await h.post("/v1/chat/completions", json={**body("x"), "model": name})
+                assert r.status_code == 404
+            r = await h.post("/v1/chat/completions", json={**body("x"), "model": ["a", "list"]})
+            assert r.status_code == 400
+            text, samples = await scrape(h)
+
+    assert "no-such-model" not in text
+    models = {ls["model"] for _, ls, _ in samples if "model" in ls}
+    assert models == {"other"}
+    assert total(samples, "cachelane_requests_total", model="other", status="404") == 2
+    assert total(samples, "cachelane_e2e_seconds_count", model="other") == 3
+
+
+async def test_process_metrics_and_no_created_series() -> None:
+    async with fleet(1) as f:
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=10) as h:
+            assert (await h.post("/v1/chat/completions", json=body("x"))).status_code == 200
+            text, samples = await scrape(h)
+
+    names = {n for n, _, _ in samples}
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= names
+    assert "python_info" in names
+    assert not [line for line in text.splitlines() if "_created" in line]
+    assert "cachelane_requests_total" in names  # the counters are still there, without it
