@@ -133,8 +133,6 @@ def _no_listener() -> None:
 class Reservation:
     replica: Replica
     prefill_tokens: int
-    swaps: int
-    joins_at_s: float = 0.0  # perf_counter when its KV is loaded and it waits for the prefill
     on_drop: Callable[[], None] = _no_listener  # told whenever this reservation's load drops
     started_s: float = field(default_factory=time.perf_counter)
     first_byte_s: float | None = None
@@ -214,10 +212,8 @@ class Registry:
             prefill_tokens - replica.mean_prefill_tokens
         )
         self.on_load_change()
-        reservation = Reservation(
-            replica, prefill_tokens, swaps, now + load_s, on_drop=self.on_load_change
-        )
-        replica.joining[id(reservation)] = (reservation.joins_at_s, prefill_tokens, swaps > 0)
+        reservation = Reservation(replica, prefill_tokens, on_drop=self.on_load_change)
+        replica.joining[id(reservation)] = (now + load_s, prefill_tokens, swaps > 0)
         return reservation
 
     def known_models(self) -> set[str]:
