@@ -74,6 +74,7 @@ from loadtest.bench.replay import (
     has_text,
     percentile,
     request_body,
+    sse_chunks,
     summarize,
 )
 from loadtest.sim.config import ITL_S, SIM_MODEL
@@ -303,13 +304,7 @@ async def _send(client: httpx.AsyncClient, record: TraceRecord, result: Critical
             body = (await resp.aread()).decode(errors="replace")
             result.error = f"HTTP {resp.status_code}: {body[:300]}"
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in sse_chunks(resp):
             if "error" in chunk:
                 result.error = f"stream error: {str(chunk['error'])[:300]}"
                 break

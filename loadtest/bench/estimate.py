@@ -51,7 +51,14 @@ from loadtest.bench.processes import (
     sigterm_as_interrupt,
     sim_from_config,
 )
-from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, percentile, request_body
+from loadtest.bench.replay import (
+    PATHS,
+    REPLICA_HEADER,
+    at_offsets,
+    percentile,
+    request_body,
+    sse_chunks,
+)
 from loadtest.bench.tier_experiment import scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
@@ -331,15 +338,9 @@ async def _send(client: httpx.AsyncClient, record: TraceRecord, s: Sample) -> No
             body = (await resp.aread()).decode(errors="replace")
             s.error = f"HTTP {resp.status_code}: {body[:300]}"
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
+        async for chunk in sse_chunks(resp):
             if s.obs_s is None:
                 s.obs_s = time.perf_counter() - started
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
             if "error" in chunk:
                 s.error = f"stream error: {str(chunk['error'])[:300]}"
                 break

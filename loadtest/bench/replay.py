@@ -19,7 +19,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -91,6 +91,17 @@ def has_text(chunk: dict[str, Any], endpoint: str) -> bool:
     return False
 
 
+async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI server-sent event stream, up to `data: [DONE]`."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def _send(
     client: httpx.AsyncClient, record: TraceRecord, model: str, result: RequestResult
 ) -> None:
@@ -104,13 +115,7 @@ async def _send(
             body = (await resp.aread()).decode(errors="replace")
             result.error = f"HTTP {resp.status_code}: {body[:300]}"
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in sse_chunks(resp):
             if "error" in chunk:
                 result.error = f"stream error: {str(chunk['error'])[:300]}"
                 break
