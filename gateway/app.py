@@ -23,6 +23,7 @@ from gateway import __version__, logs
 from gateway.admin import admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.config import GatewayConfig
+from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics, model_label
 from gateway.planner import Plan
@@ -289,26 +290,17 @@ async def _serve(request: Request, endpoint: str) -> Response:
             ).inc()
 
 
-DISCONNECT_POLL_S = 0.1  # a client that leaves while held in flow control is noticed this fast
-
-
 async def _hold(gw: Gateway, request: Request, plan: Plan) -> Plan:
-    """Flow control's wait, given up as soon as the client disconnects (uvicorn does not cancel
-    a handler whose client left; a held request would otherwise keep its place and be sent)."""
+    """Flow control's wait, given up as soon as the client disconnects (a held request would
+    otherwise keep its place and be sent)."""
     if not gw.may_hold(plan):  # critical by default, or flow control off: no task, no polling
         return plan
-    held = asyncio.ensure_future(gw.hold(plan))
-    while True:
-        done, _ = await asyncio.wait({held}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return held.result()
-        if await request.is_disconnected():
-            held.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ApiError):
-                await held
-            raise ApiError(
-                499, "the client closed the request while it was held", code="client_closed"
-            )
+    try:
+        return await while_client_waits(gw.hold(plan), request.is_disconnected)
+    except ClientGone:
+        raise ApiError(
+            499, "the client closed the request while it was held", code="client_closed"
+        ) from None
 
 
 def _count_decision(gw: Gateway, plan: Plan) -> None:

@@ -19,7 +19,6 @@ failure all give the slot back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -34,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import logs
 from gateway.calibration import CostLearner, Observation
+from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
@@ -49,7 +49,6 @@ _PASSED_HEADERS = ("content-type",)
 NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in this namespace
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
 
-DISCONNECT_POLL_S = 0.1  # a client that leaves before its answer is noticed this fast
 
 ENDPOINT_PATHS = {
     "chat": "/v1/chat/completions",
@@ -165,7 +164,7 @@ class Proxy:
         `endpoint`: "chat" or "completions" (the upstream path); `raw_body`: the client's bytes,
         forwarded unchanged unless the replica's pool adds fields (vLLM's cache_salt, the
         class's priority: upstream_body); `plan`: Planner.plan's output; `client_gone`: asked
-        every DISCONNECT_POLL_S until the answer is ready (Starlette's
+        every gateway.disconnect.DISCONNECT_POLL_S until the answer is ready (Starlette's
         `Request.is_disconnected`): once the client has left, the upstream request is
         cancelled, its reservation released, and ApiError 499 raised.
 
@@ -188,26 +187,15 @@ class Proxy:
         """
         if client_gone is None:
             return await self._forward(endpoint, raw_body, plan)
-        task = asyncio.ensure_future(self._forward(endpoint, raw_body, plan))
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await client_gone():
-                    break
-        except BaseException:
-            task.cancel()  # cancelled itself: the try lets go of what it holds
-            raise
-        task.cancel()  # the upstream connection is closed, so the engine aborts the request
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            late = await task  # it may have finished meanwhile: nobody will read its answer
-            if isinstance(late, RelayResponse):
-                await late.close_upstream()
-        self._metrics.client_gone.inc()
-        raise ApiError(
-            499, "the client closed the request before it was answered", code="client_closed"
-        )
+            return await while_client_waits(
+                self._forward(endpoint, raw_body, plan), client_gone, abandoned=_close_abandoned
+            )
+        except ClientGone:
+            self._metrics.client_gone.inc()
+            raise ApiError(
+                499, "the client closed the request before it was answered", code="client_closed"
+            ) from None
 
     async def _forward(self, endpoint: str, raw_body: bytes, plan: Plan) -> Response:
         path = ENDPOINT_PATHS[endpoint]
@@ -427,6 +415,11 @@ async def _discard(resp: httpx.Response | None, reservation: Reservation) -> Non
     if resp is not None:
         with anyio.CancelScope(shield=True):
             await resp.aclose()
+
+
+async def _close_abandoned(response: Response) -> None:
+    if isinstance(response, RelayResponse):
+        await response.close_upstream()
 
 
 async def _close(resp: httpx.Response, reservation: Reservation) -> None:
