@@ -44,8 +44,6 @@ class Replica:
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
     answered_check: bool = False  # has it ever passed a health check (its models are known)
     in_flight: int = 0
-    pending_prefill_tokens: int = 0
-    awaiting_first_byte: int = 0
     last_error: str | None = None
     correction: float = 1.0  # routing.calibration: correction (gateway/calibration.py)
     terms: CostTerms | None = None  # cost terms in use (gateway/calibration.py); None: the seed
@@ -56,6 +54,16 @@ class Replica:
     # decision's swap and remote estimate), uncached tokens, whether they swap in from the CPU
     # tier. Keyed by id() of the reservation.
     joining: dict[int, tuple[float, int, bool]] = field(default_factory=dict)
+
+    @property
+    def awaiting_first_byte(self) -> int:
+        """Requests sent and not yet past their first byte."""
+        return len(self.joining)
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Uncached prompt tokens of the requests awaiting their first byte."""
+        return sum(tokens for _, tokens, _ in self.joining.values())
 
     def load(self, now_s: float, stale_after_s: float) -> Load:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
@@ -132,7 +140,6 @@ def _no_listener() -> None:
 @dataclass
 class Reservation:
     replica: Replica
-    prefill_tokens: int
     on_drop: Callable[[], None] = _no_listener  # told whenever this reservation's load drops
     started_s: float = field(default_factory=time.perf_counter)
     first_byte_s: float | None = None
@@ -158,8 +165,6 @@ class Reservation:
 
     def _prefill_done(self, now_s: float) -> None:
         r = self.replica
-        r.pending_prefill_tokens -= self.prefill_tokens
-        r.awaiting_first_byte -= 1
         r.joining.pop(id(self), None)
         r.head_since_s = now_s  # a serial prefill moves on to the next request in its queue
 
@@ -206,14 +211,12 @@ class Registry:
         if not replica.awaiting_first_byte:
             replica.head_since_s = now
         replica.in_flight += 1
-        replica.awaiting_first_byte += 1
-        replica.pending_prefill_tokens += prefill_tokens
         replica.mean_prefill_tokens += PREFILL_EWMA_WEIGHT * (
             prefill_tokens - replica.mean_prefill_tokens
         )
-        self.on_load_change()
-        reservation = Reservation(replica, prefill_tokens, on_drop=self.on_load_change)
+        reservation = Reservation(replica, on_drop=self.on_load_change)
         replica.joining[id(reservation)] = (now + load_s, prefill_tokens, swaps > 0)
+        self.on_load_change()  # after the reservation counts: flow control reads the load
         return reservation
 
     def known_models(self) -> set[str]:

@@ -60,12 +60,13 @@ def test_load_combines_own_and_engine(
 ) -> None:
     r = replica()
     r.mean_prefill_tokens = 1000
-    r.in_flight, r.pending_prefill_tokens, r.awaiting_first_byte = 1, 1000, 1
+    r.in_flight = 1
+    r.joining[0] = (time.perf_counter(), 1000, False)  # one request of ours, waiting
     r.engine = engine
     r.head_since_s = time.perf_counter()
     load = r.load(now_s, stale_after_s=5.0)
     assert 0 <= load.busy_s < 1.0
-    assert dataclasses.replace(load, busy_s=0.0) == expected
+    assert dataclasses.replace(load, busy_s=0.0, queue=()) == expected
 
 
 CACHE_CONFIG_TEXT = """\
