@@ -417,11 +417,13 @@ def ideal_floor(
     *,
     model: str,
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
+    since_s: float = 0.0,
 ) -> Floor:
     """Each request's own prefill with a perfect cache and no queue: every leading block that any
     earlier request of the trace held is reused for free (whatever replica, tier or timing), the
     rest is prefilled alone at full speed (and the last token always, as the simulator does).
-    A lower bound of any arm's TTFT: a request's first use of a prefix cannot be cached."""
+    A lower bound of any arm's TTFT: a request's first use of a prefix cannot be cached.
+    Requests before `since_s` (a warm-up) fill the cache but are not counted."""
     bs = block_size_tokens
     seen: set[int] = set()
     out: dict[str, list[float]] = {"all": []}
@@ -435,6 +437,8 @@ def ideal_floor(
                 break
             reused += 1
         seen.update(hashes)
+        if record["t_s"] < since_s:
+            continue
         ms = 1000 * (n - reused * bs) / prefill_tokens_per_s
         out.setdefault(TENANTS[record["tenant"]].tenant_class, []).append(ms)
         out["all"].append(ms)
