@@ -23,6 +23,7 @@ from gateway import __version__, logs
 from gateway.admin import admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.config import GatewayConfig
+from gateway.costs import costs_router
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics, model_label
@@ -93,6 +94,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(logs.RequestContext)  # outside _Unexpected: its 500s are logged too
     app.include_router(admin_router)
+    app.include_router(costs_router)  # GET /debug/costs, with the admin key
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -319,3 +319,55 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        # Cost accounting (gateway/costs.py, routing/accounting.py): where offloading's cost
+        # landed, by tenant (bounded: routing.accounting.MAX_KEYS, then "other"), class and pool.
+        cost_labels = ["tenant", "tenant_class", "pool"]
+        self.cost_ttft_seconds = Counter(
+            "cachelane_cost_ttft_seconds",
+            "Observed TTFT of streamed requests attributed to each layer (fixed, queue, swap, "
+            "fetch, prefill; they sum to the observed TTFT: routing/accounting.py)",
+            [*cost_labels, "layer"],
+            registry=r,
+        )
+        self.cost_tokens = Counter(
+            "cachelane_cost_tokens",
+            "Prompt tokens by where their KV came from (hbm, cpu, remote, computed), as the "
+            "engine confirmed it",
+            [*cost_labels, "tier"],
+            registry=r,
+        )
+        self.cost_pcie_bytes = Counter(
+            "cachelane_cost_pcie_bytes",
+            "KV bytes swapped in from the CPU tier over PCIe",
+            cost_labels,
+            registry=r,
+        )
+        self.cost_swap_ins = Counter(
+            "cachelane_cost_swap_ins",
+            "Requests that swapped in from the CPU tier, by whether the PCIe link was shared "
+            "with another swap-in when they were sent",
+            [*cost_labels, "shared"],
+            registry=r,
+        )
+        self.cost_remote_bytes = Counter(
+            "cachelane_cost_remote_bytes",
+            "Remote-tier KV bytes: written (new blocks), read (fetched), evicted (written by "
+            "this row and since evicted), never_read (evicted without a read), per the "
+            "gateway's model of the tier",
+            [*cost_labels, "kind"],
+            registry=r,
+        )
+        self.cost_prefill_avoided_seconds = Counter(
+            "cachelane_cost_prefill_avoided_seconds",
+            "Prefill GPU-seconds the cache hits in each tier avoided (tokens hit x the "
+            "replica's fitted seconds per prefill token)",
+            [*cost_labels, "tier"],
+            registry=r,
+        )
+        self.cost_hbm_blocks = Counter(
+            "cachelane_cost_hbm_blocks",
+            "HBM blocks inserted by requests (tenant rows) and evicted (tenant and class '*': "
+            "an eviction has no tenant), from the index",
+            [*cost_labels, "kind"],
+            registry=r,
+        )

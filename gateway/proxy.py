@@ -33,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import logs
 from gateway.calibration import CostLearner, Observation
+from gateway.costs import CostAccounting
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.metrics import Metrics
@@ -143,6 +144,7 @@ class Proxy:
         learner: CostLearner,
         *,
         retries: int,
+        costs: CostAccounting | None = None,
     ) -> None:
         self._clients = clients  # one connection pool per replica, by replica name
         self._registry = registry
@@ -150,6 +152,7 @@ class Proxy:
         self._metrics = metrics
         self._learner = learner
         self._retries = retries
+        self._costs = costs  # cost accounting (gateway/costs.py), when the gateway keeps it
 
     async def forward(
         self,
@@ -227,6 +230,8 @@ class Proxy:
                     resp = await client.send(request, stream=True)
                     if resp.status_code < 400:  # only a replica that took it holds its prompt
                         await self._planner.record_sent(plan, replica)
+                        if self._costs is not None:
+                            self._costs.sent(plan, replica)
                         if plan.stream:
                             chunks = resp.aiter_raw()
                             first = await anext(chunks, None)
@@ -282,6 +287,15 @@ class Proxy:
                 await resp.aclose()
             if resp.status_code < 400:
                 self._count_usage(plan, replica, prompt_tokens_in(content), content)
+                if self._costs is not None:  # a whole answer's first byte is no TTFT
+                    observed_s = ttft_s if _prefill_only(plan) else None
+                    self._costs.answered(
+                        plan,
+                        replica,
+                        observed_s,
+                        cached_tokens_in(content),
+                        prompt_tokens_in(content),
+                    )
             if _prefill_only(plan) and resp.status_code < 400:
                 self._learn(reservation, plan, ttft_s, cached_tokens_in(content))
             return Response(content, status_code=resp.status_code, headers=headers)
@@ -367,6 +381,8 @@ class Proxy:
             reservation.release()
             if resp.status_code < 400:
                 self._count_usage(plan, reservation.replica, prompt, usage)
+                if self._costs is not None:
+                    self._costs.answered(plan, reservation.replica, ttft_s, cached, prompt)
             if ttft_s is not None:
                 self._learn(reservation, plan, ttft_s, cached)
             with anyio.CancelScope(shield=True):

@@ -14,6 +14,7 @@ from fastapi import Request
 
 from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig
+from gateway.costs import CostAccounting
 from gateway.errors import ApiError
 from gateway.fit_store import FitStore
 from gateway.flow import ClassLimits, FlowControl, Shed
@@ -26,7 +27,7 @@ from gateway.registry import HealthChecker, Registry, Replica
 from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
 from gateway.tenants import CLASS_HEADER, Tenant, TenantStore
-from routing.index import Index, MemoryIndex
+from routing.index import Index, MemoryIndex, RemovedFn, ignore_removed
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
 
@@ -39,7 +40,11 @@ PRECISE_CAPACITY_SLACK = 2  # precise mode: index capacity = twice what the repl
 
 
 def build_index(
-    config: GatewayConfig, registry: Registry, *, on_error: ErrorHook | None = None
+    config: GatewayConfig,
+    registry: Registry,
+    *,
+    on_error: ErrorHook | None = None,
+    on_removed: RemovedFn = ignore_removed,
 ) -> Index:
     """The configured index, bounded by each location's capacity (HBM spills to the CPU tier).
 
@@ -75,7 +80,10 @@ def build_index(
         return None
 
     local = MemoryIndex(
-        ttl_s=config.index.ttl_s, capacity_blocks=capacity_blocks, spill_to=spill_to
+        ttl_s=config.index.ttl_s,
+        capacity_blocks=capacity_blocks,
+        spill_to=spill_to,
+        on_removed=on_removed,  # the local view: this gateway's records, or the engines' events
     )
     if config.index.backend == "redis":
         from gateway.index.redis_backend import RedisIndex
@@ -127,7 +135,10 @@ class Gateway:
         self.config = config
         self.metrics = Metrics()
         self.registry = Registry(config, on_change=self._replica_changed)
-        self.index = build_index(config, self.registry, on_error=self._index_failed)
+        self.costs = CostAccounting(config, self.registry, self.metrics)
+        self.index = build_index(
+            config, self.registry, on_error=self._index_failed, on_removed=self.costs.index_removed
+        )
         if isinstance(self.index, ResilientIndex):
             index = self.index
             self.metrics.index_degraded.set_function(lambda: float(index.degraded))
@@ -178,6 +189,7 @@ class Gateway:
             self.metrics,
             self.learner,
             retries=config.upstream.retries,
+            costs=self.costs,
         )
         self.health = HealthChecker(
             self.registry,

@@ -61,6 +61,13 @@ def no_spill(_: Location) -> Location | None:
     return None
 
 
+RemovedFn = Callable[[Location, int, str], None]
+
+
+def ignore_removed(_location: Location, _blocks: int, _cause: str) -> None:
+    return None
+
+
 def spill_chain(location: Location, spill_to: SpillFn) -> list[Location]:
     """`location`, then where its pushed-out entries go, in order; ValueError on a cycle."""
     chain = [location]
@@ -87,11 +94,18 @@ class MemoryIndex:
         capacity_blocks: CapacityFn = no_capacity,
         spill_to: SpillFn = no_spill,
         clock: Callable[[], float] = time.monotonic,
+        on_removed: RemovedFn = ignore_removed,
     ) -> None:
+        """`on_removed(location, blocks, cause)` hears of entries leaving a location: cause
+        "capacity" (live entries pushed out by its capacity; an HBM entry then spills on),
+        "expired" (swept after its TTL), "evicted" (evict(): an engine's BlockRemoved),
+        "dropped" (drop_location / drop_replica). It is called synchronously; it must not
+        touch the index."""
         self._ttl_s = ttl_s
         self._capacity = capacity_blocks
         self._spill_to = spill_to
         self._clock = clock
+        self._on_removed = on_removed
         # (model, hash) -> {location: expiry}
         self._blocks: dict[BlockKey, dict[Location, float]] = {}
         # (model, hash) -> its holders as a frozenset, while none was added or removed: a lookup
@@ -159,6 +173,8 @@ class MemoryIndex:
             key, _ = lru.popitem(last=False)
             if self._forget(key, location) > now:
                 pushed_out.append(key)
+        if pushed_out:
+            self._on_removed(location, len(pushed_out), "capacity")
         return pushed_out
 
     def sweep(self, max_entries: int) -> int:
@@ -168,6 +184,7 @@ class MemoryIndex:
         now = self._clock()
         removed = 0
         for location, lru in list(self._lru.items()):
+            here = removed
             while lru and removed < max_entries:
                 key = next(iter(lru))
                 if self._blocks.get(key, {}).get(location, now) > now:
@@ -175,6 +192,8 @@ class MemoryIndex:
                 del lru[key]
                 self._forget(key, location)
                 removed += 1
+            if removed > here:
+                self._on_removed(location, removed - here, "expired")
             if not lru:
                 del self._lru[location]
             if removed >= max_entries:
@@ -194,14 +213,21 @@ class MemoryIndex:
 
     async def evict(self, model: str, hashes: Sequence[int], location: Location) -> None:
         lru = self._lru.get(location)
+        gone = 0
         for h in hashes:
-            self._forget((model, h), location)
+            held = self._forget((model, h), location) > 0
             if lru is not None:
                 lru.pop((model, h), None)
+            gone += held
+        if gone:
+            self._on_removed(location, gone, "evicted")
 
     async def drop_location(self, location: Location) -> None:
-        for key in self._lru.pop(location, OrderedDict()):
+        keys = self._lru.pop(location, OrderedDict())
+        for key in keys:
             self._forget(key, location)
+        if keys:
+            self._on_removed(location, len(keys), "dropped")
 
     async def drop_replica(self, replica: str) -> None:
         for tier in (Tier.HBM, Tier.CPU):
