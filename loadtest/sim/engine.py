@@ -91,6 +91,7 @@ class PrefillResult:
     remote_tokens: int  # fetched from the remote tier (recomputed ones are not counted here)
     computed_tokens: int  # prefilled: the uncached tail plus any remote tokens recomputed
     queue_wait_s: float = 0.0  # wall time from its KV being loaded to holding the prefill slot
+    swap_sharers: int = 0  # swap-ins on the PCIe link during its own (itself included), 0: none
 
     @property
     def cached_tokens(self) -> int:
@@ -106,6 +107,9 @@ class EngineStats:
     external_queries_tokens: int = 0  # tokens looked up beyond HBM, in the CPU / remote tiers
     external_hits_tokens: int = 0  # of those, reused (vLLM: external_prefix_cache_hits)
     swap_in_tokens: int = 0
+    swap_ins: int = 0  # requests that swapped in from the CPU tier
+    swap_link_sharers: int = 0  # sum over them of the swap-ins on the link (itself included)
+    hbm_evicted_blocks: int = 0  # blocks pushed out of HBM (demoted to the CPU tier or dropped)
     remote_fetch_tokens: int = 0
     remote_recompute_tokens: int = 0  # found in the remote tier but cheaper to recompute
     remote_bytes_written: int = 0
@@ -288,7 +292,9 @@ class SimRequest:
             Load(swaps_in_flight=eng._swaps_in_flight),
             spec.costs,
         )
+        sharers = 0
         if c:
+            sharers = eng._swaps_in_flight + 1
             eng._swaps_in_flight += 1
             try:
                 await eng.sleep(cost.swap_s)
@@ -296,7 +302,11 @@ class SimRequest:
                 eng._swaps_in_flight -= 1
         fetched = m if cost.remote_fetch else 0
         if fetched:
-            await eng.sleep(cost.remote_s)
+            assert eng.remote is not None
+            start = g + c
+            await asyncio.gather(  # the read is modelled by the sleep; the call only reports it
+                eng.sleep(cost.remote_s), eng.remote.fetch(list(reusable[start : start + m]))
+            )
 
         queued_at = time.monotonic()
         async with eng._prefill.slot(self.priority):
@@ -324,6 +334,8 @@ class SimRequest:
             s.external_queries_tokens += prompt.prompt_tokens - hbm_blocks * bs
             s.external_hits_tokens += (cached_blocks - hbm_blocks) * bs
         s.swap_in_tokens += c * bs
+        s.swap_ins += 1 if c else 0
+        s.swap_link_sharers += sharers
         s.remote_fetch_tokens += fetched * bs
         s.remote_recompute_tokens += (m - fetched) * bs
         self.remote_write = asyncio.create_task(
@@ -336,6 +348,7 @@ class SimRequest:
             remote_tokens=fetched * bs,
             computed_tokens=computed,
             queue_wait_s=queue_wait_s,
+            swap_sharers=sharers,
         )
 
     async def decode(self, max_tokens: int) -> AsyncIterator[int]:
@@ -355,6 +368,7 @@ class SimRequest:
         # Reversed, so the first block is the most recent: like vLLM, which frees a request's
         # blocks tail first, a prompt's tail is evicted before its prefix.
         evicted = eng.hbm.insert(reversed(self.prompt.hashes))
+        eng.stats.hbm_evicted_blocks += len(evicted)
         new_in_cpu: list[int] = []
         dropped: list[int] = []
         if eng.cpu is not None:

@@ -3,6 +3,12 @@
 The service only tracks which blocks it holds (an LRU with a capacity), never their bytes; what a
 transfer costs in time is the engine's business (engine.py). The client never fails a request: a
 remote tier that cannot be reached counts as holding nothing, as an LMCache backend would.
+
+  POST /lookup   how many leading blocks it holds (LMCache's `contains`); refreshes them
+  POST /fetch    the engine read these blocks (LMCache's `retrieve`): they count as read
+  POST /store    write blocks; the tier keeps the new ones
+Its counters say which stored blocks were evicted without ever being fetched (the ground truth
+of the gateway's "written, never read" estimate, gateway/costs.py).
 """
 
 from __future__ import annotations
@@ -52,6 +58,15 @@ def create_remote_app(spec: RemoteTierSpec) -> FastAPI:
     evicted = Counter(
         "cachelane_sim_remote_tier_evicted_blocks", "Blocks evicted", registry=registry
     )
+    fetched = Counter(
+        "cachelane_sim_remote_tier_fetched_blocks", "Blocks fetched by replicas", registry=registry
+    )
+    evicted_unread = Counter(
+        "cachelane_sim_remote_tier_evicted_unread_blocks",
+        "Blocks evicted that no replica fetched since they were stored",
+        registry=registry,
+    )
+    read: set[int] = set()  # held blocks fetched since they were stored
 
     app = FastAPI(title=f"cachelane sim remote tier {spec.name}")
 
@@ -63,6 +78,13 @@ def create_remote_app(spec: RemoteTierSpec) -> FastAPI:
         hit_blocks.inc(n)
         return {"prefix_blocks": n}
 
+    @app.post("/fetch")
+    async def fetch(body: Blocks) -> dict[str, int]:
+        held = [h for h in body.hashes if h in blocks]
+        read.update(held)
+        fetched.inc(len(held))
+        return {"fetched_blocks": len(held)}
+
     @app.post("/store")
     async def store(body: Blocks) -> dict[str, int]:
         new = sum(1 for h in body.hashes if h not in blocks)
@@ -70,11 +92,15 @@ def create_remote_app(spec: RemoteTierSpec) -> FastAPI:
         gone = blocks.insert(reversed(body.hashes))
         stored.inc(new)
         evicted.inc(len(gone))
+        unread = [h for h in gone if h not in read]
+        evicted_unread.inc(len(unread))
+        read.difference_update(gone)
         return {"stored_blocks": new}
 
     @app.post("/reset")
     async def reset() -> Response:
         blocks.clear()
+        read.clear()
         return Response(status_code=200)
 
     @app.get("/health")
@@ -101,6 +127,13 @@ class RemoteClient:
             return 0
         body = await self._post("/lookup", hashes)
         return int(body.get("prefix_blocks", 0)) if body else 0
+
+    async def fetch(self, hashes: list[int]) -> int:
+        """Report a read of these blocks; returns how many the tier held (0 if unreachable)."""
+        if not hashes:
+            return 0
+        body = await self._post("/fetch", hashes)
+        return int(body.get("fetched_blocks", 0)) if body else 0
 
     async def store(self, hashes: list[int]) -> int:
         """Write blocks; returns how many the tier did not hold yet (0 if it cannot be reached)."""

@@ -367,6 +367,7 @@ def _usage(result: PrefillResult, max_tokens: int) -> dict[str, Any]:
         "remote_tokens": result.remote_tokens,
         "computed_tokens": result.computed_tokens,
         "queue_wait_ms": round(result.queue_wait_s * 1000, 3),
+        "swap_sharers": result.swap_sharers,
     }
     return protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens, timing)
 
@@ -473,6 +474,17 @@ class _EngineCollector:
             ("vllm:prompt_tokens", "Prompt tokens prefilled or reused", s.prompt_tokens),
             ("vllm:generation_tokens", "Tokens generated", s.generation_tokens),
             ("cachelane_sim_swap_in_tokens", "Tokens swapped in from CPU", s.swap_in_tokens),
+            ("cachelane_sim_swap_ins", "Requests that swapped in from CPU", s.swap_ins),
+            (
+                "cachelane_sim_swap_link_sharers",
+                "Sum over swap-ins of the swap-ins sharing the PCIe link (itself included)",
+                s.swap_link_sharers,
+            ),
+            (
+                "cachelane_sim_hbm_evicted_blocks",
+                "Blocks pushed out of HBM (to the CPU tier or dropped)",
+                s.hbm_evicted_blocks,
+            ),
             (
                 "cachelane_sim_remote_fetch_tokens",
                 "Tokens fetched from the remote tier",
