@@ -14,11 +14,20 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    ValidationError,
+    model_validator,
+)
 
 from gateway import config_env
 from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
 from gateway.extras import PRECISE_MODULES, missing_message, missing_modules
+from gateway.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS
 from routing.cost import (
     FIXED_S,
     HBM_CAPACITY_TOKENS,
@@ -300,10 +309,22 @@ class ListenConfig(Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
 
 
+def _long_enough(key: str | None) -> str | None:
+    if key is not None and len(key) < MIN_API_KEY_CHARS:
+        raise ValueError(
+            f"an API key needs at least {MIN_API_KEY_CHARS} characters (this one has "
+            f"{len(key)}); make one with `openssl rand -hex {MIN_API_KEY_CHARS // 2}`"
+        )
+    return key
+
+
+ApiKey = Annotated[str, AfterValidator(_long_enough)]
+
+
 class TenantConfig(Strict):
     name: str = Field(min_length=1)
     api_key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    api_key: str | None = Field(default=None, min_length=8)  # prefer api_key_sha256 in files
+    api_key: ApiKey | None = None  # prefer api_key_sha256 in files
     tenant_class: TenantClass = Field(default=TenantClass.STANDARD, alias="class")
     share_group: str | None = None  # tenants in one group share prefix cache
 
@@ -318,7 +339,30 @@ class TenantConfig(Strict):
 
 class AdminConfig(Strict):
     api_key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    api_key: str | None = Field(default=None, min_length=8)
+    api_key: ApiKey | None = None
+
+    @property
+    def configured(self) -> bool:
+        return self.api_key is not None or self.api_key_sha256 is not None
+
+
+class AuthConfig(Strict):
+    """How requests are authenticated (gateway/tenant_store.py) and what signs tenant records."""
+
+    mode: Literal["keys", "open"] = Field(
+        default="keys",
+        description="keys: every request needs the key of a live tenant; with no tenant, every "
+        "request is refused (fails closed). open: no key is checked, every request is served "
+        "as the anonymous standard tenant (development; no tenants or admin key allowed).",
+    )
+    secret: str | None = Field(
+        default=None,
+        min_length=MIN_SECRET_CHARS,
+        description="HMAC key the gateways share: it signs the tenant records they keep in "
+        "Redis (a record without a valid signature is ignored) and keys the digests of API "
+        "keys. Required with index.backend redis in mode keys; give it as secret_file or "
+        "${VAR}. Unset without Redis: a random one per process.",
+    )
 
 
 class CriticalConfig(Strict):
@@ -412,8 +456,9 @@ class GatewayConfig(Strict):
     health: HealthConfig = HealthConfig()
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     upstream: UpstreamConfig = UpstreamConfig()
-    tenants: list[TenantConfig] = Field(default_factory=list)  # empty: no authentication
+    tenants: list[TenantConfig] = Field(default_factory=list)
     admin: AdminConfig = AdminConfig()
+    auth: AuthConfig = AuthConfig()
     critical: CriticalConfig = CriticalConfig()
     classes: ClassesConfig = ClassesConfig()
     flow_control: FlowControlConfig = FlowControlConfig()
@@ -440,12 +485,29 @@ class GatewayConfig(Strict):
         tenant_names = [t.name for t in self.tenants]
         if len(set(tenant_names)) != len(tenant_names):
             raise ValueError(f"tenants: duplicate tenant name in {tenant_names}")
+        _check_auth(self)
         urls = [str(u) for p in self.pools for u in p.replicas]
         if len(set(urls)) != len(urls):
             raise ValueError("pools: a replica URL appears twice")
         if self.routing.mode == "precise":
             _check_precise(self.pools)
         return self
+
+
+def _check_auth(config: GatewayConfig) -> None:
+    if config.auth.mode == "open":
+        if config.tenants or config.admin.configured:
+            raise ValueError(
+                "auth.mode open serves every request as the anonymous tenant without checking "
+                "keys: remove tenants and admin, or set auth.mode keys"
+            )
+        return
+    if config.index.backend == "redis" and config.auth.secret is None:
+        raise ValueError(
+            "auth.secret (or auth.secret_file) is required with index.backend redis: it signs "
+            "the tenant records kept there, so a write to Redis alone cannot add or change a "
+            f"tenant (at least {MIN_SECRET_CHARS} characters: `openssl rand -hex 32`)"
+        )
 
 
 def _check_precise(pools: list[PoolConfig]) -> None:
@@ -518,11 +580,12 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Gatew
 def quick_config(
     replica_urls: list[str], *, policy: Policy = Policy.CACHE_AWARE, host: str, port: int
 ) -> GatewayConfig:
-    """Config for `cachelane serve --replicas ...`: one pool, defaults everywhere."""
+    """Config for `cachelane serve --replicas ...`: one pool, defaults everywhere, auth open."""
     return parse_config(
         {
             "listen": {"host": host, "port": port},
             "routing": {"policy": policy.value},
+            "auth": {"mode": "open"},  # a quick start: no tenants, so no keys to check
             "pools": [{"name": "default", "replicas": replica_urls}],
         },
         "--replicas",

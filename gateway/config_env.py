@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-SECRET_FIELDS = frozenset({"api_key", "redis_url"})  # tenants[].api_key, admin.api_key, index
+SECRET_FIELDS = frozenset({"api_key", "redis_url", "secret"})
+# tenants[].api_key, admin.api_key, index.redis_url, auth.secret
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 

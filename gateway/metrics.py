@@ -67,6 +67,13 @@ class Metrics:
             registry=r,
         )
         self.errors = Counter("cachelane_errors", "Error responses by code", ["code"], registry=r)
+        self.tenant_records_rejected = Counter(
+            "cachelane_tenant_records_rejected",
+            "Tenant records in Redis ignored, each distinct one counted once, by reason "
+            "(malformed, unsigned, bad_signature)",
+            ["reason"],
+            registry=r,
+        )
         self.decisions = Counter(
             "cachelane_decisions",
             "Routing decisions by policy, reason and replica",

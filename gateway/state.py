@@ -19,6 +19,7 @@ from gateway.errors import ApiError
 from gateway.fit_store import FitStore
 from gateway.flow import ClassLimits, FlowControl, Shed
 from gateway.index.resilient import ErrorHook, ResilientIndex
+from gateway.keys import Keyring
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.prewarm import Prewarmer
@@ -26,7 +27,8 @@ from gateway.proxy import Proxy
 from gateway.registry import HealthChecker, Registry, Replica
 from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
-from gateway.tenants import CLASS_HEADER, Tenant, TenantStore
+from gateway.tenant_store import TenantStore
+from gateway.tenants import CLASS_HEADER, Tenant
 from routing.index import Index, MemoryIndex, RemovedFn, ignore_removed
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
@@ -153,7 +155,28 @@ class Gateway:
             replicas = [(r.name, r.url, r.pool) for r in self.registry.replicas.values()]
             self.kv_events = KvEvents(config, replicas, routing_index, self.metrics)
         self.redis = shared_redis(config)
-        self.tenants = TenantStore(config.tenants, self.redis)
+        self.keyring = Keyring(config.auth.secret)
+        admin = config.admin
+        self.admin_digest = (
+            self.keyring.digest_of_sha256(admin.api_key_sha256)
+            if admin.api_key_sha256
+            else self.keyring.digest(admin.api_key)
+            if admin.api_key
+            else None
+        )
+        self.tenants = TenantStore(
+            config.tenants,
+            self.keyring,
+            open_mode=config.auth.mode == "open",
+            redis=self.redis,
+            reserved_digests=[self.admin_digest] if self.admin_digest else [],
+            on_rejected=lambda reason: self.metrics.tenant_records_rejected.labels(reason).inc(),
+        )
+        if not self.tenants.open_mode and not (config.tenants or admin.configured or self.redis):
+            log.warning(
+                "auth.mode is keys but no tenant or admin key is configured: every request "
+                "will be refused (401). Set auth.mode: open to serve without keys."
+            )
         self.reuse = ReuseCounter(self.metrics, redis=self.redis)
         self.planner = Planner(
             config, self.registry, routing_index, self.reuse, self.metrics, self.speculative

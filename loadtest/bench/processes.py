@@ -282,6 +282,8 @@ def gateway_from_config(config: dict[str, Any], log_dir: Path, name: str) -> Ite
     loopback port here), ready (/ready is 200) on entry."""
     port = free_port()
     config = {**config, "listen": {"host": "127.0.0.1", "port": port}}
+    if not config.get("tenants") and not config.get("admin") and "auth" not in config:
+        config["auth"] = {"mode": "open"}  # a benchmark without tenants: no keys to check
     config_path = log_dir / f"gateway-{name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -3,6 +3,12 @@
 `RedisServer` starts one standalone server; `RedisClusterProcs` starts three masters and joins
 them with `redis-cli --cluster create`. Each process gets its own temporary directory, no
 persistence, and is stopped with terminate + wait. Nothing here touches a shared server.
+
+A standalone server can be secured as a deployment would: `password` (requirepass), `users`
+(ACL users with their passwords and rules; `url` then logs in as the first one) and `tls` (a
+TLS-only port with a CA and server certificate made here with openssl; `url` is rediss:// with
+the CA file in `ssl_ca_certs`). `restart()` stops it and starts it again empty, on the same port
+with the same credentials, as a Redis without persistence comes back.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 from loadtest.bench.processes import free_port
 
@@ -62,44 +69,110 @@ def _wait_until(what: str, timeout_s: float, predicate: Callable[[], bool]) -> N
 class RedisServer:
     """One redis-server on 127.0.0.1:<port>; use as a context manager or call start()/stop()."""
 
-    def __init__(self, *, cluster: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        cluster: bool = False,
+        password: str | None = None,
+        users: dict[str, tuple[str, str]] | None = None,
+        tls: bool = False,
+    ) -> None:
+        """`users`: name -> (password, ACL rules), e.g. {"gw": ("pw", "~cl:* +@all")}."""
+        if cluster and (password or users or tls):
+            raise ValueError("credentials and TLS are for a standalone server")
         self.port = free_port()
+        self.password = password
+        self.users = dict(users or {})
+        self.tls = tls
         self._cluster = cluster
         self._dir = Path()
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL a client connects with: credentials and, with TLS, the CA to trust."""
+        auth = ""
+        if self.users:
+            name, (password, _rules) = next(iter(self.users.items()))
+            auth = f"{quote(name, safe='')}:{quote(password, safe='')}@"
+        elif self.password:
+            auth = f":{quote(self.password, safe='')}@"
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.ca_file}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def ca_file(self) -> Path:
+        return self._dir / "ca.pem"
 
     def start(self) -> RedisServer:
         self._dir = Path(tempfile.mkdtemp(prefix=f"cachelane-redis-{self.port}-"))
+        if self.tls:
+            make_tls_files(self._dir)
+        return self._launch()
+
+    def restart(self) -> RedisServer:
+        """Stop and start again, empty (no persistence), same port, credentials and certificates."""
+        self._terminate()
+        return self._launch()
+
+    def _launch(self) -> RedisServer:
+        port = (
+            ["--port", "0", "--tls-port", str(self.port)]
+            if self.tls
+            else ["--port", str(self.port)]
+        )
         args = [
             _binary("redis-server"),
-            "--port", str(self.port),
+            *port,
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "no",
             "--dir", str(self._dir),
         ]  # fmt: skip
+        if self.tls:
+            args += [
+                "--tls-cert-file", str(self._dir / "server.pem"),
+                "--tls-key-file", str(self._dir / "server.key"),
+                "--tls-ca-cert-file", str(self.ca_file),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.users:  # the ACL users only: no password-less default user
+            args += ["--user", "default", "off"]
+        for name, (password, rules) in self.users.items():
+            args += ["--user", name, "on", f">{password}", *rules.split()]
         if self._cluster:
             conf = self._dir / f"nodes-{self.port}.conf"
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(conf)]
             # The bus defaults to port + 10000, which overflows for high ephemeral ports.
             args += ["--cluster-port", str(free_port())]
-        log = (self._dir / "redis.log").open("wb")
+        log = (self._dir / "redis.log").open("ab")
         self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         _wait_until(f"PING on port {self.port}", START_TIMEOUT_S, self._pings)
         return self
 
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """redis-cli against this server, logged in, over TLS when it has TLS."""
+        login: list[str] = []
+        if self.users:
+            name, (password, _rules) = next(iter(self.users.items()))
+            login = ["--user", name, "--pass", password, "--no-auth-warning"]
+        elif self.password:
+            login = ["-a", self.password, "--no-auth-warning"]
+        if self.tls:
+            login += ["--tls", "--cacert", str(self.ca_file)]
+        return _cli(self.port, *login, *args)
+
     def _pings(self) -> bool:
         if self._proc is not None and self._proc.poll() is not None:
             log = (self._dir / "redis.log").read_text(errors="replace")
             raise RuntimeError(f"redis-server exited with {self._proc.returncode}:\n{log}")
-        return _cli(self.port, "PING").stdout.strip() == "PONG"
+        return self.cli("PING").stdout.strip() == "PONG"
 
-    def stop(self) -> None:
+    def _terminate(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -108,6 +181,9 @@ class RedisServer:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+    def stop(self) -> None:
+        self._terminate()
         if self._dir != Path():
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -121,6 +197,30 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def make_tls_files(directory: Path) -> None:
+    """ca.pem, and server.pem / server.key for 127.0.0.1 signed by it (openssl, 1 day)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RedisMissing("openssl not found on PATH: it makes the test TLS certificates")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=directory, capture_output=True, check=True, timeout=30)
+
+    run(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=cachelane test CA",
+    )  # fmt: skip
+    run(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key",
+        "-out", "server.csr", "-subj", "/CN=127.0.0.1",
+    )  # fmt: skip
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run(
+        "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "1", "-out", "server.pem", "-extfile", "san.ext",
+    )  # fmt: skip
 
 
 class RedisClusterProcs:

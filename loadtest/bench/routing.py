@@ -95,8 +95,8 @@ SERVICE_BOUND = traces.ServiceBound(
     prefill_tokens_per_s=PREFILL_TOKENS_PER_S / TIME_FACTOR / 2, itl_s=ITL_S * TIME_FACTOR * 2
 )  # as demo/run.py: a turn is never sent before its previous turn could have finished
 
-VOICE_KEY = "bench-voice-key"
-STANDARD_KEY = "bench-standard-key"
+VOICE_KEY = "bench-voice-key-0123456789abcdef0123456789"
+STANDARD_KEY = "bench-standard-key-0123456789abcdef0123456789"
 
 PLAIN = ("chat", "shared_system", "rag", "agentic", "unique")
 TIERED = ("tiered-low", "tiered-high")

@@ -50,7 +50,10 @@ COSTS_70B: dict[str, float] = {
 # The pinning benchmark uses a 70B model on TP4 so that a burst of long prompts saturates a
 # 4-replica fleet at a request rate two shared CPU cores can drive (a 70B prefill is ~2.3x an 8B's).
 
-KEYS = {"voice": "voice-bench-key-1", "web": "web-bench-key-1"}
+KEYS = {
+    "voice": "voice-bench-key-1-0123456789abcdef0123456789",
+    "web": "web-bench-key-1-0123456789abcdef0123456789",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,10 +45,10 @@ class Tenant:
 TENANTS: dict[str, Tenant] = {
     t.name: t
     for t in (
-        Tenant("voice", "critical", "voice-critical-key-1"),
-        Tenant("agent", "critical", "agent-critical-key-1"),
-        Tenant("chat", "standard", "chat-standard-key-1"),
-        Tenant("bulk", "standard", "bulk-standard-key-1"),
+        Tenant("voice", "critical", "voice-critical-key-1-0123456789abcdef0123456789"),
+        Tenant("agent", "critical", "agent-critical-key-1-0123456789abcdef0123456789"),
+        Tenant("chat", "standard", "chat-standard-key-1-0123456789abcdef0123456789"),
+        Tenant("bulk", "standard", "bulk-standard-key-1-0123456789abcdef0123456789"),
     )
 }
 CLASSES = ("critical", "standard")

@@ -38,6 +38,19 @@ class Fleet:
         await self.replica_stacks[i].aclose()
 
 
+TEST_AUTH_SECRET = "test-secret-" + "0" * 32  # signs tenant records in Redis (auth.secret)
+
+
+def with_auth(data: dict[str, Any]) -> dict[str, Any]:
+    """A test config's auth section, unless it gives one: open when it names no tenant and no
+    admin key (auth is keys unless a config says otherwise), else keys with a secret for Redis."""
+    if "auth" in data:
+        return data
+    if not data.get("tenants") and not data.get("admin"):
+        return {**data, "auth": {"mode": "open"}}
+    return {**data, "auth": {"mode": "keys", "secret": TEST_AUTH_SECRET}}
+
+
 def gateway_config(
     replica_urls: list[str], costs: PoolCosts = FAST_COSTS, **overrides: Any
 ) -> GatewayConfig:
@@ -55,7 +68,7 @@ def gateway_config(
         ],
     }
     data.update(overrides)
-    return parse_config(data)
+    return parse_config(with_auth(data))
 
 
 @asynccontextmanager
@@ -152,6 +165,6 @@ async def tiered_fleet(pools: list[PoolSpec], **overrides: Any) -> AsyncIterator
             "pools": pool_configs,
         }
         data.update(overrides)
-        app = create_app(parse_config(data))
+        app = create_app(parse_config(with_auth(data)))
         gateway_url = await stack.enter_async_context(running_app(app))
         yield TieredFleet(gateway_url, app, names, remote_url, stacks)

@@ -47,10 +47,10 @@ SLOW = PoolCosts(prefill_tokens_per_s=10_000.0)  # 0.1 ms per prompt token: 4000
 WAIT_S = 15.0  # bound on any one wait; the tests take a few seconds
 
 KEYS = {
-    "voice": "voice-key-123",
-    "web": "web-key-1234",
-    "acme": "acme-key-1234",
-    "bulk": "bulk-key-123",
+    "voice": "voice-key-123-0123456789abcdef0123456789",
+    "web": "web-key-1234-0123456789abcdef0123456789",
+    "acme": "acme-key-1234-0123456789abcdef0123456789",
+    "bulk": "bulk-key-123-0123456789abcdef0123456789",
 }
 TENANTS = [
     {"name": "voice", "api_key": KEYS["voice"], "class": "critical"},

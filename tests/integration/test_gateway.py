@@ -198,7 +198,9 @@ async def test_openai_client_sees_typed_errors() -> None:
 
 
 async def test_api_keys() -> None:
-    async with fleet(1, tenants=[{"name": "t", "api_key": "sekret-key"}]) as f:
+    async with fleet(
+        1, tenants=[{"name": "t", "api_key": "sekret-key-0123456789abcdef0123456789"}]
+    ) as f:
         async with httpx.AsyncClient(base_url=f.gateway_url) as h:
             body = {"model": MODEL, "messages": chat("x")}
             bad = await h.post(
@@ -207,7 +209,9 @@ async def test_api_keys() -> None:
             assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
             missing = await h.post("/v1/chat/completions", json=body)
             assert missing.status_code == 401
-        async with AsyncOpenAI(base_url=f"{f.gateway_url}/v1", api_key="sekret-key") as c:
+        async with AsyncOpenAI(
+            base_url=f"{f.gateway_url}/v1", api_key="sekret-key-0123456789abcdef0123456789"
+        ) as c:
             done = await c.chat.completions.create(model=MODEL, messages=chat("x"), max_tokens=2)
         assert done.choices
 

@@ -214,18 +214,20 @@ async def test_bad_bodies_are_400_envelopes_counted_and_harm_no_other_request() 
 
 
 TENANTS = [
-    {"name": "Zürich", "api_key": "key-zurich-0123456789", "class": "standard"},
+    {"name": "Zürich", "api_key": "key-zurich-0123456789abcdef012345", "class": "standard"},
     {
         "name": "grp-member",
-        "api_key": "key-member-0123456789",
+        "api_key": "key-member-0123456789abcdef012345",
         "class": "standard",
         "share_group": "équipe 東京",
     },
-    {"name": "ascii", "api_key": "key-ascii-0123456789", "class": "standard"},
+    {"name": "ascii", "api_key": "key-ascii-0123456789abcdef0123456", "class": "standard"},
 ]
 
 
-@pytest.mark.parametrize("key", ["key-zurich-0123456789", "key-member-0123456789"])
+@pytest.mark.parametrize(
+    "key", ["key-zurich-0123456789abcdef012345", "key-member-0123456789abcdef012345"]
+)
 async def test_non_ascii_tenant_and_share_group_are_served(key: str) -> None:
     async with fleet(2, tenants=TENANTS) as f:
         async with httpx.AsyncClient(

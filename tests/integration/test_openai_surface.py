@@ -172,6 +172,7 @@ async def test_503_with_retry_after_until_a_replica_has_answered(
             "health": {"interval_s": 0.1, "timeout_s": 0.2, "fail_after": 1},
             "engine_metrics": {"enabled": False},
             "pools": [{"name": "discovered", "replicas": [_dead_url()]}],
+            "auth": {"mode": "open"},
         }
     )
     caplog.set_level(logging.WARNING, logger="cachelane.registry")
@@ -224,6 +225,7 @@ async def test_the_sdk_retries_the_503_until_the_replica_answers() -> None:
             "health": {"interval_s": 0.1, "timeout_s": 0.2, "fail_after": 1},
             "engine_metrics": {"enabled": False},
             "pools": [{"name": "discovered", "replicas": [f"http://127.0.0.1:{port}"]}],
+            "auth": {"mode": "open"},
         }
     )
     async with running_app(create_app(config)) as url:

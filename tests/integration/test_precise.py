@@ -23,7 +23,7 @@ from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny
 from routing.types import Location, Tier
 from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
-from tests.integration.fleet import FAST_COSTS, MODEL
+from tests.integration.fleet import FAST_COSTS, MODEL, with_auth
 
 BS = 16
 SYSTEM = "You are a meticulous assistant for a logistics company. " * 30
@@ -94,30 +94,32 @@ async def precise_fleet(
         if replay:
             kv_events["replay_endpoints"] = replays
         config = parse_config(
-            {
-                "health": {"interval_s": 0.2, "timeout_s": 0.5, "fail_after": 1},
-                "engine_metrics": {"enabled": False},
-                "routing": {"mode": "precise", "block_size_tokens": BS},
-                "pools": [
-                    {
-                        "name": "default",
-                        "models": [MODEL],
-                        "replicas": urls,
-                        "hbm_capacity_tokens": hbm_capacity_tokens,
-                        "cpu_capacity_tokens": cpu_capacity_tokens,
-                        "costs": {"prefill_tokens_per_s": FAST_COSTS.prefill_tokens_per_s},
-                        "kv_events": kv_events,
-                        "tokenizer": {
-                            "path": str(files.tokenizer_json),
-                            "chat_template": str(files.chat_template),
-                            "bos_token": BOS,
-                            "eos_token": EOS,
-                        },
-                        **pool,
-                    }
-                ],
-                "tenants": tenants or [],
-            }
+            with_auth(
+                {
+                    "health": {"interval_s": 0.2, "timeout_s": 0.5, "fail_after": 1},
+                    "engine_metrics": {"enabled": False},
+                    "routing": {"mode": "precise", "block_size_tokens": BS},
+                    "pools": [
+                        {
+                            "name": "default",
+                            "models": [MODEL],
+                            "replicas": urls,
+                            "hbm_capacity_tokens": hbm_capacity_tokens,
+                            "cpu_capacity_tokens": cpu_capacity_tokens,
+                            "costs": {"prefill_tokens_per_s": FAST_COSTS.prefill_tokens_per_s},
+                            "kv_events": kv_events,
+                            "tokenizer": {
+                                "path": str(files.tokenizer_json),
+                                "chat_template": str(files.chat_template),
+                                "bos_token": BOS,
+                                "eos_token": EOS,
+                            },
+                            **pool,
+                        }
+                    ],
+                    "tenants": tenants or [],
+                }
+            )
         )
         gateway = create_app(config)
         gateway_url = await stack.enter_async_context(running_app(gateway))
@@ -260,11 +262,14 @@ async def test_a_lost_batch_is_replayed_or_resynced(
 
 
 async def test_cache_salt_keeps_tenants_apart(tokenizer_files: TinyTokenizerFiles) -> None:
-    tenants = [{"name": "a", "api_key": "key-of-a-123"}, {"name": "b", "api_key": "key-of-b-123"}]
+    tenants = [
+        {"name": "a", "api_key": "key-of-a-123-0123456789abcdef0123456789"},
+        {"name": "b", "api_key": "key-of-b-123-0123456789abcdef0123456789"},
+    ]
     async with precise_fleet(tokenizer_files, 2, cache_salt=True, tenants=tenants) as f:
         async with (
-            client(f.gateway_url, "key-of-a-123") as a,
-            client(f.gateway_url, "key-of-b-123") as b,
+            client(f.gateway_url, "key-of-a-123-0123456789abcdef0123456789") as a,
+            client(f.gateway_url, "key-of-b-123-0123456789abcdef0123456789") as b,
         ):
             first = await a.chat.completions.with_raw_response.create(
                 model=MODEL, messages=chat("q1"), max_tokens=1

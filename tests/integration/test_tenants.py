@@ -12,15 +12,15 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.integration.fleet import MODEL, PoolSpec, tiered_fleet
+from tests.integration.fleet import MODEL, PoolSpec, tiered_fleet, with_auth
 
 SYSTEM = "You are the voice assistant of a train operator; answer in one sentence. " * 30
 KEYS = {
-    "voice": "voice-key-123",
-    "web": "web-key-1234",
-    "acme-a": "acme-a-key-1",
-    "acme-b": "acme-b-key-1",
-    "bulk": "bulk-key-123",
+    "voice": "voice-key-123-0123456789abcdef0123456789",
+    "web": "web-key-1234-0123456789abcdef0123456789",
+    "acme-a": "acme-a-key-1-0123456789abcdef0123456789",
+    "acme-b": "acme-b-key-1-0123456789abcdef0123456789",
+    "bulk": "bulk-key-123-0123456789abcdef0123456789",
 }
 TENANTS = [
     {"name": "voice", "api_key": KEYS["voice"], "class": "critical"},
@@ -263,19 +263,23 @@ async def test_cost_fit_learns_a_slower_replica() -> None:
 
 
 async def test_admin_api_without_restart() -> None:
-    async with tiered_fleet([SHARED], tenants=TENANTS, admin={"api_key": "admin-key-1"}) as f:
+    async with tiered_fleet(
+        [SHARED], tenants=TENANTS, admin={"api_key": "admin-key-1-0123456789abcdef0123456789"}
+    ) as f:
         async with httpx.AsyncClient(base_url=f.gateway_url) as h:
-            admin = {"authorization": "Bearer admin-key-1"}
+            admin = {"authorization": "Bearer admin-key-1-0123456789abcdef0123456789"}
             assert (await h.get("/admin/tenants")).status_code == 401
             put = await h.put(
                 "/admin/tenants/newco",
                 headers=admin,
-                json={"api_key": "newco-key-1", "class": "standard"},
+                json={"api_key": "newco-key-1-0123456789abcdef0123456789", "class": "standard"},
             )
             assert put.status_code == 200, put.text
             body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 1}
             ok = await h.post(
-                "/v1/chat/completions", json=body, headers={"authorization": "Bearer newco-key-1"}
+                "/v1/chat/completions",
+                json=body,
+                headers={"authorization": "Bearer newco-key-1-0123456789abcdef0123456789"},
             )
             assert ok.status_code == 200
             listed = (await h.get("/admin/tenants", headers=admin)).json()["data"]
@@ -283,7 +287,9 @@ async def test_admin_api_without_restart() -> None:
             assert all("key" not in str(t) for t in listed)
             assert (await h.delete("/admin/tenants/newco", headers=admin)).status_code == 204
             gone = await h.post(
-                "/v1/chat/completions", json=body, headers={"authorization": "Bearer newco-key-1"}
+                "/v1/chat/completions",
+                json=body,
+                headers={"authorization": "Bearer newco-key-1-0123456789abcdef0123456789"},
             )
             assert gone.status_code == 401
 
@@ -296,24 +302,26 @@ async def test_admin_change_reaches_a_second_gateway_on_the_same_redis(redis_url
     async with tiered_fleet([SHARED], tenants=TENANTS) as f:
         replicas = [f"http://{n}" for n in f.pools["shared"]]
         config = parse_config(
-            {
-                "index": {"backend": "redis", "redis_url": redis_url},
-                "admin": {"api_key": "admin-key-1"},
-                "engine_metrics": {"enabled": False},
-                "tenants": [TENANTS[1]],
-                "pools": [{"name": "shared", "models": [MODEL], "replicas": replicas}],
-            }
+            with_auth(
+                {
+                    "index": {"backend": "redis", "redis_url": redis_url},
+                    "admin": {"api_key": "admin-key-1-0123456789abcdef0123456789"},
+                    "engine_metrics": {"enabled": False},
+                    "tenants": [TENANTS[1]],
+                    "pools": [{"name": "shared", "models": [MODEL], "replicas": replicas}],
+                }
+            )
         )
         async with running_app(create_app(config)) as a, running_app(create_app(config)) as b:
             async with httpx.AsyncClient(timeout=10) as h:
                 put = await h.put(
                     f"{a}/admin/tenants/late",
-                    json={"api_key": "late-key-12"},
-                    headers={"authorization": "Bearer admin-key-1"},
+                    json={"api_key": "late-key-12-0123456789abcdef0123456789"},
+                    headers={"authorization": "Bearer admin-key-1-0123456789abcdef0123456789"},
                 )
                 assert put.status_code == 200
                 body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 1}
-                auth = {"authorization": "Bearer late-key-12"}
+                auth = {"authorization": "Bearer late-key-12-0123456789abcdef0123456789"}
                 status = 0
                 for _ in range(60):  # tenants refresh every second
                     status = (
@@ -324,5 +332,6 @@ async def test_admin_change_reaches_a_second_gateway_on_the_same_redis(redis_url
                     await asyncio.sleep(0.1)
                 assert status == 200
                 await h.delete(
-                    f"{a}/admin/tenants/late", headers={"authorization": "Bearer admin-key-1"}
+                    f"{a}/admin/tenants/late",
+                    headers={"authorization": "Bearer admin-key-1-0123456789abcdef0123456789"},
                 )

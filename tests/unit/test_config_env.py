@@ -17,14 +17,16 @@ pools:
     replicas: ["http://${REPLICA_HOST}:8001"]
 tenants:
   - {name: voice, class: critical, api_key_file: "${SECRETS}/voice-key"}
-admin: {api_key: "${ADMIN_KEY:-}$${literal}"}
+admin: {api_key: "${ADMIN_KEY:-}$${literal}-0123456789abcdef0123456789"}
+auth: {secret_file: "${SECRETS}/auth-secret"}
 """
 
 
 @pytest.fixture
 def secrets(tmp_path: Path) -> Path:
     (tmp_path / "redis-url").write_text("redis://:s3cret@10.0.0.5:6379/0\n")
-    (tmp_path / "voice-key").write_text("  voice-key-0123456789  \n")
+    (tmp_path / "voice-key").write_text("  voice-key-0123456789abcdef0123456789  \n")
+    (tmp_path / "auth-secret").write_text("auth-secret-0123456789abcdef0123456789\n")
     return tmp_path
 
 
@@ -40,8 +42,10 @@ def test_variables_defaults_and_secret_files_are_resolved(tmp_path: Path, secret
     assert (config.listen.host, config.listen.port) == ("127.0.0.1", 9000)
     assert config.index.redis_url == "redis://:s3cret@10.0.0.5:6379/0"
     assert str(config.pools[0].replicas[0]).startswith("http://10.0.0.7:8001")
-    assert config.tenants[0].api_key == "voice-key-0123456789"
-    assert config.admin.api_key == "${literal}"  # $$ is a literal $, an empty default is empty
+    assert config.tenants[0].api_key == "voice-key-0123456789abcdef0123456789"
+    # $$ is a literal $, an empty default is empty
+    assert config.admin.api_key == "${literal}-0123456789abcdef0123456789"
+    assert config.auth.secret == "auth-secret-0123456789abcdef0123456789"
 
 
 def test_an_unset_variable_names_itself_and_where(tmp_path: Path, secrets: Path) -> None:
