@@ -111,6 +111,8 @@ DESCRIPTIONS: dict[str, str] = {
     "flow_control": "Class-aware flow control in the gateway (gateway/flow.py).",
     "overload.batch_max_queue_s": "A batch request is shed (503) when even its best replica has "
     "more than this many seconds of prefill queued.",
+    "tracing": "OpenTelemetry tracing (the [otel] extra): one span per request with the routing "
+    "decision and its outcome, exported over OTLP/HTTP (gateway/tracing.py). Off by default.",
     "prewarm": "Warming hot prefixes onto replicas before they are needed (never on the request "
     "path; rate-limited).",
     "prewarm.enabled": "Send prewarms: a critical tenant's hot prefix onto pinned replicas that "

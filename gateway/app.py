@@ -29,8 +29,8 @@ from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics, model_label
 from gateway.planner import Plan
 from gateway.proxy import RelayResponse
-from gateway.registry import replica_name
 from gateway.state import Gateway
+from gateway.upstream import AiohttpUpstream
 
 log = logging.getLogger("cachelane.app")
 
@@ -52,15 +52,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
         )
         async with contextlib.AsyncExitStack() as stack:
             # trust_env=False: replica traffic never goes through an HTTP(S)_PROXY from the env
-            def new_client() -> httpx.AsyncClient:
-                return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
-
-            client = await stack.enter_async_context(new_client())
-            upstream = {
-                replica_name(str(url).rstrip("/")): await stack.enter_async_context(new_client())
-                for pool in config.pools
-                for url in pool.replicas
-            }
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+            )
+            upstream = AiohttpUpstream(  # the proxied requests (gateway/upstream.py: why)
+                max_connections_per_replica=up.max_connections,
+                connect_timeout_s=up.connect_timeout_s,
+                read_timeout_s=up.read_timeout_s,
+                keepalive_s=60.0,
+            )
+            stack.push_async_callback(upstream.aclose)
             gw = Gateway(config, client, upstream)
             app.state.gw = gw
             for replica in gw.registry.replicas.values():

@@ -26,7 +26,7 @@ from pydantic import (
 
 from gateway import config_env
 from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
-from gateway.extras import PRECISE_MODULES, missing_message, missing_modules
+from gateway.extras import OTEL_MODULES, PRECISE_MODULES, missing_message, missing_modules
 from gateway.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS
 from routing.cost import (
     FIXED_S,
@@ -449,6 +449,40 @@ class OverloadConfig(Strict):
     batch_max_queue_s: PositiveFloat = 5.0  # batch is shed when its best queue is longer
 
 
+class TracingConfig(Strict):
+    """OpenTelemetry spans, one per request (gateway/tracing.py; the [otel] extra)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Trace every request: a span with the routing decision and its outcome, "
+        "continuing the client's W3C traceparent and sending its own to the replica. Needs the "
+        "[otel] extra.",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces; unset: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else http://localhost:4318/v1/traces (the OTLP "
+        "exporter's defaults; OTEL_EXPORTER_OTLP_HEADERS adds headers such as a token).",
+    )
+    service_name: str = Field(
+        default="cachelane", min_length=1, description="The spans' service.name resource."
+    )
+    sample_ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of new traces sampled (1.0: every one, the OpenTelemetry SDK's "
+        "default sampler). A trace whose traceparent says sampled is always sampled.",
+    )
+
+    @model_validator(mode="after")
+    def _check_installed(self) -> TracingConfig:
+        missing = missing_modules(OTEL_MODULES) if self.enabled else []
+        if missing:
+            raise ValueError(missing_message("tracing", "otel", missing))
+        return self
+
+
 class GatewayConfig(Strict):
     listen: ListenConfig = ListenConfig()
     routing: RoutingConfig = RoutingConfig()
@@ -464,6 +498,7 @@ class GatewayConfig(Strict):
     flow_control: FlowControlConfig = FlowControlConfig()
     overload: OverloadConfig = OverloadConfig()
     prewarm: PrewarmConfig = PrewarmConfig()
+    tracing: TracingConfig = TracingConfig()
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
     max_json_depth: int = Field(DEFAULT_MAX_JSON_DEPTH, ge=2, le=MAX_JSON_DEPTH_LIMIT)
     max_number_chars: int = Field(DEFAULT_MAX_NUMBER_CHARS, ge=20)

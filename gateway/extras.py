@@ -2,7 +2,8 @@
 
 The plain `pip install cachelane` serves in approximate mode. Precise mode (engine KV events,
 the model's tokenizer and chat template) needs `[precise]`; the simulator and the demo `[sim]`;
-the benchmarks and Locust `[bench]` (pyproject.toml lists what each brings).
+the benchmarks and Locust `[bench]`; OpenTelemetry tracing `[otel]` (pyproject.toml lists what each
+brings).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 PRECISE_MODULES = ("tokenizers", "jinja2", "zmq", "msgpack")
 SIM_MODULES = (*PRECISE_MODULES, "matplotlib")  # the simulator tokenizes and publishes KV events
+OTEL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")  # `tracing:`
 
 
 def install_hint(extra: str) -> str:
@@ -26,5 +28,13 @@ def missing_message(feature: str, extra: str, missing: Sequence[str]) -> str:
 
 
 def missing_modules(modules: Sequence[str]) -> list[str]:
-    """Those of `modules` that are not installed (found without importing them)."""
-    return [m for m in modules if importlib.util.find_spec(m) is None]
+    """Those of `modules` that are not installed (found without importing them; a dotted name's
+    parent packages are imported, and a missing parent makes it missing)."""
+    return [m for m in modules if not _found(m)]
+
+
+def _found(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False

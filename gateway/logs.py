@@ -91,6 +91,11 @@ _current: contextvars.ContextVar[Access | None] = contextvars.ContextVar(
 )
 
 
+def current_access() -> Access | None:
+    """The access record of the request being handled, if any."""
+    return _current.get()
+
+
 def current_request_id() -> str | None:
     access = _current.get()
     return access.request_id if access is not None else None

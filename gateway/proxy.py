@@ -31,7 +31,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway import logs
+from gateway import logs, tracing
 from gateway.calibration import CostLearner, Observation
 from gateway.costs import CostAccounting
 from gateway.disconnect import ClientGone, while_client_waits
@@ -107,6 +107,7 @@ def estimate_terms(e: Estimate) -> str:
 def upstream_request_headers(plan: Plan) -> dict[str, str]:
     headers = {"content-type": "application/json", NAMESPACE_HEADER: plan.namespace}
     headers.update(logs.upstream_headers())  # x-request-id
+    tracing.inject(headers)  # traceparent, when tracing is on
     if plan.admission is not None:
         headers[REMOTE_WRITE_HEADER] = "1" if plan.admission.write else "0"
     return headers

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
 from gateway.tenant_store import TenantStore
 from gateway.tenants import CLASS_HEADER, Tenant
+from gateway.upstream import Upstream
 from routing.index import Index, MemoryIndex, RemovedFn, ignore_removed
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
@@ -129,11 +129,9 @@ class Gateway:
         self,
         config: GatewayConfig,
         client: httpx.AsyncClient,
-        upstream: Mapping[str, httpx.AsyncClient],
+        upstream: Upstream,
     ) -> None:
-        """`client` serves health checks, scrapes and warms; `upstream` the proxied requests, one
-        pool per replica (httpcore scans a pool's every connection for each queued request, so
-        one shared pool costs O(all connections) per request; per replica it is O(its own))."""
+        """`client` serves health checks, scrapes and warms; `upstream` the proxied requests."""
         self.config = config
         self.metrics = Metrics()
         self.registry = Registry(config, on_change=self._replica_changed)

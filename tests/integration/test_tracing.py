@@ -1,0 +1,225 @@
+"""OpenTelemetry tracing on real servers (issue 12, item 3): simulated replicas that record the
+headers they are sent, a gateway through uvicorn with `tracing.enabled` and the SDK's
+InMemorySpanExporter, the official openai client.
+
+- one SERVER span per request, streamed or not, with the routing decision and its outcome
+  (tenant, class, replica, reason, estimated TTFT and queue, expected and observed cached tokens,
+  flow control's queue wait, status);
+- the replica gets a `traceparent` whose parent is that span; a client's `traceparent` is
+  continued (same trace, the client's span as parent), and a trace it sampled stays sampled
+  when the gateway samples nothing of its own;
+- errors are spans too (status, error code); probes are not;
+- off by default: no traceparent reaches the replica, and the SDK is never imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import httpx
+import openai
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from gateway.app import create_app
+from loadtest.sim.config import SimReplicaSpec
+from loadtest.sim.server import create_sim_app
+from tests.helpers.servers import running_app
+from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
+from tests.integration.test_failing_replicas import until
+from tests.integration.test_request_logs import HeaderCapture
+
+MESSAGES: Any = [{"role": "user", "content": "You are a helpful assistant. " * 20}]
+CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN_ID = "00f067aa0ba902b7"
+
+
+@asynccontextmanager
+async def traced_fleet(
+    n: int = 2, **tracing: Any
+) -> AsyncIterator[tuple[str, list[HeaderCapture], InMemorySpanExporter]]:
+    async with AsyncExitStack() as stack:
+        captures, urls = [], []
+        for i in range(n):
+            spec = SimReplicaSpec(name=f"sim-{i}", port=0, costs=FAST_COSTS, itl_s=0.001)
+            capture = HeaderCapture(create_sim_app(spec))
+            captures.append(capture)
+            urls.append(await stack.enter_async_context(running_app(capture)))
+        exporter = InMemorySpanExporter()
+        config = gateway_config(urls, tracing={"enabled": True, **tracing})
+        app = create_app(config, span_exporter=exporter)
+        yield await stack.enter_async_context(running_app(app)), captures, exporter
+
+
+def traceparents(captures: list[HeaderCapture]) -> list[str | None]:
+    return [h.get("traceparent") for c in captures for h in c.seen]
+
+
+def parts(traceparent: str | None) -> tuple[str, str, str]:
+    assert traceparent is not None
+    version, trace_id, parent_id, flags = traceparent.split("-")
+    assert version == "00"
+    return trace_id, parent_id, flags
+
+
+def number(attributes: Mapping[str, object], key: str) -> float:
+    value = attributes[key]
+    assert isinstance(value, int | float), (key, value)
+    return value
+
+
+def sampled(flags: str) -> bool:
+    return bool(int(flags, 16) & 0x01)  # W3C trace-flags: bit 0 sampled (bit 1: random id)
+
+
+def ids(span: ReadableSpan) -> tuple[str, str]:
+    assert span.context is not None
+    return f"{span.context.trace_id:032x}", f"{span.context.span_id:016x}"
+
+
+async def test_each_request_is_a_span_with_its_route_and_outcome_and_the_replica_continues_it() -> (
+    None
+):
+    async with traced_fleet(service_name="gw-under-test") as (url, captures, exporter):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        whole = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        observed_cached = usage.prompt_tokens_details.cached_tokens
+        assert observed_cached is not None and observed_cached > 0  # the same prompt again
+
+        # a span ends when its response has ended, a moment after the client read the last byte
+        await until(lambda: len(exporter.get_finished_spans()) == 2)
+        spans = exporter.get_finished_spans()
+        sent = traceparents(captures)
+        assert len(sent) == 2
+        for span, traceparent in zip(spans, sent, strict=True):
+            assert span.kind is SpanKind.SERVER
+            assert span.name == "POST /v1/chat/completions"
+            assert span.resource.attributes["service.name"] == "gw-under-test"
+            assert span.parent is None  # the client sent no traceparent: a new trace
+            trace_id, parent_id, flags = parts(traceparent)
+            assert (trace_id, parent_id) == ids(span)  # the replica's parent is this span
+            assert sampled(flags)  # sample_ratio 1.0
+            a = span.attributes
+            assert a is not None
+            assert a["http.response.status_code"] == 200
+            assert a["cachelane.tenant"] == "anonymous"
+            assert a["cachelane.tenant_class"] == "standard"
+            assert a["gen_ai.request.model"] == MODEL
+            assert a["cachelane.replica"] in {c.seen[0]["host"] for c in captures if c.seen}
+            assert a["cachelane.reason"]
+            assert a["cachelane.policy"] == "cache_aware"
+            assert isinstance(a["cachelane.est_ttft_ms"], float) and a["cachelane.est_ttft_ms"] > 0
+            assert isinstance(a["cachelane.est_queue_ms"], float)
+            assert isinstance(a["cachelane.expected_cached_tokens"], int)
+            assert (
+                isinstance(a["cachelane.prompt_tokens"], int) and a["cachelane.prompt_tokens"] > 0
+            )
+            assert isinstance(a["cachelane.queue_wait_ms"], float)  # flow control's (0: none)
+            assert len(str(a["cachelane.request_id"])) == 32
+        first, second = (s.attributes for s in spans)
+        assert first is not None and second is not None
+        assert first["cachelane.request_id"] == whole.headers["x-request-id"]
+        assert first["cachelane.cached_tokens"] == 0  # observed: the engine's usage
+        assert second["cachelane.cached_tokens"] == observed_cached
+        assert number(second, "cachelane.expected_cached_tokens") > 0  # routed to the prefix
+        assert "cachelane.ttft_ms" not in first and number(second, "cachelane.ttft_ms") > 0
+
+
+async def test_a_client_traceparent_is_continued_and_its_sampling_kept() -> None:
+    # sample_ratio 0: the gateway starts no sampled trace of its own, yet keeps the client's
+    async with traced_fleet(1, sample_ratio=0.0) as (url, captures, exporter):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
+        )
+        await until(lambda: len(exporter.get_finished_spans()) == 1)
+        [span] = exporter.get_finished_spans()
+        trace_id, span_id = ids(span)
+        assert trace_id == CLIENT_TRACE_ID
+        assert span.parent is not None and span.parent.is_remote
+        assert f"{span.parent.span_id:016x}" == CLIENT_SPAN_ID
+        trace_id, parent_id, flags = parts(traceparents(captures)[0])
+        assert (trace_id, parent_id) == (CLIENT_TRACE_ID, span_id) and sampled(flags)
+
+        # without one: not sampled, no span exported, the replica told so (not sampled)
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        await until(lambda: len(captures[0].seen) == 2)
+        await asyncio.sleep(0.2)  # time for a span to end, if one were recorded
+        assert len(exporter.get_finished_spans()) == 1
+        trace_id, _, flags = parts(traceparents(captures)[1])
+        assert trace_id != CLIENT_TRACE_ID and not sampled(flags)
+
+
+async def test_errors_are_spans_and_probes_are_not() -> None:
+    async with traced_fleet(1) as (url, captures, exporter):
+        async with httpx.AsyncClient(timeout=10.0) as h:
+            for probe in ("/health", "/ready", "/metrics"):
+                assert (await h.get(url + probe)).status_code == 200
+            bad = await h.post(f"{url}/v1/chat/completions", content=b"{not json")
+            missing = await h.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "no-such-model", "messages": MESSAGES},
+            )
+        assert bad.status_code == 400 and missing.status_code == 404
+        await until(lambda: len(exporter.get_finished_spans()) >= 2)
+        spans = exporter.get_finished_spans()
+        assert [s.name for s in spans] == ["POST /v1/chat/completions"] * 2
+        codes = [(s.attributes or {}).get("cachelane.error_code") for s in spans]
+        statuses = [(s.attributes or {}).get("http.response.status_code") for s in spans]
+        assert statuses == [400, 404]
+        assert all(codes)
+        assert captures[0].seen == []
+
+
+async def test_tracing_is_off_by_default_and_sends_no_traceparent() -> None:
+    async with AsyncExitStack() as stack:
+        spec = SimReplicaSpec(name="sim-0", port=0, costs=FAST_COSTS, itl_s=0.001)
+        capture = HeaderCapture(create_sim_app(spec))
+        replica = await stack.enter_async_context(running_app(capture))
+        config = gateway_config([replica])
+        assert not config.tracing.enabled
+        url = await stack.enter_async_context(running_app(create_app(config)))
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
+        )
+        assert traceparents([capture]) == [None]  # neither made nor passed on
+
+
+def test_the_sdk_is_not_imported_when_tracing_is_off() -> None:
+    code = (
+        "import sys\n"
+        "from gateway.app import create_app\n"
+        "from tests.integration.fleet import gateway_config\n"
+        "create_app(gateway_config(['http://127.0.0.1:9']))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"
