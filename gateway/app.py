@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import __version__, logs
+from gateway import __version__, logs, tracing
 from gateway.admin import admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.config import GatewayConfig
@@ -32,10 +32,14 @@ from gateway.proxy import RelayResponse
 from gateway.state import Gateway
 from gateway.upstream import AiohttpUpstream
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
 log = logging.getLogger("cachelane.app")
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig, *, span_exporter: SpanExporter | None = None) -> FastAPI:
+    """`span_exporter`: where spans go when config.tracing is enabled, instead of OTLP."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         up = config.upstream
@@ -93,6 +97,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     logs.quiet_http_clients()
     app = FastAPI(title="cachelane", version=__version__, lifespan=lifespan)
     _install_error_handlers(app)
+    if config.tracing.enabled:  # inside RequestContext: the span reads its access record
+        app.add_middleware(
+            tracing.TracingMiddleware, tracer=tracing.tracer_from(config.tracing, span_exporter)
+        )
     app.add_middleware(logs.RequestContext)  # outside _Unexpected: its 500s are logged too
     app.include_router(admin_router)
     app.include_router(costs_router)  # GET /debug/costs, with the admin key
@@ -268,6 +276,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         model = body.get("model")
         plan = await _hold(gw, request, await gw.planner.plan(endpoint, body, tenant))
         logs.note_plan(plan)
+        tracing.note_plan(plan)
         _count_decision(gw, plan)
         gw.prewarmer.consider(plan)
         response = await gw.proxy.forward(

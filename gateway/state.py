@@ -28,6 +28,7 @@ from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
 from gateway.tenant_store import TenantStore
 from gateway.tenants import CLASS_HEADER, Tenant
+from gateway.tracing import note_queue_wait
 from gateway.upstream import Upstream
 from routing.index import Index, MemoryIndex, RemovedFn, ignore_removed
 from routing.speculative import SpeculativeIndex
@@ -275,6 +276,7 @@ class Gateway:
                 headers={"retry-after": str(err.retry_after_s)},
             ) from None
         self.metrics.flow_wait_seconds.labels(klass.value).observe(waited_s)
+        note_queue_wait(waited_s)
         if waited_s == 0:
             return plan
         try:
