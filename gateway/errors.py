@@ -2,16 +2,18 @@
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
-Handlers raise ApiError (or let httpx/JSON errors escape to the mapping below); the app's exception
-handlers render every one of them the same way and count it in cachelane_errors_total{code}.
+Handlers raise ApiError (a replica's failures are mapped by upstream_error below); the app's
+exception handlers render every one of them the same way and count it in
+cachelane_errors_total{code}.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import httpx
 from fastapi.responses import JSONResponse
+
+from gateway.upstream import UpstreamError, UpstreamTimeout
 
 
 class ApiError(Exception):
@@ -63,9 +65,9 @@ def no_replica(model: str, retry_after_s: int = 1) -> ApiError:
     )
 
 
-def upstream_error(replica: str, err: Exception) -> ApiError:
-    """Map a transport failure talking to a replica (httpx) to a public error."""
-    if isinstance(err, httpx.TimeoutException):
+def upstream_error(replica: str, err: UpstreamError) -> ApiError:
+    """Map a failure talking to a replica (gateway/upstream.py) to a public error."""
+    if isinstance(err, UpstreamTimeout):
         return ApiError(
             504, f"replica {replica} timed out", code="upstream_timeout", type="upstream_error"
         )

@@ -27,7 +27,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -39,14 +38,20 @@ from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.registry import Registry, Replica, Reservation
+from gateway.upstream import (
+    Upstream,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from routing.cost import Estimate
 from routing.types import TenantClass
 
 log = logging.getLogger("cachelane.proxy")
 
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
-_EJECTING = (httpx.ConnectError, httpx.ConnectTimeout)
-_PASSED_HEADERS = ("content-type",)
+_RETRYABLE = (UpstreamConnectError, UpstreamDisconnected)  # before the first byte
 NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in this namespace
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
 
@@ -131,14 +136,15 @@ def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
     return json.dumps({**plan.body, **extra}).encode()
 
 
-def _upstream_headers(resp: httpx.Response) -> dict[str, str]:
-    return {k: resp.headers[k] for k in _PASSED_HEADERS if k in resp.headers}
+def _upstream_headers(resp: UpstreamResponse) -> dict[str, str]:
+    content_type = resp.content_type
+    return {} if content_type is None else {"content-type": content_type}
 
 
 class Proxy:
     def __init__(
         self,
-        clients: Mapping[str, httpx.AsyncClient],
+        upstream: Upstream,
         registry: Registry,
         planner: Planner,
         metrics: Metrics,
@@ -147,7 +153,7 @@ class Proxy:
         retries: int,
         costs: CostAccounting | None = None,
     ) -> None:
-        self._clients = clients  # one connection pool per replica, by replica name
+        self._upstream = upstream
         self._registry = registry
         self._planner = planner
         self._metrics = metrics
@@ -203,7 +209,7 @@ class Proxy:
 
     async def _forward(self, endpoint: str, raw_body: bytes, plan: Plan) -> Response:
         path = ENDPOINT_PATHS[endpoint]
-        last_error: Exception | None = None
+        last_error: UpstreamError | None = None
         attempts = 0
         for name in plan.decision.ranking:
             replica = plan.replicas[name]
@@ -213,34 +219,29 @@ class Proxy:
                 break
             attempts += 1
             reservation = self._reserve(plan, replica)
-            client = self._clients[replica.name]
-            request = client.build_request(
-                "POST",
-                replica.url + path,
-                content=upstream_body(plan, replica, raw_body),
-                headers=upstream_request_headers(plan),
-            )
+            url = replica.url + path
+            body = upstream_body(plan, replica, raw_body)
+            headers = upstream_request_headers(plan)
             # a streamed answer's first byte is its first token; a whole answer's first byte
             # comes after the whole generation, so only upstream.read_timeout_s bounds it
             timeout_s = replica.pool.first_byte_timeout_s if plan.stream else None
-            resp: httpx.Response | None = None
+            resp: UpstreamResponse | None = None
             chunks: AsyncIterator[bytes] | None = None
             first: bytes | None = None
             try:
                 async with asyncio.timeout(timeout_s):
-                    resp = await client.send(request, stream=True)
-                    if resp.status_code < 400:  # only a replica that took it holds its prompt
+                    resp = await self._upstream.post(url, body, headers)
+                    if resp.status < 400:  # only a replica that took it holds its prompt
                         await self._planner.record_sent(plan, replica)
                         if self._costs is not None:
                             self._costs.sent(plan, replica)
                         if plan.stream:
-                            chunks = resp.aiter_raw()
+                            chunks = resp.chunks()
                             first = await anext(chunks, None)
             except TimeoutError:
                 await _discard(resp, reservation)
-                silent = httpx.ReadTimeout(
-                    f"no first byte in {timeout_s} s", request=request
-                )  # 504 if no other replica answers
+                silent = UpstreamTimeout(f"no first byte in {timeout_s} s")
+                # 504 if no other replica answers
                 await self._registry.errored(replica, repr(silent), reason="timeout")
                 self._metrics.retries.labels(replica.name).inc()
                 log.warning(
@@ -253,7 +254,10 @@ class Proxy:
             except _RETRYABLE as err:
                 await _discard(resp, reservation)
                 await self._registry.mark_failed(
-                    replica, repr(err), eject=isinstance(err, _EJECTING), reason="connect"
+                    replica,
+                    repr(err),
+                    eject=isinstance(err, UpstreamConnectError),
+                    reason="connect",
                 )
                 self._metrics.retries.labels(replica.name).inc()
                 log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
@@ -261,12 +265,12 @@ class Proxy:
                 continue
             except BaseException as err:
                 await _discard(resp, reservation)
-                if isinstance(err, httpx.ReadTimeout):
+                if isinstance(err, UpstreamTimeout):
                     await self._registry.errored(replica, repr(err), reason="timeout")
-                if isinstance(err, httpx.HTTPError):
+                if isinstance(err, UpstreamError):
                     raise upstream_error(replica.name, err) from err
                 raise
-            await self._registry.answered(replica, resp.status_code)
+            await self._registry.answered(replica, resp.status)
             headers = _upstream_headers(resp) | decision_headers(plan, replica)
             if chunks is not None:
                 headers["cache-control"] = "no-cache"
@@ -275,18 +279,18 @@ class Proxy:
                 return RelayResponse(
                     self._relay(resp, chunks, first, ttft_s, reservation, plan),
                     on_close=partial(_close, resp, reservation),
-                    status_code=resp.status_code,
+                    status_code=resp.status,
                     headers=headers,
                 )
             try:
-                content = await resp.aread()
-            except httpx.HTTPError as err:
+                content = await resp.read()
+            except UpstreamError as err:
                 raise upstream_error(replica.name, err) from err
             finally:
                 ttft_s = self._first_byte(reservation, plan)
                 reservation.release()
                 await resp.aclose()
-            if resp.status_code < 400:
+            if resp.status < 400:
                 self._count_usage(plan, replica, prompt_tokens_in(content), content)
                 if self._costs is not None:  # a whole answer's first byte is no TTFT
                     observed_s = ttft_s if _prefill_only(plan) else None
@@ -297,9 +301,9 @@ class Proxy:
                         cached_tokens_in(content),
                         prompt_tokens_in(content),
                     )
-            if _prefill_only(plan) and resp.status_code < 400:
+            if _prefill_only(plan) and resp.status < 400:
                 self._learn(reservation, plan, ttft_s, cached_tokens_in(content))
-            return Response(content, status_code=resp.status_code, headers=headers)
+            return Response(content, status_code=resp.status, headers=headers)
         if last_error is not None:
             raise upstream_error(plan.decision.replica, last_error)
         raise no_replica(plan.model)
@@ -347,7 +351,7 @@ class Proxy:
 
     async def _relay(
         self,
-        resp: httpx.Response,
+        resp: UpstreamResponse,
         chunks: AsyncIterator[bytes],
         first: bytes | None,
         ttft_s: float | None,
@@ -373,14 +377,14 @@ class Proxy:
                     if (tokens := prompt_tokens_in(chunk)) is not None:
                         prompt, usage = tokens, chunk
                     yield chunk
-        except httpx.HTTPError as err:
+        except UpstreamError as err:
             api_error: ApiError = upstream_error(reservation.replica.name, err)
             self._metrics.errors.labels(api_error.code).inc()
             log.warning("stream from %s broke: %r", reservation.replica.name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
             reservation.release()
-            if resp.status_code < 400:
+            if resp.status < 400:
                 self._count_usage(plan, reservation.replica, prompt, usage)
                 if self._costs is not None:
                     self._costs.answered(plan, reservation.replica, ttft_s, cached, prompt)
@@ -425,7 +429,7 @@ class RelayResponse(StreamingResponse):
                 callback()
 
 
-async def _discard(resp: httpx.Response | None, reservation: Reservation) -> None:
+async def _discard(resp: UpstreamResponse | None, reservation: Reservation) -> None:
     """A try that will not be answered: give its slot back and close its upstream connection
     (the engine aborts a request whose connection closed)."""
     reservation.release()
@@ -439,7 +443,7 @@ async def _close_abandoned(response: Response) -> None:
         await response.close_upstream()
 
 
-async def _close(resp: httpx.Response, reservation: Reservation) -> None:
+async def _close(resp: UpstreamResponse, reservation: Reservation) -> None:
     reservation.release()  # both are idempotent: the relay may have done it already
     await resp.aclose()
 

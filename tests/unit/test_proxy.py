@@ -1,14 +1,16 @@
-"""gateway/proxy.py against fake replicas: httpx.MockTransport answers in process, no sockets."""
+"""gateway/proxy.py against fake replicas answering in process through the Upstream interface
+(gateway/upstream.py, whose aiohttp implementation tests/unit/test_upstream.py tests on real
+sockets)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
 import pytest
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -22,6 +24,12 @@ from gateway.proxy import Proxy
 from gateway.registry import Registry, Replica
 from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
+from gateway.upstream import (
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from routing.index import MemoryIndex
 from routing.types import Location, TenantClass, Tier
 
@@ -42,14 +50,38 @@ class Sent:
     replica: str  # host:port
     path: str
     content: bytes
-    headers: httpx.Headers
+    headers: Mapping[str, str]
 
     def json(self) -> dict[str, Any]:
         body: dict[str, Any] = json.loads(self.content)
         return body
 
 
-Behaviour = Callable[[httpx.Request], httpx.Response]
+@dataclass
+class Answer:
+    """A fake replica's answer: status, content type, and its body in chunks (an async iterator
+    that may raise an UpstreamError mid-way, as a broken connection does)."""
+
+    status: int
+    content_type: str | None
+    body: AsyncIterator[bytes]
+    closed: bool = False
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self.body
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.body])
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def json_answer(status: int, body: Any) -> Answer:
+    return Answer(status, "application/json", delayed([json.dumps(body).encode()]))
+
+
+Behaviour = Callable[[Sent], Answer]
 
 
 async def delayed(chunks: list[bytes], *, then: Exception | None = None) -> AsyncIterator[bytes]:
@@ -60,20 +92,15 @@ async def delayed(chunks: list[bytes], *, then: Exception | None = None) -> Asyn
         raise then
 
 
-def answers(request: httpx.Request) -> httpx.Response:
+def answers(request: Sent) -> Answer:
     """A replica that works: SSE when asked to stream, else one JSON completion."""
-    if json.loads(request.content).get("stream"):
-        return httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, content=delayed(SSE)
-        )
-    body = json.dumps({"choices": [{"message": {"content": "Hello"}}]}).encode()
-    return httpx.Response(
-        200, headers={"content-type": "application/json"}, content=delayed([body])
-    )
+    if request.json().get("stream"):
+        return Answer(200, "text/event-stream", delayed(SSE))
+    return json_answer(200, {"choices": [{"message": {"content": "Hello"}}]})
 
 
-def refuses(request: httpx.Request) -> httpx.Response:
-    raise httpx.ConnectError("connection refused", request=request)
+def refuses(request: Sent) -> Answer:
+    raise UpstreamConnectError("connection refused")
 
 
 @dataclass
@@ -82,11 +109,18 @@ class FakeFleet:
 
     behaviour: dict[str, Behaviour] = field(default_factory=dict)
     sent: list[Sent] = field(default_factory=list)
+    answered: list[Answer] = field(default_factory=list)
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        name = f"{request.url.host}:{request.url.port}"
-        self.sent.append(Sent(name, request.url.path, request.content, request.headers))
-        return self.behaviour.get(name, answers)(request)
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        parts = urlsplit(url)
+        sent = Sent(parts.netloc, parts.path, body, dict(headers))
+        self.sent.append(sent)
+        answer = self.behaviour.get(sent.replica, answers)(sent)
+        self.answered.append(answer)
+        return answer
+
+    async def aclose(self) -> None:
+        return None
 
 
 class Setup:
@@ -99,11 +133,8 @@ class Setup:
         )
         self.learner = CostLearner("fit", self.registry.replicas.values(), self.metrics)
         self.fleet = FakeFleet()
-        client = httpx.AsyncClient(transport=httpx.MockTransport(self.fleet.handle))
-        self.client = client
-        clients = {name: client for name in self.registry.replicas}
         self.proxy = Proxy(
-            clients, self.registry, self.planner, self.metrics, self.learner, retries=retries
+            self.fleet, self.registry, self.planner, self.metrics, self.learner, retries=retries
         )
 
     async def admit_all(self) -> Setup:
@@ -127,6 +158,7 @@ class Setup:
                 r.name
             )
             assert not r.joining, r.name
+        assert all(a.closed for a in self.fleet.answered)  # every upstream answer let go of
 
     def samples(self, name: str) -> int:
         n: int = self.learner.describe()["replicas"][name]["samples"]
@@ -253,8 +285,8 @@ async def test_a_replica_that_dropped_the_request_is_not_indexed_as_its_holder()
     plan = await s.plan(json.loads(raw_chat()))
     first, second = plan.decision.ranking[:2]
 
-    def drops(request: httpx.Request) -> httpx.Response:
-        raise httpx.RemoteProtocolError("server disconnected", request=request)
+    def drops(request: Sent) -> Answer:
+        raise UpstreamDisconnected("server disconnected")
 
     s.fleet.behaviour[first] = drops
     response = await s.proxy.forward("chat", raw_chat(), plan)
@@ -293,7 +325,7 @@ async def test_an_upstream_error_status_passes_through_and_releases() -> None:
     s = await setup()
     error = {"error": {"message": "bad", "type": "invalid_request_error", "code": "x"}}
     for name in s.registry.replicas:
-        s.fleet.behaviour[name] = lambda _: httpx.Response(400, json=error)
+        s.fleet.behaviour[name] = lambda _: json_answer(400, error)
     _, response = await s.forward(raw_chat(stream=True))
     assert response.status_code == 400
     assert json.loads(bytes(response.body)) == error
@@ -304,8 +336,8 @@ async def test_an_upstream_error_status_passes_through_and_releases() -> None:
 async def test_an_upstream_timeout_before_the_first_byte_is_504_and_releases() -> None:
     s = await setup()
 
-    def times_out(request: httpx.Request) -> httpx.Response:
-        raise httpx.ReadTimeout("no answer", request=request)
+    def times_out(request: Sent) -> Answer:
+        raise UpstreamTimeout("no answer")
 
     for name in s.registry.replicas:
         s.fleet.behaviour[name] = times_out
@@ -364,11 +396,11 @@ async def test_a_stream_whose_client_left_before_the_first_chunk_releases() -> N
 async def test_a_stream_broken_upstream_ends_with_an_error_event_and_releases() -> None:
     s = await setup()
 
-    def breaks(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(
+    def breaks(request: Sent) -> Answer:
+        return Answer(
             200,
-            headers={"content-type": "text/event-stream"},
-            content=delayed(SSE[:1], then=httpx.ReadError("connection reset")),
+            "text/event-stream",
+            delayed(SSE[:1], then=UpstreamDisconnected("connection reset")),
         )
 
     for name in s.registry.replicas:
@@ -431,16 +463,14 @@ async def test_a_whole_response_teaches_only_when_prefill_only() -> None:
 # -- failing replicas: first-byte timeout, passive health, clients that leave ----------------------
 
 
-async def never(request: httpx.Request) -> AsyncIterator[bytes]:
+async def never() -> AsyncIterator[bytes]:
     await asyncio.sleep(3600)
     yield b""
 
 
-def stalls(request: httpx.Request) -> httpx.Response:
+def stalls(request: Sent) -> Answer:
     """Headers at once, then no first token (a hung engine behind vLLM's server)."""
-    return httpx.Response(
-        200, headers={"content-type": "text/event-stream"}, content=never(request)
-    )
+    return Answer(200, "text/event-stream", never())
 
 
 async def test_a_stream_without_a_first_byte_in_time_is_retried_on_the_next_replica() -> None:
@@ -479,7 +509,7 @@ async def test_consecutive_5xx_eject_and_a_success_resets_the_count() -> None:
     )
     s = await Setup(cfg).admit_all()
     for name in s.registry.replicas:
-        s.fleet.behaviour[name] = lambda _: httpx.Response(500, json={"error": {}})
+        s.fleet.behaviour[name] = lambda _: json_answer(500, {"error": {}})
     target = s.replica(URLS[0].removeprefix("http://"))
     await s.registry.answered(target, 500)
     await s.registry.answered(target, 200)  # an answer resets the count
@@ -499,7 +529,7 @@ async def test_consecutive_5xx_eject_and_a_success_resets_the_count() -> None:
 async def test_a_client_that_leaves_before_the_answer_cancels_it_and_releases() -> None:
     s = await setup()
     for name in s.registry.replicas:
-        s.fleet.behaviour[name] = lambda r: httpx.Response(200, content=never(r))
+        s.fleet.behaviour[name] = lambda _: Answer(200, None, never())
     plan = await s.plan(json.loads(raw_chat()))
     calls = 0
 
