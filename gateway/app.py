@@ -29,6 +29,7 @@ from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics, model_label
 from gateway.planner import Plan
 from gateway.proxy import RelayResponse
+from gateway.reload import install_sighup
 from gateway.state import Gateway
 from gateway.upstream import AiohttpUpstream
 
@@ -38,8 +39,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("cachelane.app")
 
 
-def create_app(config: GatewayConfig, *, span_exporter: SpanExporter | None = None) -> FastAPI:
-    """`span_exporter`: where spans go when config.tracing is enabled, instead of OTLP."""
+def create_app(
+    config: GatewayConfig,
+    *,
+    span_exporter: SpanExporter | None = None,
+    config_path: str | None = None,
+) -> FastAPI:
+    """`span_exporter`: where spans go when config.tracing is enabled, instead of OTLP;
+    `config_path`: the file `config` came from, reloaded on SIGHUP and POST /admin/reload."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         up = config.upstream
@@ -66,11 +74,13 @@ def create_app(config: GatewayConfig, *, span_exporter: SpanExporter | None = No
                 keepalive_s=60.0,
             )
             stack.push_async_callback(upstream.aclose)
-            gw = Gateway(config, client, upstream)
+            gw = Gateway(config, client, upstream, config_path=config_path)
             app.state.gw = gw
             for replica in gw.registry.replicas.values():
                 gw.metrics.replica_healthy.labels(replica.name).set(0)
+            await gw.discovery.sync(config.pools)  # discovered pools: resolved once, then followed
             await gw.health.check_all()
+            stop_sighup = install_sighup(gw.reloader) if config_path else None
             tasks = [
                 asyncio.create_task(gw.health.run(), name="health-checks"),
                 asyncio.create_task(gw.tenants.run(), name="tenant-refresh"),
@@ -89,6 +99,8 @@ def create_app(config: GatewayConfig, *, span_exporter: SpanExporter | None = No
             try:
                 yield
             finally:
+                if stop_sighup is not None:
+                    stop_sighup()
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)

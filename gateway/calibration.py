@@ -82,18 +82,30 @@ class CostLearner:
     def __init__(self, mode: Mode, replicas: Iterable[Replica], metrics: Metrics) -> None:
         self.mode = mode
         self._metrics = metrics
-        self._replicas = {r.name: r for r in replicas}
+        self._replicas: dict[str, Replica] = {}
         self._own: dict[str, OnlineFit] = {}
         self._pooled: dict[str, OnlineFit] = {}
-        for r in self._replicas.values():
-            seed = CostTerms.seed(r.costs)
-            self._own[r.name] = OnlineFit(seed)
-            self._pooled.setdefault(r.pool.name, OnlineFit(seed))
-            r.terms = None if mode == "none" else seed
-            self._export(r)
+        for r in replicas:
+            self.add(r)
+
+    def add(self, r: Replica) -> None:
+        """Learn for a replica that joined (or whose pool's costs changed: a fresh seed)."""
+        seed = CostTerms.seed(r.costs)
+        self._replicas[r.name] = r
+        self._own[r.name] = OnlineFit(seed)
+        self._pooled.setdefault(r.pool.name, OnlineFit(seed))
+        r.terms = None if self.mode == "none" else self.terms_of(r.name)
+        self._export(r)
+
+    def remove(self, name: str) -> None:
+        """Forget a replica that left (its pool's fit stays)."""
+        self._replicas.pop(name, None)
+        self._own.pop(name, None)
 
     def observe(self, ob: Observation) -> None:
         replica, est_s = ob.replica, ob.score.estimate.ttft_s
+        if self._replicas.get(replica.name) is not replica:
+            return  # it left the fleet while this request was finishing
         if ob.observed_s > 0:
             self._metrics.estimate_error.labels(replica.name).observe(
                 abs(est_s - ob.observed_s) / ob.observed_s

@@ -39,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(args.log_level, args.log_format)
     uvicorn.run(
-        create_app(config),
+        create_app(config, config_path=_config_path(args)),  # reloaded on SIGHUP
         host=config.listen.host,
         port=config.listen.port,
         log_level=args.log_level,
@@ -49,10 +49,14 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_path(args: argparse.Namespace) -> str | None:
+    return args.config or (None if args.replicas else os.environ.get(CONFIG_ENV))
+
+
 def _serve_config(args: argparse.Namespace) -> GatewayConfig:
     if args.config and args.replicas:
         raise ConfigError("give either --config or --replicas, not both")
-    path = args.config or (None if args.replicas else os.environ.get(CONFIG_ENV))
+    path = _config_path(args)
     if path:
         config = load_config(path)
         listen = config.listen.model_copy(
@@ -217,9 +221,11 @@ def _check_config(args: argparse.Namespace) -> int:
         print(f"cachelane: {err}", file=sys.stderr)
         return 2
     replicas = sum(len(p.replicas) for p in config.pools)
+    discovered = sum(p.discovery is not None for p in config.pools)
     print(
-        f"{path}: valid; {len(config.pools)} pool(s), {replicas} replica(s), "
-        f"{len(config.tenants)} tenant(s), routing {config.routing.mode} "
+        f"{path}: valid; {len(config.pools)} pool(s), {replicas} replica(s)"
+        + (f" and {discovered} pool(s) discovered in DNS" if discovered else "")
+        + f", {len(config.tenants)} tenant(s), routing {config.routing.mode} "
         f"{config.routing.policy.value}, index {config.index.backend}"
     )
     return 0

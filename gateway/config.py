@@ -6,6 +6,7 @@ silently falling back to a default. Cost constants default to routing/cost.py (s
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -179,9 +180,88 @@ class AdmissionConfig(Strict):
     max_prefill_tokens: PositiveInt | None = None
 
 
+DEFAULT_DISCOVERY_INTERVAL_S = 5.0
+# 5 s: the TTL CoreDNS's kubernetes plugin gives its records by default, so a change is seen about
+# as soon as a caching resolver would see it (a Corefile with `ttl 30` / `cache 30`, kubeadm's
+# default, delays it by up to 30 s whatever the interval).
+
+
+class DiscoveryConfig(Strict):
+    """A pool's replicas from DNS (gateway/discovery.py), re-resolved every `interval_s`."""
+
+    name: str = Field(
+        min_length=1,
+        description="The DNS name: for `type: A` one that resolves to every replica's address "
+        "(a Kubernetes headless Service: SERVICE.NAMESPACE.svc.cluster.local); for `type: SRV` "
+        "the SRV name (_PORTNAME._tcp.SERVICE.NAMESPACE.svc.cluster.local). A full name: no "
+        "search domains are tried.",
+    )
+    type: Literal["A", "SRV"] = Field(
+        default="A",
+        description="A: the name's A and AAAA records, each address one replica on `port`. "
+        "SRV: each target of the SRV records (its addresses) on the record's port; priorities "
+        "and weights are not used (the router balances by its own estimates).",
+    )
+    port: Annotated[int, Field(ge=1, le=65535)] | None = Field(
+        default=None, description="The replicas' HTTP port (type A; SRV records carry theirs)."
+    )
+    scheme: Literal["http", "https"] = "http"
+    interval_s: PositiveFloat = Field(
+        default=DEFAULT_DISCOVERY_INTERVAL_S,
+        description="Seconds between resolutions. Replicas that appear are added (health "
+        "checked at once), those that disappear are removed: no new requests, those in flight "
+        "finish, their index entries are dropped. A failed resolution (timeout, SERVFAIL) "
+        "keeps the replicas as they were; a name that does not exist (NXDOMAIN) or has no "
+        "record means no replica.",
+    )
+    timeout_s: PositiveFloat = Field(default=2.0, description="Longest one resolution may take.")
+    nameservers: list[str] = Field(
+        default_factory=list,
+        description="Resolvers to ask, as IP, IP:PORT or [IPv6]:PORT. Empty: the system's "
+        "(/etc/resolv.conf).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DiscoveryConfig:
+        if self.type == "A" and self.port is None:
+            raise ValueError("type A needs the replicas' port")
+        if self.type == "SRV" and self.port is not None:
+            raise ValueError("type SRV takes each replica's port from its record: drop port")
+        for server in self.nameservers:
+            nameserver_address(server)
+        return self
+
+
+def nameserver_address(server: str) -> tuple[str, int]:
+    """("10.96.0.10", 53) from "10.96.0.10", "10.96.0.10:5353", "[fd00::a]:53" or "fd00::a";
+    ValueError otherwise."""
+    host, port = server, "53"
+    if server.startswith("["):
+        host, sep, rest = server[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"nameserver {server!r}: expected [IPv6]:PORT")
+        port = rest[1:] or port
+    elif server.count(":") == 1:
+        host, port = server.split(":")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"nameserver {server!r}: {host!r} is not an IP address") from None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"nameserver {server!r}: {port!r} is not a port")
+    return host, int(port)
+
+
 class PoolConfig(Strict):
     name: str
-    replicas: list[HttpUrl] = Field(min_length=1)
+    replicas: list[HttpUrl] = Field(
+        default_factory=list,
+        description="The replicas' base URLs. One of replicas, discovery.",
+    )
+    discovery: DiscoveryConfig | None = Field(
+        default=None,
+        description="Instead of replicas: find them in DNS and follow its changes.",
+    )
     pinned: bool = False  # reserved for critical tenants
     hbm_only: bool = False  # replicas run without CPU or remote offload
     admission: AdmissionConfig = AdmissionConfig()
@@ -237,6 +317,12 @@ class PoolConfig(Strict):
         description="Precise mode: the served model's tokenizer and chat template, so the "
         "gateway hashes the engine's own token ids.",
     )
+
+    @model_validator(mode="after")
+    def _replicas_or_discovery(self) -> PoolConfig:
+        if bool(self.replicas) == (self.discovery is not None):
+            raise ValueError(f"pool {self.name!r}: give exactly one of replicas, discovery")
+        return self
 
 
 class RemoteTierConfig(Strict):
@@ -557,6 +643,11 @@ def _check_precise(pools: list[PoolConfig]) -> None:
             raise ValueError(
                 f"{where}.models: routing.mode precise needs the one model the pool serves "
                 "(KV events do not say which model a block belongs to)"
+            )
+        if pool.kv_events.endpoints is not None and pool.discovery is not None:
+            raise ValueError(
+                f"{where}.kv_events: a discovered pool's replicas are not known in advance: "
+                "use port_offset (and replay_port_offset), not endpoints"
             )
         if pool.kv_events.endpoints is not None:
             urls = {_url_key(str(u)) for u in pool.replicas}

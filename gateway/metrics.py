@@ -7,6 +7,7 @@ input cannot add label values.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Iterable
 
 from prometheus_client import (
@@ -378,3 +379,33 @@ class Metrics:
             [*cost_labels, "kind"],
             registry=r,
         )
+        self.discovery_resolutions = Counter(
+            "cachelane_discovery_resolutions",
+            "DNS resolutions of a discovered pool's name, by result (ok, failed: the replicas "
+            "were kept as they were)",
+            ["pool", "result"],
+            registry=r,
+        )
+        self.replica_changes = Counter(
+            "cachelane_replica_changes",
+            "Replicas that joined or left a pool (discovery, reload), by change (added, removed)",
+            ["pool", "change"],
+            registry=r,
+        )
+        self.reloads = Counter(
+            "cachelane_config_reloads",
+            "Config reloads (SIGHUP, POST /admin/reload), by result (ok, invalid)",
+            ["result"],
+            registry=r,
+        )
+
+    def forget_replica(self, name: str, terms: Iterable[str]) -> None:
+        """Drop the gauges of a replica that left the fleet (its counters stay: a rate over
+        them falls to zero)."""
+        gauges = (self.replica_healthy, self.replica_in_flight, self.correction)
+        series: list[tuple[Gauge, tuple[str, ...]]] = [(g, (name,)) for g in gauges]
+        series += [(self.cost_fit_samples, (name,))]
+        series += [(self.cost_fit, (name, term)) for term in terms]
+        for gauge, labels in series:
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)

@@ -158,6 +158,12 @@ class Planner:
     def policy(self) -> Policy:
         return self._policy
 
+    def set_pools(self, config: GatewayConfig, tokenizers: dict[str, PromptTokenizer]) -> None:
+        """A reload changed the pools: their lending reserves, and (precise mode) their
+        tokenizers (load_tokenizers, before anything changed)."""
+        self._tokenizers = tokenizers
+        self._keep_idle = {p.name: p.lend_keep_idle for p in config.pools if p.lend_keep_idle}
+
     def model_of(self, body: dict[str, Any]) -> str:
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -288,7 +294,7 @@ class Planner:
         prefill queue (a request whose own prefill is longer than the budget must still go)."""
         now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
         for score in plan.decision.scores:
-            replica = self._registry.replicas[score.replica]
+            replica = plan.replicas[score.replica]  # one that left the fleet is unhealthy
             if not replica.healthy:
                 continue
             load = replica.load(now_s, stale_s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,6 +45,7 @@ class Replica:
     answered_check: bool = False  # has it ever passed a health check (its models are known)
     in_flight: int = 0
     last_error: str | None = None
+    retired: bool = False  # removed from the fleet (discovery, reload): its requests finish
     correction: float = 1.0  # routing.calibration: correction (gateway/calibration.py)
     terms: CostTerms | None = None  # cost terms in use (gateway/calibration.py); None: the seed
     engine: EngineLoad | None = None  # last scrape of the engine's own metrics
@@ -173,6 +174,17 @@ def replica_name(url: str) -> str:
     return httpx.URL(url).netloc.decode()
 
 
+def _rules_of(pool: PoolConfig) -> PoolRules:
+    return PoolRules(
+        name=pool.name,
+        pinned=pool.pinned,
+        hbm_only=pool.hbm_only,
+        max_in_flight=pool.admission.max_in_flight,
+        max_prefill_tokens=pool.admission.max_prefill_tokens,
+        lend_below=pool.lend_below,
+    )
+
+
 class Registry:
     def __init__(
         self,
@@ -185,22 +197,50 @@ class Registry:
         self._ejection_s = config.health.ejection_s
         self._on_change = on_change
         self.on_load_change: Callable[[], None] = _no_listener  # flow control's kick
+        self.pool_models = frozenset(m for p in config.pools for m in p.models)  # Fleet updates
         for pool in config.pools:
-            costs = pool.costs.to_pool_costs()
-            rules = PoolRules(
-                name=pool.name,
-                pinned=pool.pinned,
-                hbm_only=pool.hbm_only,
-                max_in_flight=pool.admission.max_in_flight,
-                max_prefill_tokens=pool.admission.max_prefill_tokens,
-                lend_below=pool.lend_below,
-            )
             for raw in pool.replicas:
-                url = str(raw).rstrip("/")
-                name = replica_name(url)
-                self.replicas[name] = Replica(
-                    name, url, pool, costs, rules, models=frozenset(pool.models)
-                )
+                self.add(str(raw), pool)
+
+    def add(self, url: str, pool: PoolConfig) -> Replica:
+        """A replica joins (unhealthy until its first health check passes)."""
+        url = url.rstrip("/")
+        replica = Replica(
+            replica_name(url),
+            url,
+            pool,
+            pool.costs.to_pool_costs(),
+            _rules_of(pool),
+            models=frozenset(pool.models),
+        )
+        self.replicas[replica.name] = replica
+        return replica
+
+    def readmit(self, replica: Replica) -> None:
+        """A replica removed while its requests were still finishing joins again, as it was
+        (its load counts stay right); unhealthy until its next health check passes."""
+        replica.retired = False
+        replica.healthy = False
+        self.replicas[replica.name] = replica
+
+    def remove(self, name: str) -> Replica | None:
+        """A replica leaves: no new request goes to it (it counts as unhealthy, and no health
+        check re-admits it); those in flight finish. Returns it, or None if it was not here."""
+        replica = self.replicas.pop(name, None)
+        if replica is not None:
+            replica.retired = True
+            replica.healthy = False
+        return replica
+
+    @staticmethod
+    def move(replica: Replica, pool: PoolConfig) -> None:
+        """The replica's pool changed (a reload): its rules and cost seed follow; the models it
+        serves are the pool's, or, for a pool that names none, those it already listed."""
+        replica.pool = pool
+        replica.costs = pool.costs.to_pool_costs()
+        replica.rules = _rules_of(pool)
+        if pool.models:
+            replica.models = frozenset(pool.models)
 
     def reserve(
         self, replica: Replica, *, prefill_tokens: int, swaps: int, load_s: float = 0.0
@@ -220,7 +260,9 @@ class Registry:
         return reservation
 
     def known_models(self) -> set[str]:
-        return {m for r in self.replicas.values() for m in r.models}
+        """The models the replicas serve, and those a pool names (served again once its
+        replicas are back: a discovered pool may have none for a while)."""
+        return {m for r in self.replicas.values() for m in r.models} | self.pool_models
 
     def model_status(self, model: str) -> Literal["known", "pending", "unknown"]:
         """ "known": a pool names it or a replica said it serves it; "pending": not (yet), but a
@@ -312,6 +354,8 @@ class Registry:
         """Record a passed check (`cards`: the engine's /v1/models entries by id); a replica
         that was out is (re)admitted, unless it was ejected for its errors less than
         `health.ejection_s` ago."""
+        if replica.retired:  # a check that was under way when it left
+            return
         if cards is not None:
             replica.model_cards = cards
         replica.answered_check = True
@@ -358,7 +402,11 @@ class HealthChecker:
         self._timeout_s = timeout_s
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(r) for r in self._registry.replicas.values()))
+        await self.check(list(self._registry.replicas.values()))
+
+    async def check(self, replicas: Iterable[Replica]) -> None:
+        """Check these replicas now (one that just joined need not wait for the next round)."""
+        await asyncio.gather(*(self._check(r) for r in replicas))
 
     async def _check(self, replica: Replica) -> None:
         try:

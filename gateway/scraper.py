@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -92,7 +92,7 @@ class Scraper:
     def __init__(
         self,
         client: httpx.AsyncClient,
-        replicas: Iterable[Replica],
+        replicas: Collection[Replica],
         *,
         interval_s: float,
         timeout_s: float,
@@ -101,7 +101,7 @@ class Scraper:
     ) -> None:
         self._block_size = block_size_tokens  # the routing's, to compare with the engines'
         self._client = client
-        self._replicas = list(replicas)
+        self._replicas = replicas  # a live view (the registry's): replicas come and go
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self.stale_after_s = stale_after_s
@@ -119,7 +119,7 @@ class Scraper:
             log.debug("metrics scrape of %s failed: %r", replica.name, err)
 
     async def scrape_all(self) -> None:
-        await asyncio.gather(*(self.scrape(r) for r in self._replicas if r.healthy))
+        await asyncio.gather(*[self.scrape(r) for r in self._replicas if r.healthy])
 
     async def run(self) -> None:
         while True:

@@ -14,8 +14,10 @@ from fastapi import Request
 from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig
 from gateway.costs import CostAccounting
+from gateway.discovery import Discovery
 from gateway.errors import ApiError
 from gateway.fit_store import FitStore
+from gateway.fleet import Fleet
 from gateway.flow import ClassLimits, FlowControl, Shed
 from gateway.index.resilient import ErrorHook, ResilientIndex
 from gateway.keys import Keyring
@@ -24,6 +26,7 @@ from gateway.planner import Plan, Planner
 from gateway.prewarm import Prewarmer
 from gateway.proxy import Proxy
 from gateway.registry import HealthChecker, Registry, Replica
+from gateway.reload import Reloader
 from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
 from gateway.tenant_store import TenantStore
@@ -54,20 +57,19 @@ def build_index(
     A Redis index is backed by a local one (ResilientIndex): if Redis goes away the gateway
     routes on its own view, and `on_error(op, error)` hears of every failed Redis call."""
     block = config.routing.block_size_tokens
-    pools = {name: r.pool for name, r in registry.replicas.items()}
-    replicas = registry.replicas
+    replicas = registry.replicas  # read at each call: replicas join and leave (gateway/fleet.py)
     remote_caps = {t.name: t.capacity_tokens // block for t in config.remote_tiers}
 
     def capacity_blocks(loc: Location) -> int | None:
         if loc.tier is Tier.REMOTE:
             return remote_caps.get(loc.holder)
-        pool = pools.get(loc.holder)
-        if pool is None:
+        replica = replicas.get(loc.holder)
+        if replica is None:
             return None
         if loc.tier is Tier.HBM:
-            tokens = replicas[loc.holder].hbm_capacity_tokens()  # may come from the engine
+            tokens = replica.hbm_capacity_tokens()  # may come from the engine
         else:
-            tokens = pool.cpu_capacity_tokens
+            tokens = replica.pool.cpu_capacity_tokens
         if config.routing.mode == "precise":
             # The engines' BlockRemoved events do the evicting; the bound only caps what missed
             # removals could leave behind, so it must never bind before the engine's own LRU.
@@ -77,7 +79,8 @@ def build_index(
     def spill_to(loc: Location) -> Location | None:
         if config.routing.mode == "precise":
             return None  # the engines' events say what reaches the CPU tier (medium CPU)
-        pool = pools.get(loc.holder)
+        replica = replicas.get(loc.holder)
+        pool = replica.pool if replica is not None else None
         if loc.tier is Tier.HBM and pool is not None and pool.cpu_capacity_tokens:
             return Location(loc.holder, Tier.CPU)
         return None
@@ -131,8 +134,11 @@ class Gateway:
         config: GatewayConfig,
         client: httpx.AsyncClient,
         upstream: Upstream,
+        *,
+        config_path: str | None = None,
     ) -> None:
-        """`client` serves health checks, scrapes and warms; `upstream` the proxied requests."""
+        """`client` serves health checks, scrapes and warms; `upstream` the proxied requests;
+        `config_path`: the file `config` came from, which a reload reads again."""
         self.config = config
         self.metrics = Metrics()
         self.registry = Registry(config, on_change=self._replica_changed)
@@ -236,6 +242,18 @@ class Gateway:
             stale_after_s=em.stale_after_s,
             block_size_tokens=config.routing.block_size_tokens,
         )
+        self.fleet = Fleet(
+            config.pools,
+            self.registry,
+            self.learner,
+            routing_index,
+            self.metrics,
+            self.health,
+            self.kv_events,
+            drain_timeout_s=config.upstream.read_timeout_s,
+        )
+        self.discovery = Discovery(self.fleet, self.metrics)
+        self.reloader = Reloader(self, config_path)
 
     def may_hold(self, plan: Plan) -> bool:
         """Whether flow control applies to this request's class at all."""
@@ -347,8 +365,10 @@ class Gateway:
         return lowered
 
     async def close(self) -> None:
+        await self.discovery.aclose()
+        await self.fleet.aclose()
         if self.kv_events is not None:
-            self.kv_events.close()
+            await self.kv_events.aclose()
         await self.index.close()
         if self.redis is not None:
             await self.redis.aclose()

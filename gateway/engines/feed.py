@@ -207,27 +207,34 @@ class KvEvents:
         format (every replica's engine speaks the same)."""
         self._ctx = zmq.asyncio.Context()
         self._subscribers: list[_Subscriber] = []
-        block = config.routing.block_size_tokens
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._block = config.routing.block_size_tokens
+        self._index, self._metrics, self._source = index, metrics, source
         for name, url, pool in replicas:
-            events = pool.kv_events
-            if events is None or not pool.models:
-                continue
-            replay_endpoint = events.replay_endpoint_for(url)
-            replay = source.replayer(self._ctx, replay_endpoint) if replay_endpoint else None
-            hbm = pool.hbm_capacity_tokens or HBM_CAPACITY_TOKENS  # a bound on the map, not routing
-            capacity = MAP_SLACK * (hbm + pool.cpu_capacity_tokens) // block
-            feed = ReplicaFeed(
-                name,
-                model=pool.models[0],
-                block_size_tokens=block,
-                capacity_blocks=max(capacity, 1),
-                index=index,
-                metrics=metrics,
-                replay=replay,
-                source=source,
-            )
-            endpoint = events.endpoint_for(url)
-            self._subscribers.append(_Subscriber(self._ctx, feed, endpoint, events.topic))
+            self._subscribe(name, url, pool)
+
+    def _subscribe(self, name: str, url: str, pool: Any) -> _Subscriber | None:
+        events = pool.kv_events
+        if events is None or not pool.models:
+            return None
+        replay_endpoint = events.replay_endpoint_for(url)
+        replay = self._source.replayer(self._ctx, replay_endpoint) if replay_endpoint else None
+        hbm = pool.hbm_capacity_tokens or HBM_CAPACITY_TOKENS  # a bound on the map, not routing
+        capacity = MAP_SLACK * (hbm + pool.cpu_capacity_tokens) // self._block
+        feed = ReplicaFeed(
+            name,
+            model=pool.models[0],
+            block_size_tokens=self._block,
+            capacity_blocks=max(capacity, 1),
+            index=self._index,
+            metrics=self._metrics,
+            replay=replay,
+            source=self._source,
+        )
+        endpoint = events.endpoint_for(url)
+        subscriber = _Subscriber(self._ctx, feed, endpoint, events.topic)
+        self._subscribers.append(subscriber)
+        return subscriber
 
     @property
     def feeds(self) -> dict[str, ReplicaFeed]:
@@ -239,10 +246,26 @@ class KvEvents:
         }
 
     def start(self) -> list[asyncio.Task[None]]:
-        return [
-            asyncio.create_task(s.run(), name=f"kv-events {s.feed.replica}")
-            for s in self._subscribers
-        ]
+        """Run the subscribers not yet running (add() runs its own at once)."""
+        return [self._run(s) for s in self._subscribers if s.feed.replica not in self._tasks]
+
+    def _run(self, s: _Subscriber) -> asyncio.Task[None]:
+        task = asyncio.create_task(s.run(), name=f"kv-events {s.feed.replica}")
+        self._tasks[s.feed.replica] = task
+        return task
+
+    def add(self, name: str, url: str, pool: Any) -> None:
+        """Follow the events of a replica that joined the fleet (if its pool has them)."""
+        subscriber = self._subscribe(name, url, pool)
+        if subscriber is not None:
+            self._run(subscriber)
+
+    def remove(self, name: str) -> None:
+        """Stop following a replica that left."""
+        self._subscribers = [s for s in self._subscribers if s.feed.replica != name]
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
 
     async def wait_connected(self, timeout_s: float) -> bool:
         """True once every subscriber's TCP connection is up (tests and start-up logs)."""
@@ -252,7 +275,11 @@ class KvEvents:
                 return True
         return False
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._ctx.destroy(linger=0)
 
 

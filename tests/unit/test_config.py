@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_config, parse_config
+from gateway.config import ConfigError, load_config, nameserver_address, parse_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
 
@@ -14,6 +14,7 @@ def test_example_configs_load(path: Path) -> None:
 
 
 MINIMAL = {"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"]}]}
+DNS_A = {"name": "vllm.default.svc.cluster.local", "port": 8000}
 
 
 @pytest.mark.parametrize(
@@ -25,7 +26,27 @@ MINIMAL = {"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"]}]}
             {"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"], "cost": {}}]},
             "pools.0.cost",
         ),
-        ({"pools": [{"name": "p", "replicas": []}]}, "pools.0.replicas"),
+        ({"pools": [{"name": "p", "replicas": []}]}, "pools.0: Value error, pool 'p': give"),
+        (
+            {"pools": [{"name": "p", "replicas": ["http://a:1"], "discovery": DNS_A}]},
+            "give exactly one of replicas, discovery",
+        ),
+        (
+            {"pools": [{"name": "p", "discovery": {"name": "v.ns"}}]},
+            "type A needs the replicas' port",
+        ),
+        (
+            {"pools": [{"name": "p", "discovery": {**DNS_A, "type": "SRV"}}]},
+            "SRV takes each replica's port from its record",
+        ),
+        (
+            {"pools": [{"name": "p", "discovery": {**DNS_A, "nameservers": ["dns.local"]}}]},
+            "pools.0.discovery: Value error, nameserver 'dns.local'",
+        ),
+        (
+            {"pools": [{"name": "p", "discovery": {**DNS_A, "nameservers": ["[::1]:99999"]}}]},
+            "is not a port",
+        ),
         ({"pools": [{"name": "p", "replicas": ["x"], "remote_tier": "nope"}]}, "pools.0.replicas"),
         (
             {"pools": [{"name": "p", "replicas": ["http://a:1"], "remote_tier": "nope"}]},
@@ -39,6 +60,11 @@ MINIMAL = {"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"]}]}
         "bad-policy",
         "typo-in-pool",
         "no-replicas",
+        "replicas-and-discovery",
+        "discovery-a-without-port",
+        "discovery-srv-with-port",
+        "discovery-nameserver-not-an-ip",
+        "discovery-nameserver-bad-port",
         "bad-url",
         "unknown-remote-tier",
         "bad-backend",
@@ -58,3 +84,25 @@ def test_unreadable_and_non_yaml(tmp_path: Path) -> None:
     bad.write_text("pools: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("server", "address"),
+    [
+        ("10.96.0.10", ("10.96.0.10", 53)),
+        ("127.0.0.1:5353", ("127.0.0.1", 5353)),
+        ("[fd00::a]:53", ("fd00::a", 53)),
+        ("[::1]", ("::1", 53)),
+        ("fd00::a", ("fd00::a", 53)),
+    ],
+    ids=["ipv4", "ipv4-port", "ipv6-port", "ipv6-brackets", "ipv6-bare"],
+)
+def test_nameserver_addresses(server: str, address: tuple[str, int]) -> None:
+    assert nameserver_address(server) == address
+
+
+def test_discovered_pool_needs_no_replicas() -> None:
+    config = parse_config({"pools": [{"name": "p", "discovery": {**DNS_A, "interval_s": 2}}]})
+    (pool,) = config.pools
+    assert pool.replicas == [] and pool.discovery is not None
+    assert (pool.discovery.type, pool.discovery.port, pool.discovery.interval_s) == ("A", 8000, 2)
