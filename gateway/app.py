@@ -81,6 +81,7 @@ def create_app(
             await gw.discovery.sync(config.pools)  # discovered pools: resolved once, then followed
             await gw.health.check_all()
             stop_sighup = install_sighup(gw.reloader) if config_path else None
+            await gw.tenants.load()
             tasks = [
                 asyncio.create_task(gw.health.run(), name="health-checks"),
                 asyncio.create_task(gw.tenants.run(), name="tenant-refresh"),

@@ -137,6 +137,14 @@ class TenantStore:
             await self._write(behind)
         self._rebuild()
 
+    async def load(self) -> None:
+        """The first refresh, before the gateway serves: a tenant deleted elsewhere stays deleted
+        from the first request on. Redis down: the file's tenants until it answers."""
+        try:
+            await self.refresh()
+        except Exception as err:
+            log.warning("could not read the tenants in Redis at start: %r", err)
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_S)
@@ -150,7 +158,7 @@ class TenantStore:
             name, text = _text(field), _text(value)
             return load(name, text, self._keyring)
         except UnicodeDecodeError:
-            reason, detail = "malformed", "not UTF-8"
+            reason, detail = "malformed", "malformed: not UTF-8"
         except RecordError as err:
             reason, detail = err.reason, str(err)
         seen = (repr(field), repr(value))
@@ -159,7 +167,7 @@ class TenantStore:
                 self._rejected.clear()
             self._rejected.add(seen)
             self._on_rejected(reason)
-            log.warning("ignoring tenant record %r in Redis: %s", field, detail)
+            log.warning("ignoring tenant record %s in Redis: %s", seen[0], detail)
         return None
 
     async def _write(self, records: Sequence[Record]) -> None:
