@@ -57,6 +57,10 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
     assert await check(), what
 
 
+def as_text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else value or ""
+
+
 def metric(text: str, line_start: str) -> float:
     for line in text.splitlines():
         if line.startswith(line_start):
@@ -164,7 +168,7 @@ async def test_records_written_to_redis_without_the_secret_are_ignored(
         assert put.status_code == 200
         raw = aioredis.Redis.from_url(own_redis.url)
         try:
-            stored = (await raw.hget(TENANTS_KEY, "late") or b"").decode()
+            stored = as_text(await raw.hget(TENANTS_KEY, "late"))
             bare = hashlib.sha256(LATE_KEY.encode()).hexdigest()
             assert stored and bare not in stored  # no unsalted digest to guess keys against
             evil_digest = hashlib.sha256(EVIL_KEY.encode()).hexdigest()
@@ -192,7 +196,7 @@ async def test_records_written_to_redis_without_the_secret_are_ignored(
                 value = await raw.hget(TENANTS_KEY, "late")
                 keyring = Keyring(TEST_AUTH_SECRET)
                 try:
-                    return load("late", (value or b"").decode(), keyring).digest == (
+                    return load("late", as_text(value), keyring).digest == (
                         keyring.digest(LATE_KEY)
                     )
                 except ValueError:
