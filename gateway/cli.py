@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from gateway import report
 from gateway.config import ConfigError, GatewayConfig, load_config, quick_config
 from gateway.extras import SIM_MODULES, missing_message, missing_modules
 from routing.decide import Policy
@@ -287,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--api-key", help="API key, if the gateway requires one")
     explain.set_defaults(func=_route_explain)
+    report.add_parser(sub)
     return parser
 
 
