@@ -45,9 +45,37 @@ def test_every_yaml_under_deploy_parses(path: Path) -> None:
     assert load_docs(path), f"{rel(path)} is empty"
 
 
+def _gateway_env() -> dict[str, str]:
+    """The environment compose gives the gateways (x-gateway's, its ${VAR:-default}s resolved as
+    on a machine that sets none of them): what their configs' ${...} values read."""
+    environment = load_one(COMPOSE_FILE)["x-gateway"]["environment"]
+    defaults = {k: re.sub(r"\$\{[A-Z_]+:-(.*?)\}", r"\1", str(v)) for k, v in environment.items()}
+    return {**os.environ, **defaults}
+
+
 @pytest.mark.parametrize("path", GATEWAY_CONFIGS + EXAMPLES, ids=rel)
 def test_gateway_configs_validate(path: Path) -> None:
-    load_config(path)  # raises ConfigError naming the bad key
+    load_config(path, _gateway_env())  # raises ConfigError naming the bad key
+
+
+def test_redis_takes_a_password_keeps_its_state_and_only_the_gateways_reach_it(
+    compose: dict[str, Any], services: dict[str, Any]
+) -> None:
+    redis = services["redis"]
+    command = [str(c) for c in redis["command"]]
+    password = command[command.index("--requirepass") + 1]
+    environment = load_one(COMPOSE_FILE)["x-gateway"]["environment"]
+    assert password == environment["CACHELANE_REDIS_PASSWORD"]  # one variable for both
+    password = _gateway_env()["CACHELANE_REDIS_PASSWORD"]
+    assert command[command.index("--save") + 1] not in ("", '""')  # snapshots: tenants persist
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+    assert compose["networks"]["redis"]["internal"] is True
+    on_redis_net = {n for n, svc in services.items() if "redis" in svc.get("networks", [])}
+    assert on_redis_net == {"redis", "gateway-a", "gateway-b"}
+    for path in GATEWAY_CONFIGS:
+        config = load_config(path, _gateway_env())
+        assert f":{password}@redis:" in config.index.redis_url
+        assert config.auth.secret == _gateway_env()["CACHELANE_AUTH_SECRET"]
 
 
 def _command(service: dict[str, Any]) -> list[str]:
@@ -85,7 +113,7 @@ def _gateway_config_for(service: dict[str, Any]) -> GatewayConfig:
     source = volume.removesuffix(":/etc/cachelane/config.yaml:ro")
     default = re.fullmatch(r"\$\{CACHELANE_CONFIG:-(.+)\}", source)
     assert default, f"config volume {source!r}: expected ${{CACHELANE_CONFIG:-...}}"
-    return load_config(COMPOSE_DIR / default.group(1))
+    return load_config(COMPOSE_DIR / default.group(1), _gateway_env())
 
 
 def _sim_replica_urls(services: dict[str, Any]) -> set[str]:
@@ -100,14 +128,14 @@ def _sim_replica_urls(services: dict[str, Any]) -> set[str]:
 
 
 def test_sim_config_names_exactly_the_simulated_replicas(services: dict[str, Any]) -> None:
-    config = load_config(COMPOSE_DIR / "gateway-sim.yaml")
+    config = load_config(COMPOSE_DIR / "gateway-sim.yaml", _gateway_env())
     configured = {str(u) for p in config.pools for u in p.replicas}
     assert configured == _sim_replica_urls(services)
     assert _gateway_config_for(services["gateway-a"]) == config  # the default of both gateways
 
 
 def test_sim_pools_match_the_simulators(services: dict[str, Any]) -> None:
-    config = load_config(COMPOSE_DIR / "gateway-sim.yaml")
+    config = load_config(COMPOSE_DIR / "gateway-sim.yaml", _gateway_env())
     sims = {
         name: sim_parser().parse_args(_command(s)[1:])
         for name, s in _cachelane_services(services).items()
@@ -130,7 +158,7 @@ def test_sim_pools_match_the_simulators(services: dict[str, Any]) -> None:
 
 
 def test_vllm_config_names_the_vllm_services(services: dict[str, Any]) -> None:
-    config = load_config(COMPOSE_DIR / "gateway-vllm.yaml")
+    config = load_config(COMPOSE_DIR / "gateway-vllm.yaml", _gateway_env())
     for url in (u for p in config.pools for u in p.replicas):
         service = services[str(url.host)]
         assert "gpu" in service["profiles"]
@@ -157,7 +185,7 @@ def test_offload_pool_uses_lmcache(services: dict[str, Any]) -> None:
     host, port = host_port.split(":")
     assert port in services[host]["entrypoint"]
     gib_tokens = lmcache["max_local_cpu_size"] * 2**30 // 131_072
-    config = load_config(COMPOSE_DIR / "gateway-vllm.yaml")
+    config = load_config(COMPOSE_DIR / "gateway-vllm.yaml", _gateway_env())
     (offload,) = [p for p in config.pools if p.name == "offload"]
     assert offload.cpu_capacity_tokens == gib_tokens
 
@@ -173,8 +201,8 @@ def test_gateways_listen_where_nginx_and_prometheus_look(services: dict[str, Any
         assert (name, port) in upstreams
         assert (name, port) in scraped
         for path in GATEWAY_CONFIGS:
-            assert str(load_config(path).listen.port) == port, path
-            assert load_config(path).listen.host == "0.0.0.0", path
+            assert str(load_config(path, _gateway_env()).listen.port) == port, path
+            assert load_config(path, _gateway_env()).listen.host == "0.0.0.0", path
     dockerfile = (DEPLOY.parent / "Dockerfile").read_text()
     assert "EXPOSE 8000" in dockerfile and "127.0.0.1:8000/health" in dockerfile
 
@@ -188,7 +216,7 @@ def test_prometheus_scrapes_every_replica(services: dict[str, Any]) -> None:
         for t in sc["targets"]
     }
     for path in GATEWAY_CONFIGS:
-        for pool in load_config(path).pools:
+        for pool in load_config(path, _gateway_env()).pools:
             for url in pool.replicas:
                 assert f"{url.host}:{url.port}" in targets, (path.name, str(url))
     for target in targets:
