@@ -24,6 +24,7 @@ examples:
   cachelane serve --replicas http://127.0.0.1:9001,http://127.0.0.1:9002
   cachelane serve --config deploy/examples/sim-fleet.yaml
   cachelane route-explain --prompt "You are a helpful assistant..." --model sim-llama-8b
+  cachelane locust --headless -u 20 -r 5 -t 60s --host http://127.0.0.1:8000
 """
 
 
@@ -100,6 +101,19 @@ def _demo(argv: list[str]) -> int:
     return run_demo(parser.parse_args(argv))
 
 
+def _locust(argv: list[str]) -> int:
+    """`cachelane locust ...`: Locust on the package's scenarios (loadtest/locust/run.py)."""
+    missing = missing_modules(("locust",))
+    if missing:
+        print(
+            f"cachelane: {missing_message('cachelane locust', 'bench', missing)}", file=sys.stderr
+        )
+        return 2
+    from loadtest.locust.run import main as run_locust
+
+    return run_locust(argv)
+
+
 def _missing_extra(feature: str, extra: str) -> bool:
     """Say which extra to install (before any work starts) if the command needs one."""
     missing = missing_modules(SIM_MODULES)
@@ -114,6 +128,7 @@ def _missing_extra(feature: str, extra: str) -> bool:
 LAZY_COMMANDS = {
     "sim": (_sim, "run simulated GPU replicas"),
     "demo": (_demo, "run the demo: round_robin vs cache_aware on a simulated fleet"),
+    "locust": (_locust, "run the Locust scenarios: Locust's options (--help lists them), --shapes"),
 }
 
 

@@ -1,1 +1,2 @@
-"""Locust scenarios: `locust -f loadtest/locust/locustfile.py ...` (see locustfile.py)."""
+"""Locust scenarios: `cachelane locust ...` (installed) or `locust -f loadtest/locust/locustfile.py
+...` (a checkout); see locustfile.py."""

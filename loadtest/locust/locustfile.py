@@ -1,5 +1,9 @@
 """Locust scenarios for cachelane (or any OpenAI-compatible endpoint).
 
+From an installed package (any directory), `cachelane locust` runs Locust on this file with the
+rest of its arguments (loadtest/locust/run.py); `cachelane locust --help` lists the options
+below with Locust's. From a checkout, `locust -f loadtest/locust/locustfile.py` as here:
+
 Headless, every shape, weighted (chat 3, agent 3, rag 2, unique 1, shared_system 1, voice 1):
     locust -f loadtest/locust/locustfile.py --headless -u 20 -r 5 -t 60s --host http://127.0.0.1:8000
 

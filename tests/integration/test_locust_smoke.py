@@ -3,12 +3,19 @@
 Checks that every shape streams without a failure, that Locust's request statistics hold only
 requests (TTFT and hit rate are kept beside them, not as fake requests that would inflate the
 Aggregated row), and that TTFT and the hit rate are reported per shape; no speed is asserted.
+
+Locust runs as `cachelane locust` from a copy of the packages as a wheel installs them (their .py
+files, nothing else of the checkout) in a directory outside the checkout, so the scenarios run
+from an installed package; `cachelane locust --help` lists the scenarios' options; and
+`locust -f loadtest/locust/locustfile.py` still runs from the checkout. Locust monkey-patches the
+standard library with gevent when imported: every run is a subprocess.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 RUN_S = 4  # long enough for every user class to send a few turns
 LOCUST_TIMEOUT_S = 60  # start-up, RUN_S, and the stop timeout, on a loaded machine
 SHAPES = {"chat", "agentic", "rag", "unique", "shared_system", "voice"}
+PACKAGES = ("gateway", "routing", "loadtest")  # pyproject.toml [tool.setuptools.packages.find]
+SCENARIO_OPTIONS = ("--model", "--seed", "--api-key", "--voice-api-key", "--shapes")
 
 
 def _locust() -> list[str]:
@@ -29,13 +38,78 @@ def _locust() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "locust"]
 
 
+def _installed_copy(tmp_path: Path) -> dict[str, str]:
+    """The packages' .py files (what the wheel holds) in tmp_path/site; the environment that
+    imports them from there (PYTHONPATH comes before the editable install's finder)."""
+    site = tmp_path / "site"
+    for package in PACKAGES:
+        shutil.copytree(
+            REPO / package,
+            site / package,
+            ignore=lambda _, names: [n for n in names if n == "__pycache__" or n.endswith(".pyc")],
+        )
+    return {**os.environ, "PYTHONPATH": str(site)}
+
+
+def _cachelane_locust(
+    *args: str, env: dict[str, str], cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "locust", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LOCUST_TIMEOUT_S,
+        check=False,
+    )
+
+
+def test_cachelane_locust_runs_the_installed_scenarios_and_lists_their_options(
+    tmp_path: Path,
+) -> None:
+    env = _installed_copy(tmp_path)
+    where = _cachelane_locust("--print-path", "--shapes", env=env, cwd=tmp_path)
+    assert where.returncode == 0, where.stderr
+    files = where.stdout.strip().split(",")
+    assert files == [
+        str(tmp_path / "site" / "loadtest" / "locust" / name)
+        for name in ("locustfile.py", "shapes.py")
+    ]
+
+    help_page = _cachelane_locust("--help", env=env, cwd=tmp_path)
+    assert help_page.returncode == 0, help_page.stderr
+    assert help_page.stdout.startswith("Usage: cachelane locust")
+    for option in (*SCENARIO_OPTIONS, "--headless", "--host"):
+        assert f"{option} " in help_page.stdout, option
+
+    listed = _cachelane_locust("--list", env=env, cwd=tmp_path)  # loads the scenarios
+    assert listed.returncode == 0, listed.stderr
+    assert "VoiceUser" in listed.stdout and "ChatUser" in listed.stdout
+
+    refused = _cachelane_locust("-f", "other.py", env=env, cwd=tmp_path)
+    assert refused.returncode == 2 and "locust -f" in refused.stderr
+
+
+def test_locust_runs_the_checkout_locustfile() -> None:
+    listed = subprocess.run(
+        [*_locust(), "-f", str(REPO / "loadtest" / "locust" / "locustfile.py"), "--list"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=LOCUST_TIMEOUT_S,
+        check=False,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert "AgentUser" in listed.stdout and "RagUser" in listed.stdout
+
+
 @pytest.mark.timeout(LOCUST_TIMEOUT_S + 60)
 def test_locust_headless_records_ttft_and_cached_tokens(tmp_path: Path) -> None:
     settings = SimFleetSettings(replicas=2, hbm_capacity_tokens=200_000, time_factor=0.02)
     with sim_fleet(settings, tmp_path) as fleet, gateway(fleet.urls, "cache_aware", tmp_path) as gw:
         args = [
-            *_locust(),
-            "-f", str(REPO / "loadtest" / "locust" / "locustfile.py"),
+            sys.executable, "-m", "gateway", "locust",  # from the installed copy
             "--headless", "-u", "6", "-r", "6", "-t", f"{RUN_S}s",
             "--stop-timeout", "5",
             "--host", gw.url,
@@ -47,6 +121,7 @@ def test_locust_headless_records_ttft_and_cached_tokens(tmp_path: Path) -> None:
         done = subprocess.run(
             args,
             cwd=tmp_path,
+            env=_installed_copy(tmp_path),
             capture_output=True,
             text=True,
             timeout=LOCUST_TIMEOUT_S,

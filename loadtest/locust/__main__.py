@@ -1,0 +1,5 @@
+import sys
+
+from loadtest.locust.run import main
+
+sys.exit(main(sys.argv[1:]))
