@@ -48,7 +48,11 @@ DESCRIPTIONS: dict[str, str] = {
     "index": "The KV index: which replica and tier holds which prefix blocks.",
     "index.backend": "memory: inside this gateway process (one gateway). redis: shared by every "
     "gateway instance (required for more than one).",
-    "index.redis_url": "Redis URL when backend is redis. With redis_cluster, any one node.",
+    "index.redis_url": "Redis URL when backend is redis. With redis_cluster, any one node. "
+    "A password as redis://:PASSWORD@host:6379/0, an ACL user as redis://USER:PASSWORD@..., TLS "
+    "as rediss://...?ssl_ca_certs=/path/ca.pem (URL-encode other characters than letters, "
+    "digits and -._~). It holds a secret: give it as redis_url_file or ${VAR} "
+    "(docs/security.md).",
     "index.redis_cluster": "true when redis_url points at a Redis Cluster (keys are cluster-safe).",
     "index.ttl_s": "Seconds a speculative index entry lives. 600: about vLLM's prefix-cache "
     "lifetime under steady load (routing/index.py); KV events refresh entries sooner.",
@@ -78,13 +82,16 @@ DESCRIPTIONS: dict[str, str] = {
     "upstream.max_connections": "Connection pool size to all replicas together.",
     "upstream.retries": "Other replicas tried when one fails before sending its first byte "
     "(never after: a generation is not run twice).",
-    "tenants": "API keys and their tenants. Empty: no authentication, every request is the "
-    "anonymous standard tenant. Clients send `Authorization: Bearer <key>`.",
+    "tenants": "API keys and their tenants. Clients send `Authorization: Bearer <key>`. With "
+    "auth.mode keys (the default) a request needs the key of a live tenant, even when there is "
+    "none: then every request is refused.",
     "tenants[].name": "Tenant name (metrics label, logs). Unique.",
     "tenants[].api_key_sha256": "SHA-256 hex digest of the tenant's key (preferred in files: "
     "`python3 -c \"import hashlib; print(hashlib.sha256(b'KEY').hexdigest())\"`). Give this or "
-    "api_key.",
-    "tenants[].api_key": "The key itself (at least 8 characters). Give this or api_key_sha256.",
+    "api_key. The gateway cannot check the length of a key it only knows by digest: make it "
+    "with `openssl rand -hex 16` or longer.",
+    "tenants[].api_key": "The key itself, at least 32 characters (`openssl rand -hex 16`); "
+    "shorter is a start-up error. Give this (or api_key_file) or api_key_sha256.",
     "tenants[].class": "critical (pinned HBM-only pools, predictable latency), standard (shared "
     "pools, full cost model) or batch (shed first under overload). A request may ask for a lower "
     "class with the x-cachelane-class header, never a higher one.",
@@ -93,7 +100,9 @@ DESCRIPTIONS: dict[str, str] = {
     "admin": "The admin API key (tenants can be added at run time through the admin API).",
     "admin.api_key_sha256": "SHA-256 hex digest of the admin key. Give this or api_key; neither: "
     "no admin API.",
-    "admin.api_key": "The admin key itself (at least 8 characters).",
+    "admin.api_key": "The admin key itself, at least 32 characters (or api_key_file).",
+    "auth": "How requests are authenticated and what signs the tenant records in Redis "
+    "(docs/security.md).",
     "critical": "What happens to critical tenants when their pinned pool cannot take them.",
     "critical.fallback": "spill: use the shared pools with the full cost model (CPU and remote "
     "hits count: HBM-only is the pinned pool's property, not the tenant's); reject: 503 with "
