@@ -122,6 +122,8 @@ DESCRIPTIONS: dict[str, str] = {
     "more than this many seconds of prefill queued.",
     "tracing": "OpenTelemetry tracing (the [otel] extra): one span per request with the routing "
     "decision and its outcome, exported over OTLP/HTTP (gateway/tracing.py). Off by default.",
+    "capture": "Opt-in traffic capture for `cachelane plan` (docs/planning.md): prefix "
+    "structure and outcomes, written off the event loop, bounded; off by default.",
     "prewarm": "Warming hot prefixes onto replicas before they are needed (never on the request "
     "path; rate-limited).",
     "prewarm.enabled": "Send prewarms: a critical tenant's hot prefix onto pinned replicas that "

@@ -76,6 +76,8 @@ def create_app(
             stack.push_async_callback(upstream.aclose)
             gw = Gateway(config, client, upstream, config_path=config_path)
             app.state.gw = gw
+            if gw.capture is not None:
+                await asyncio.to_thread(gw.capture.start)  # opens (and rotates) the file
             for replica in gw.registry.replicas.values():
                 gw.metrics.replica_healthy.labels(replica.name).set(0)
             await gw.discovery.sync(config.pools)  # discovered pools: resolved once, then followed

@@ -569,6 +569,36 @@ class TracingConfig(Strict):
         return self
 
 
+DEFAULT_CAPTURE_MAX_BYTES = 256 * 1024 * 1024
+# 256 MiB: a request is ~20 bytes per 16-token block (its hash in hex) plus ~600 bytes of fields,
+# ~7 KB for a 6k-token prompt, so ~35k long requests: an hour at 10 requests/s.
+DEFAULT_CAPTURE_MAX_RECORDS = 1_000_000
+# Bounds a capture of short prompts (~1 KB each): max_bytes stops it first for long ones.
+
+
+class CaptureConfig(Strict):
+    """Opt-in traffic capture for `cachelane plan` (gateway/capture.py; format:
+    whatif/capture.py)."""
+
+    path: str | None = Field(
+        default=None,
+        description="Write one JSON line per answered request to this file: the prompt's block "
+        "hashes and token counts, arrival time, tenant, class, model, pool, replica, observed "
+        "TTFT, cached tokens and the tier of the hit; never prompt text. Unset: no capture. "
+        "A file already there is moved to PATH.1.",
+    )
+    max_bytes: PositiveInt = Field(
+        default=DEFAULT_CAPTURE_MAX_BYTES,
+        description="The capture stops (later requests are counted as dropped in "
+        "cachelane_capture_records_total) when its next line would pass this size. 256 MiB: "
+        "~35k requests of 6k-token prompts.",
+    )
+    max_records: PositiveInt = Field(
+        default=DEFAULT_CAPTURE_MAX_RECORDS,
+        description="The capture stops after this many requests.",
+    )
+
+
 class GatewayConfig(Strict):
     listen: ListenConfig = ListenConfig()
     routing: RoutingConfig = RoutingConfig()
@@ -585,6 +615,7 @@ class GatewayConfig(Strict):
     overload: OverloadConfig = OverloadConfig()
     prewarm: PrewarmConfig = PrewarmConfig()
     tracing: TracingConfig = TracingConfig()
+    capture: CaptureConfig = CaptureConfig()
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
     max_json_depth: int = Field(DEFAULT_MAX_JSON_DEPTH, ge=2, le=MAX_JSON_DEPTH_LIMIT)
     max_number_chars: int = Field(DEFAULT_MAX_NUMBER_CHARS, ge=20)

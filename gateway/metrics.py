@@ -398,6 +398,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.capture_records = Counter(
+            "cachelane_capture_records",
+            "Requests for the traffic capture (capture.path), by outcome (written; dropped: the "
+            "capture was full or its queue was)",
+            ["outcome"],
+            registry=r,
+        )
 
     def forget_replica(self, name: str, terms: Iterable[str]) -> None:
         """Drop the gauges of a replica that left the fleet (its counters stay: a rate over

@@ -32,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import logs, tracing
 from gateway.calibration import CostLearner, Observation
+from gateway.capture import Capture
 from gateway.costs import CostAccounting
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, no_replica, upstream_error
@@ -152,6 +153,7 @@ class Proxy:
         *,
         retries: int,
         costs: CostAccounting | None = None,
+        capture: Capture | None = None,
     ) -> None:
         self._upstream = upstream
         self._registry = registry
@@ -160,6 +162,7 @@ class Proxy:
         self._learner = learner
         self._retries = retries
         self._costs = costs  # cost accounting (gateway/costs.py), when the gateway keeps it
+        self._capture = capture  # the traffic capture (gateway/capture.py), when configured
 
     async def forward(
         self,
@@ -301,6 +304,15 @@ class Proxy:
                         cached_tokens_in(content),
                         prompt_tokens_in(content),
                     )
+                if self._capture is not None:
+                    self._capture.answered(
+                        plan,
+                        reservation,
+                        status=resp.status,
+                        ttft_s=ttft_s if _prefill_only(plan) else None,
+                        cached_tokens=cached_tokens_in(content),
+                        prompt_tokens=prompt_tokens_in(content),
+                    )
             if _prefill_only(plan) and resp.status < 400:
                 self._learn(reservation, plan, ttft_s, cached_tokens_in(content))
             return Response(content, status_code=resp.status, headers=headers)
@@ -388,6 +400,15 @@ class Proxy:
                 self._count_usage(plan, reservation.replica, prompt, usage)
                 if self._costs is not None:
                     self._costs.answered(plan, reservation.replica, ttft_s, cached, prompt)
+                if self._capture is not None:
+                    self._capture.answered(
+                        plan,
+                        reservation,
+                        status=resp.status,
+                        ttft_s=ttft_s,
+                        cached_tokens=cached,
+                        prompt_tokens=prompt,
+                    )
             if ttft_s is not None:
                 self._learn(reservation, plan, ttft_s, cached)
             with anyio.CancelScope(shield=True):

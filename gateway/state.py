@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -12,6 +13,8 @@ import httpx
 from fastapi import Request
 
 from gateway.calibration import CostLearner
+from gateway.capture import Capture
+from gateway.capture import header as capture_header
 from gateway.config import GatewayConfig
 from gateway.costs import CostAccounting
 from gateway.discovery import Discovery
@@ -33,6 +36,7 @@ from gateway.tenant_store import TenantStore
 from gateway.tenants import CLASS_HEADER, Tenant
 from gateway.tracing import note_queue_wait
 from gateway.upstream import Upstream
+from routing.cost import CostTerms
 from routing.index import Index, MemoryIndex, RemovedFn, ignore_removed
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
@@ -210,6 +214,14 @@ class Gateway:
             if self.redis is not None and config.routing.calibration == "fit"
             else None
         )
+        self.capture: Capture | None = None
+        if config.capture.path is not None:
+            self.capture = Capture(
+                config.capture,
+                functools.partial(capture_header, config, self.registry),
+                self.metrics,
+                self._terms_in_use,
+            )
         self.proxy = Proxy(
             upstream,
             self.registry,
@@ -218,6 +230,7 @@ class Gateway:
             self.learner,
             retries=config.upstream.retries,
             costs=self.costs,
+            capture=self.capture,
         )
         self.health = HealthChecker(
             self.registry,
@@ -364,7 +377,17 @@ class Gateway:
             )
         return lowered
 
+    def _terms_in_use(self) -> dict[str, tuple[str, CostTerms]]:
+        """Replica -> (its pool, the cost terms routing uses for it): the traffic capture's
+        fit lines."""
+        return {
+            name: (r.pool.name, self.learner.terms_of(name))
+            for name, r in self.registry.replicas.items()
+        }
+
     async def close(self) -> None:
+        if self.capture is not None:
+            await asyncio.to_thread(self.capture.close)  # flushes the file off the event loop
         await self.discovery.aclose()
         await self.fleet.aclose()
         if self.kv_events is not None:

@@ -1,0 +1,276 @@
+"""Does `cachelane plan` predict what the fleet does? Three set-ups run for real on the simulated
+fleet, compared with the planner's prediction.
+
+    python -m loadtest.bench.plan_validation            # ~4 minutes: 3 set-ups x 45 s
+    python -m loadtest.bench.plan_validation --quick    # 6 s per set-up: checks the machinery
+
+Set-ups (4 replicas, Llama-3.1-8B on H200 costs, routing/cost.py's defaults):
+  hbm      HBM only, 12k tokens per replica
+  cpu      + a CPU tier of 8k tokens per replica
+  remote   + one shared remote tier (remote_write: reuse)
+
+Traffic: loadtest/workloads/tier_traces.py, two tenants at once: `web` (standard), questions
+about 24 shared 3-6k-token documents with Zipf popularity (`reuse` shape `high`, 8 req/s), and
+`voice` (critical), short turns behind one system prompt (3 req/s). Each set-up is its own sim
+fleet and a gateway with `capture.path` set; the seeded trace is replayed open-loop through it.
+
+Prediction: the capture of the HBM-only run (its arrivals, block hashes, decode times and fitted
+cost terms) is replayed by the planner on each of the three set-ups (a what-if: the cpu and
+remote rows are predicted from traffic captured without those tiers). The planner is also run on
+each set-up's own capture (same set-up: the model's error without the what-if). Measured: the
+client's TTFT (to the first streamed token) and the engines' cached tokens per prompt token.
+
+Writes results/plan_validation.json and prints the table docs/planning.md shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from loadtest.bench.processes import (
+    gateway_from_config,
+    loopback_urls,
+    sigterm_as_interrupt,
+    sim_from_config,
+)
+from loadtest.bench.replay import RequestResult, percentile, replay
+from loadtest.sim.config import SIM_MODEL
+from loadtest.workloads import tier_traces
+from loadtest.workloads.traces import TraceRecord
+from whatif.capture import Capture, parse_capture
+from whatif.replay import replay as plan_replay
+from whatif.setup import Setup, hbm_only, with_cpu, with_remote
+from whatif.summary import ALL, summarize
+
+DURATION_S = 45.0
+QUICK_DURATION_S = 6.0
+# 45 s per set-up: ~500 requests, so a class's p99 rests on ~5 requests; three set-ups plus
+# start-up take ~4 minutes on the project's 2-core machine.
+
+REPLICAS = 4
+HBM_TOKENS = 12_000
+CPU_TOKENS = 8_000
+REMOTE_TOKENS = 10_000_000
+# tier_experiment.ReuseSetup's fleet: 4 x (12k HBM + 8k CPU) = 80k tokens of local tiers against
+# ~110k tokens of shared documents, so documents leave HBM, then the CPU tier, and come back from
+# the remote tier. 10M tokens of remote tier (the gateway's default remote capacity) hold them all.
+
+WEB_RATE_PER_S = tier_traces.REUSE_RATE_PER_S
+VOICE_RATE_PER_S = tier_traces.VOICE_RATE_PER_S
+SEED = 0
+GOAL = 0.20  # the issue's goal: within 20%
+
+KEYS = {
+    "voice": "voice-plan-key-1-0123456789abcdef0123456789",
+    "web": "web-plan-key-1-0123456789abcdef0123456789",
+}
+SETUPS = ("hbm", "cpu", "remote")
+OUT_JSON = Path("results/plan_validation.json")
+
+
+def fleet_config(setup: str, replicas: list[str], remote: str) -> dict[str, Any]:
+    pool: dict[str, Any] = {
+        "name": "fleet",
+        "replicas": replicas,
+        "models": [SIM_MODEL],
+        "hbm_capacity_tokens": HBM_TOKENS,
+        "cpu_capacity_tokens": 0 if setup == "hbm" else CPU_TOKENS,
+    }
+    config: dict[str, Any] = {
+        "tenants": [
+            {"name": "voice", "api_key": KEYS["voice"], "class": "critical"},
+            {"name": "web", "api_key": KEYS["web"], "class": "standard"},
+        ],
+        "pools": [pool],
+    }
+    if setup == "remote":
+        pool |= {"remote_tier": "kv", "remote_write": "reuse"}
+        config["remote_tiers"] = [{"name": "kv", "url": remote, "capacity_tokens": REMOTE_TOKENS}]
+    return config
+
+
+def predicted_setup(base: Setup, setup: str) -> Setup:
+    if setup == "hbm":
+        return hbm_only(base)
+    if setup == "cpu":
+        return with_cpu(CPU_TOKENS)(hbm_only(base))
+    return with_remote(CPU_TOKENS, REMOTE_TOKENS, "reuse")(hbm_only(base))
+
+
+def read_capture(path: Path) -> Capture:
+    with path.open(encoding="utf-8") as f:
+        return parse_capture(json.loads(line) for line in f if line.strip())
+
+
+async def _both(
+    url: str, voice: list[TraceRecord], web: list[TraceRecord]
+) -> tuple[list[RequestResult], list[RequestResult]]:
+    a, b = await asyncio.gather(
+        replay(voice, url, model=SIM_MODEL, api_key=KEYS["voice"]),
+        replay(web, url, model=SIM_MODEL, api_key=KEYS["web"]),
+    )
+    return a, b
+
+
+def run_setup(
+    setup: str, voice: list[TraceRecord], web: list[TraceRecord], log_dir: Path
+) -> tuple[dict[str, list[RequestResult]], Path]:
+    urls = loopback_urls(REPLICAS + 1)
+    config = fleet_config(setup, urls[1:], urls[0])
+    capture = log_dir / f"capture-{setup}.jsonl"
+    sim_config = {**config, "pools": [dict(config["pools"][0], remote_tier=None)]}
+    if setup == "remote":
+        sim_config = config
+    with sim_from_config(sim_config, log_dir, setup):
+        gw_config = {**config, "capture": {"path": str(capture.resolve())}}
+        with gateway_from_config(gw_config, log_dir, setup) as gw:
+            crit, std = asyncio.run(_both(gw.url, voice, web))
+    return {"critical": crit, "standard": std}, capture
+
+
+def measured(results: dict[str, list[RequestResult]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    groups = {**results, ALL: [r for rows in results.values() for r in rows]}
+    for name, rows in groups.items():
+        ok = [r for r in rows if r.ok and r.ttft_s is not None]
+        ttfts = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
+        prompt = sum(r.prompt_tokens for r in ok) or 1
+        out[name] = {
+            "requests": len(ok),
+            "errors": len(rows) - len(ok),
+            "ttft_p50_ms": percentile(ttfts, 50),
+            "ttft_p99_ms": percentile(ttfts, 99),
+            "hit_rate": sum(r.cached_tokens for r in ok) / prompt,
+        }
+    return out
+
+
+def predicted(capture: Capture, setup: Setup) -> dict[str, dict[str, float]]:
+    summary = summarize(plan_replay(capture.requests, setup, seed=SEED))
+    return {
+        name: {
+            "requests": c.requests,
+            "ttft_p50_ms": c.ttft_p50_ms,
+            "ttft_p99_ms": c.ttft_p99_ms,
+            "hit_rate": c.hit_rate,
+        }
+        for name, c in summary.classes.items()
+    }
+
+
+def error(pred: float, meas: float) -> float:
+    return (pred - meas) / meas if meas else float("nan")
+
+
+def rows_of(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for setup in SETUPS:
+        entry = payload["setups"].get(setup)
+        if entry is None:
+            continue
+        for group in ("critical", "standard", ALL):
+            m = entry["measured"].get(group)
+            p = entry["predicted_whatif"].get(group)
+            s = entry["predicted_same"].get(group)
+            if m is None or p is None or s is None:
+                continue
+            row: dict[str, Any] = {"setup": setup, "class": group}
+            for metric in ("ttft_p50_ms", "ttft_p99_ms", "hit_rate"):
+                row[metric] = {
+                    "measured": m[metric],
+                    "whatif": p[metric],
+                    "same": s[metric],
+                    "whatif_error": error(p[metric], m[metric]),
+                    "same_error": error(s[metric], m[metric]),
+                }
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], console: Console) -> None:
+    table = Table(title="planner vs measurement (what-if: from the HBM-only capture)")
+    for col in ("set-up", "class"):
+        table.add_column(col)
+    for metric in ("TTFT p50 ms", "TTFT p99 ms", "hit rate"):
+        table.add_column(f"{metric}\nmeasured", justify="right")
+        table.add_column("what-if (err)", justify="right")
+        table.add_column("same set-up (err)", justify="right")
+    for row in rows:
+        cells = [row["setup"], row["class"]]
+        for metric in ("ttft_p50_ms", "ttft_p99_ms", "hit_rate"):
+            v = row[metric]
+            fmt = "{:.1%}" if metric == "hit_rate" else "{:.0f}"
+            cells.append(fmt.format(v["measured"]))
+            for kind in ("whatif", "same"):
+                err = v[f"{kind}_error"]
+                mark = "" if abs(err) <= GOAL else " !"
+                cells.append(f"{fmt.format(v[kind])} ({err:+.0%}){mark}")
+        table.add_row(*cells)
+    console.print(table)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.plan_validation",
+        description="The planner's prediction vs the simulated fleet, for three set-ups.",
+    )
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per set-up")
+    p.add_argument("--duration-s", type=float, default=None, help=f"(default {DURATION_S:.0f})")
+    p.add_argument("--out", type=Path, default=OUT_JSON, help="(default: %(default)s)")
+    p.add_argument("--log-dir", type=Path, default=Path("results/plan_validation"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
+    console = Console()
+    voice = tier_traces.voice(VOICE_RATE_PER_S, duration_s, SEED)
+    web = tier_traces.reuse("high", WEB_RATE_PER_S, duration_s, SEED)
+    console.print(
+        f"{len(voice)} voice + {len(web)} web requests over {duration_s:.0f} s per set-up"
+    )
+    payload: dict[str, Any] = {
+        "duration_s": duration_s,
+        "replicas": REPLICAS,
+        "hbm_tokens": HBM_TOKENS,
+        "cpu_tokens": CPU_TOKENS,
+        "remote_tokens": REMOTE_TOKENS,
+        "setups": {},
+    }
+    captures: dict[str, Capture] = {}
+    started = time.perf_counter()
+    with sigterm_as_interrupt():
+        for setup in SETUPS:
+            results, path = run_setup(setup, voice, web, args.log_dir)
+            captures[setup] = read_capture(path)
+            payload["setups"][setup] = {"measured": measured(results)}
+            console.print(f"{setup}: ran, {len(captures[setup].requests)} requests captured")
+    base = Setup.from_capture(captures["hbm"])
+    payload["fit"] = {k: list(v.as_vector()) for k, v in base.terms.items()}
+    for setup in SETUPS:
+        entry = payload["setups"][setup]
+        entry["predicted_whatif"] = predicted(captures["hbm"], predicted_setup(base, setup))
+        own = Setup.from_capture(captures[setup])
+        entry["predicted_same"] = predicted(captures[setup], own)
+    payload["rows"] = rows_of(payload)
+    payload["elapsed_s"] = time.perf_counter() - started
+    print_table(payload["rows"], console)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
