@@ -154,7 +154,8 @@ DESCRIPTIONS: dict[str, str] = {
     "pools": "Groups of replicas with the same hardware, model and tiers. At least one.",
     "pools[].name": "Pool name (metrics, logs, /ready). Unique.",
     "pools[].replicas": "Base URLs of the pool's replicas (http://host:port, no /v1). A URL may "
-    "appear in one pool only. In Kubernetes: the pods' stable DNS names.",
+    "appear in one pool only. Give replicas or discovery (in Kubernetes: discovery, from a "
+    "headless Service).",
     "pools[].pinned": "Reserved for critical tenants: standard and batch never use it (unless "
     "lend_below is set).",
     "pools[].hbm_only": "The replicas run without CPU or remote offload: only HBM hits count.",

@@ -205,10 +205,13 @@ class DiscoveryConfig(Strict):
     port: Annotated[int, Field(ge=1, le=65535)] | None = Field(
         default=None, description="The replicas' HTTP port (type A; SRV records carry theirs)."
     )
-    scheme: Literal["http", "https"] = "http"
+    scheme: Literal["http", "https"] = Field(
+        default="http", description="How the replicas are reached: http://ADDRESS:PORT."
+    )
     interval_s: PositiveFloat = Field(
         default=DEFAULT_DISCOVERY_INTERVAL_S,
-        description="Seconds between resolutions. Replicas that appear are added (health "
+        description="Seconds between resolutions (5: the TTL CoreDNS's kubernetes plugin gives "
+        "its records). Replicas that appear are added (health "
         "checked at once), those that disappear are removed: no new requests, those in flight "
         "finish, their index entries are dropped. A failed resolution (timeout, SERVFAIL) "
         "keeps the replicas as they were; a name that does not exist (NXDOMAIN) or has no "
@@ -254,10 +257,7 @@ def nameserver_address(server: str) -> tuple[str, int]:
 
 class PoolConfig(Strict):
     name: str
-    replicas: list[HttpUrl] = Field(
-        default_factory=list,
-        description="The replicas' base URLs. One of replicas, discovery.",
-    )
+    replicas: list[HttpUrl] = Field(default_factory=list)  # or discovery
     discovery: DiscoveryConfig | None = Field(
         default=None,
         description="Instead of replicas: find them in DNS and follow its changes.",

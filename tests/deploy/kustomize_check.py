@@ -22,7 +22,8 @@ class Tree:
     """What one kustomization (with its bases) contributes."""
 
     objects: list[dict[str, Any]] = field(default_factory=list)
-    generators: dict[str, list[Path]] = field(default_factory=dict)  # name -> files, last wins
+    # name -> files: replace (and create) take the last, merge adds to the base's
+    generators: dict[str, list[Path]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
 
@@ -78,6 +79,13 @@ def check(directory: Path, _seen: tuple[Path, ...] = ()) -> Tree:
                 )
             if behavior == "create" and name in tree.generators:
                 tree.errors.append(f"{path}: {kind} {name} is created twice")
+            if behavior == "merge":
+                kept = [
+                    f
+                    for f in tree.generators.get(name, [])
+                    if f.name not in {n.name for n in files}
+                ]
+                files = kept + files
             tree.generators[name] = files
     known = {_object_key(o) for o in tree.objects}
     for patch in k.get("patches", []) + k.get("patchesStrategicMerge", []):

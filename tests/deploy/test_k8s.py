@@ -1,13 +1,18 @@
 """deploy/k8s: the kustomize base and overlays render (kubectl kustomize where installed, a Python
-check everywhere), every object is well-formed, every embedded gateway config validates, and the
-gateway's ports in the manifests are the port its config listens on."""
+check everywhere), every object is well-formed, the gateway's config validates as the pod reads it
+(the ConfigMap and the Secret where the Deployment mounts them, `${VAR}` from the container's
+environment, `*_file` from the Secret), the gateway's ports in the manifests are the port its
+config listens on, and each discovered pool names a headless Service of ready pods."""
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +20,14 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser as cli_parser
-from gateway.config import GatewayConfig, load_config, parse_config
+from gateway.config import GatewayConfig, load_config
 from tests.deploy import kustomize_check
 from tests.deploy.util import COMPOSE_DIR, K8S_DIR, load_docs, load_one, rel, yaml_files
 
 TARGETS = [K8S_DIR / "base", *sorted(p for p in (K8S_DIR / "overlays").iterdir() if p.is_dir())]
 GATEWAY = ("Deployment", "cachelane-gateway")
+CONFIG, SECRETS = "cachelane-config", "cachelane-secrets"
+NAMESPACE = load_one(K8S_DIR / "base" / "kustomization.yaml")["namespace"]
 
 
 def _kustomize_cli() -> list[str] | None:
@@ -65,7 +72,7 @@ def test_python_kustomize_check(target: Path) -> None:
         "HorizontalPodAutoscaler",
         "ServiceMonitor",
     } <= kinds
-    assert "cachelane-config" in tree.generators and "cachelane-tenants" in tree.generators
+    assert CONFIG in tree.generators and SECRETS in tree.generators
 
 
 def test_python_kustomize_check_catches_a_bad_overlay(tmp_path: Path) -> None:
@@ -87,12 +94,58 @@ def test_python_kustomize_check_catches_a_bad_overlay(tmp_path: Path) -> None:
     assert "missing.yaml" in errors and "nope" in errors and "'x'" in errors
 
 
+Files = Callable[[dict[str, Any]], Mapping[str, str]]  # a volume -> its files' contents by name
+
+
+def load_as_the_pod(deployment: dict[str, Any], files_of: Files, root: Path) -> GatewayConfig:
+    """The gateway's config as its pod reads it: each ConfigMap and Secret volume's files laid out
+    under `root` where the container mounts them, the config file's absolute paths taken there,
+    `${VAR}` from the container's env (the namespace from the downward API), `*_file` read from
+    those files. A variable the pod lacks or a secret file it does not mount fails to load."""
+    pod = deployment["spec"]["template"]["spec"]
+    container = _gateway_container(deployment)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {
+        m["mountPath"]: volumes[m["name"]]
+        for m in container["volumeMounts"]
+        if {"configMap", "secret"} & volumes[m["name"]].keys()
+    }
+    for mount_path, volume in mounts.items():
+        where = root / mount_path.lstrip("/")
+        where.mkdir(parents=True, exist_ok=True)
+        for name, text in files_of(volume).items():
+            (where / name).write_text(text)
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace", var
+            env[var["name"]] = NAMESPACE
+    args = cli_parser().parse_args(container["args"])
+    path = args.config or env["CACHELANE_CONFIG"]
+    text = (root / path.lstrip("/")).read_text()
+    inside = re.compile("|".join(re.escape(f"{m}/") for m in mounts))
+    text = inside.sub(lambda match: f"{root}{match.group(0)}", text)
+    (root / "seen-by-the-gateway.yaml").write_text(text)
+    return load_config(root / "seen-by-the-gateway.yaml", env=env)
+
+
+def _generated_files(target: Path) -> Files:
+    generators = kustomize_check.check(target).generators
+
+    def files_of(volume: dict[str, Any]) -> dict[str, str]:
+        name = (
+            volume["configMap"]["name"] if "configMap" in volume else volume["secret"]["secretName"]
+        )
+        return {f.name: f.read_text() for f in generators[name]}
+
+    return files_of
+
+
 def _gateway_config(target: Path) -> GatewayConfig:
-    """config.yaml merged with tenants.yaml, as the gateway's init container does."""
-    tree = kustomize_check.check(target)
-    config = load_one(tree.generators["cachelane-config"][-1])
-    config.update(load_one(tree.generators["cachelane-tenants"][-1]) or {})
-    return parse_config(config, f"{rel(target)} config")
+    with tempfile.TemporaryDirectory() as root:
+        return load_as_the_pod(_objects(target)[GATEWAY], _generated_files(target), Path(root))
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=rel)
@@ -139,38 +192,52 @@ def test_gateway_pod_is_non_root_and_reads_its_config_file(target: Path) -> None
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
+    assert "initContainers" not in pod, "the gateway reads the mounted files themselves"
     container = _gateway_container(deployment)
     args = cli_parser().parse_args(container["args"])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    config_path = Path(args.config or env["CACHELANE_CONFIG"])
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert str(Path(args.config).parent) in mounts
-    assert "env" not in container, "the gateway reads no environment variables"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[str(config_path.parent)]]["configMap"]["name"] == CONFIG
     assert container["resources"]["requests"]
 
 
-def test_replicas_config_names_stateful_set_pods() -> None:
-    """vllm overlay: each replica URL is <statefulset>-<i>.<headless service>.<ns>.svc:<port> of a
-    pod that exists, and the pool's size is the StatefulSet's replicas."""
-    target = K8S_DIR / "overlays" / "vllm"
+@pytest.mark.parametrize("target", TARGETS, ids=rel)
+def test_each_pool_discovers_the_ready_pods_of_a_headless_service(target: Path) -> None:
+    """Every pool is found in DNS: an A name (<service>.<namespace>.svc.cluster.local, the pods
+    on discovery.port) or an SRV name (_<port name>._tcp.<service>...), of a headless Service in
+    the gateway's namespace that lists only ready pods; in the vllm overlay the Service selects a
+    StatefulSet's pods, whose vLLM listens on that port."""
     objects = _objects(target)
-    namespace = load_one(K8S_DIR / "base" / "kustomization.yaml")["namespace"]
     for pool in _gateway_config(target).pools:
-        sets = set()
-        for url in pool.replicas:
-            pod, service, ns, svc = (url.host or "").split(".")
-            assert (ns, svc) == (namespace, "svc"), str(url)
-            statefulset, _, index = pod.rpartition("-")
-            sts = objects[("StatefulSet", statefulset)]
-            assert sts["spec"]["serviceName"] == service
-            assert int(index) < sts["spec"]["replicas"]
-            headless = objects[("Service", service)]
-            assert headless["spec"]["clusterIP"] == "None"
+        d = pool.discovery
+        assert d is not None and not pool.replicas, pool.name
+        labels = d.name.split(".")
+        port_name = None
+        if d.type == "SRV":
+            port_name, proto, *labels = labels
+            assert proto == "_tcp" and port_name.startswith("_"), d.name
+            port_name = port_name[1:]
+        service_name, namespace, *domain = labels
+        assert (namespace, domain) == (NAMESPACE, ["svc", "cluster", "local"]), d.name
+        service = objects[("Service", service_name)]["spec"]
+        assert service["clusterIP"] == "None", "headless: one record per pod"
+        assert service.get("publishNotReadyAddresses") is False, "ready pods only"
+        (port,) = [p for p in service["ports"] if p["name"] == port_name or p["port"] == d.port]
+        engines = [
+            o
+            for (kind, _), o in objects.items()
+            if kind == "StatefulSet"
+            and service["selector"].items() <= o["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        for sts in engines:  # the vllm overlay's: the container listens where DNS points
             (container,) = sts["spec"]["template"]["spec"]["containers"]
             args = container["args"]
-            assert args[args.index("--port") + 1] == str(url.port)
+            assert args[args.index("--port") + 1] == str(port.get("targetPort", port["port"]))
             assert "--enable-prefix-caching" in args and "--kv-events-config" in args
-            sets.add(statefulset)
-        (statefulset,) = sets
-        assert objects[("StatefulSet", statefulset)]["spec"]["replicas"] == len(pool.replicas)
+        if target.name == "vllm":
+            assert engines, f"pool {pool.name}: its Service selects no StatefulSet"
 
 
 def test_rendered_objects_are_well_formed(rendered: list[dict[str, Any]]) -> None:
@@ -180,44 +247,38 @@ def test_rendered_objects_are_well_formed(rendered: list[dict[str, Any]]) -> Non
         assert obj.get("metadata", {}).get("name"), obj
 
 
-def test_rendered_configs_validate(rendered: list[dict[str, Any]]) -> None:
-    """The ConfigMap and Secret kustomize generates, merged as the init container merges them."""
-    by_kind = {(o["kind"], o["metadata"]["name"].rsplit("-", 1)[0]): o for o in rendered}
-    config = yaml.safe_load(by_kind[("ConfigMap", "cachelane-config")]["data"]["config.yaml"])
-    secret = by_kind[("Secret", "cachelane-tenants")]["data"]["tenants.yaml"]
-    config.update(yaml.safe_load(base64.b64decode(secret)) or {})
-    parsed = parse_config(config)
+def test_rendered_configs_validate(rendered: list[dict[str, Any]], tmp_path: Path) -> None:
+    """The ConfigMap and Secret kustomize generates (hashed names), read as the pod reads them."""
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in rendered}
+
+    def files_of(volume: dict[str, Any]) -> dict[str, str]:
+        if "configMap" in volume:
+            return dict(by_name[("ConfigMap", volume["configMap"]["name"])]["data"])
+        secret = by_name[("Secret", volume["secret"]["secretName"])]["data"]
+        return {k: base64.b64decode(v).decode() for k, v in secret.items()}
+
     (deployment,) = [o for o in rendered if (o["kind"], o["metadata"]["name"]) == GATEWAY]
-    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
-    assert (
-        volumes["config-base"]["configMap"]["name"]
-        == by_kind[("ConfigMap", "cachelane-config")]["metadata"]["name"]
-    ), "the hashed name is referenced"
+    parsed = load_as_the_pod(deployment, files_of, tmp_path)
+    assert parsed.tenants, "the keys in the Secret reached the gateway's config"
     container = _gateway_container(deployment)
     assert container["ports"][0]["containerPort"] == parsed.listen.port
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=rel)
-def test_init_container_merge_gives_a_valid_config(target: Path, tmp_path: Path) -> None:
-    """Run the init container's own script on this target's files, then load what it wrote."""
-    pod = _objects(target)[GATEWAY]["spec"]["template"]["spec"]
-    (init,) = pod["initContainers"]
-    assert init["command"][:2] == ["python", "-c"]
-    script = init["command"][2]
-    tree = kustomize_check.check(target)
-    paths = {
-        "/config/base/config.yaml": tree.generators["cachelane-config"][-1],
-        "/config/tenants/tenants.yaml": tree.generators["cachelane-tenants"][-1],
-        "/etc/cachelane/config.yaml": tmp_path / "config.yaml",
-    }
-    for inside, outside in paths.items():
-        assert inside in script, inside
-        script = script.replace(inside, str(outside))
-    mounts = {m["mountPath"] for m in init["volumeMounts"]}
-    assert {str(Path(p).parent) for p in paths} <= mounts
-    exec(compile(script, "merge-config", "exec"), {})  # the image's python runs the same code
-    merged = load_config(tmp_path / "config.yaml")
-    assert merged.tenants, "tenants from the Secret reached the gateway's config"
+def test_the_pod_reads_its_keys_from_the_secret(target: Path, tmp_path: Path) -> None:
+    """Every key of the config comes from a file of the Secret (none is written in the
+    ConfigMap), and each one the Secret holds is used."""
+    config = _gateway_config(target)
+    assert config.tenants and config.admin.api_key
+    text = load_one(kustomize_check.check(target).generators[CONFIG][-1])
+    keys = [t.get("api_key_file") for t in text["tenants"]] + [text["admin"].get("api_key_file")]
+    secret_files = {f.name for f in kustomize_check.check(target).generators[SECRETS]}
+    referenced = {Path(k).name for k in keys if k}
+    referenced |= {Path(text["auth"]["secret_file"]).name} if "auth" in text else set()
+    assert referenced == secret_files
+    assert all("api_key" not in t for t in text["tenants"]), "no key in the ConfigMap"
+    if config.index.backend == "redis":
+        assert config.auth.secret, "tenant records in Redis are signed"
 
 
 DASHBOARD = "cachelane-grafana-dashboard"
