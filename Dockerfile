@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
-# cachelane gateway image: the package `pip install '.[sim]'` gives (pyproject.toml), nothing else:
-# the gateway in either routing mode ([sim] includes [precise]) and the simulated replicas.
+# cachelane gateway image: the package `pip install '.[sim,otel]'` gives (pyproject.toml), nothing
+# else: the gateway in either routing mode ([sim] includes [precise]), with tracing ([otel]), and
+# the simulated replicas.
 #
 #   docker build -t cachelane:local .
 #   docker run --rm -p 8000:8000 -v $PWD/deploy/compose/gateway-sim.yaml:/etc/cachelane/config.yaml:ro cachelane:local
@@ -18,7 +19,7 @@ WORKDIR /src
 # Every dependency ships manylinux wheels for CPython 3.11 (amd64 and arm64), so no compiler is
 # needed here; if one ever needs compiling, install build-essential in this stage only.
 COPY . .
-RUN pip wheel --wheel-dir /wheels '.[sim]'
+RUN pip wheel --wheel-dir /wheels '.[sim,otel]'
 
 # ---- runtime: python + the wheels, as a non-root user ----------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -28,7 +29,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 \
 # MPLCONFIGDIR: `cachelane demo` imports matplotlib (the [sim] extra); without a writable config
 # dir it warns at every start. /tmp is writable here and is an emptyDir in the Kubernetes manifests.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels 'cachelane[sim]' \
+    pip install --no-index --find-links /wheels 'cachelane[sim,otel]' \
  && groupadd --system --gid 10001 cachelane \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin cachelane \
  && mkdir -p /etc/cachelane
