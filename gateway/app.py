@@ -8,7 +8,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -231,7 +230,7 @@ def explain(plan: Plan) -> dict[str, Any]:
         "candidates": [
             {
                 "replica": s.replica,
-                "overlap": asdict(s.overlap),
+                "overlap": s.overlap._asdict(),
                 "estimate_ms": {
                     "fixed_s": ms(s.estimate.fixed_s),
                     "queue_s": ms(s.estimate.queue_s),

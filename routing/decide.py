@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from functools import lru_cache
+from itertools import groupby
+from operator import countOf
 
-from routing.cost import Overlap, estimate
+from routing.cost import Overlap, estimate, seeded
 from routing.policies import POLICIES
 from routing.policies.base import (
     Candidate,
@@ -53,37 +56,42 @@ def runs_of(hits: BlockHits) -> Runs:
     """Consecutive blocks with the same holders, as (holders, count). A shared prefix was recorded
     block by block at the same places, so a long prompt is a handful of runs, and the overlap of
     every candidate is computed per run instead of per block."""
-    runs: Runs = []
-    for holders in hits:
-        if runs and (holders is runs[-1][0] or holders == runs[-1][0]):
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((holders, 1))
-    return runs
+    # groupby compares neighbours in C, by identity first (the index shares one object across a
+    # run), and countOf counts a run without a Python step per block
+    return [(holders, countOf(group, holders)) for holders, group in groupby(hits)]
+
+
+@lru_cache(maxsize=4096)  # replicas and remote tiers: a few names, asked per candidate per request
+def _location(holder: str, tier: Tier) -> Location:
+    return Location(holder, tier)
 
 
 def overlap_of(candidate: Candidate, runs: Runs, request: RouteRequest) -> Overlap:
-    """Split the prompt into HBM prefix, CPU extension and remote extension for one replica."""
-    hbm = Location(candidate.name, Tier.HBM)
-    cpu = Location(candidate.name, Tier.CPU)
-    remote = Location(candidate.remote_tier, Tier.REMOTE) if candidate.remote_tier else None
-    g = c = m = 0
-    for holders, count in runs:
-        if hbm in holders and c == 0 and m == 0:
-            g += count
-        elif candidate.pool.hbm_only:
-            break
-        elif (hbm in holders or cpu in holders) and m == 0:
-            c += count
-        elif remote is not None and (remote in holders or hbm in holders or cpu in holders):
-            m += count
-        else:
-            break
+    """Split the prompt into HBM prefix, CPU extension and remote extension for one replica:
+    the leading runs in its HBM, then those in its HBM or CPU tier (an HBM-only pool stops
+    before), then those anywhere it can load from its remote tier; the first run it can get
+    from nowhere ends the overlap."""
+    hbm = _location(candidate.name, Tier.HBM)
+    end = len(runs)
+    i = g = c = m = 0
+    while i < end and hbm in runs[i][0]:
+        g += runs[i][1]
+        i += 1
+    if i < end and not candidate.pool.hbm_only:
+        cpu = _location(candidate.name, Tier.CPU)
+        while i < end and (hbm in runs[i][0] or cpu in runs[i][0]):
+            c += runs[i][1]
+            i += 1
+        if candidate.remote_tier:
+            remote = _location(candidate.remote_tier, Tier.REMOTE)
+            while i < end and (remote in (h := runs[i][0]) or hbm in h or cpu in h):
+                m += runs[i][1]
+                i += 1
     b, n = request.block_size_tokens, request.prompt_tokens
     hbm_t = min(g * b, n)
     cpu_t = min(c * b, n - hbm_t)
     remote_t = min(m * b, n - hbm_t - cpu_t)
-    return Overlap(prompt_tokens=n, hbm_tokens=hbm_t, cpu_tokens=cpu_t, remote_tokens=remote_t)
+    return Overlap(n, hbm_t, cpu_t, remote_t)
 
 
 def decide(
@@ -109,9 +117,9 @@ def decide(
     if not candidates:
         raise NoCandidates("no eligible replica")
     runs = runs_of(hits)
-    scores = tuple(
-        Score(c.name, ov, estimate(ov, c.load, c.costs, c.terms))
-        for c in candidates
-        for ov in (overlap_of(c, runs, request),)
-    )
-    return POLICIES[policy].choose(request, candidates, scores, seq=seq, rng=rng)
+    scores = []
+    for c in candidates:
+        ov = overlap_of(c, runs, request)
+        terms = c.terms if c.terms is not None else seeded(c.costs)
+        scores.append(Score(c.name, ov, estimate(ov, c.load, c.costs, terms)))
+    return POLICIES[policy].choose(request, candidates, tuple(scores), seq=seq, rng=rng)

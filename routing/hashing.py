@@ -26,12 +26,21 @@ def block_hashes(
 ) -> list[int]:
     """Chained xxh3_64 hashes of every full block of `text`."""
     step = block_size_tokens * CHARS_PER_TOKEN
-    # Cut on characters, not bytes, so a boundary never falls inside a UTF-8 sequence.
-    blocks = [
-        text[i : i + step].encode("utf-8", "surrogatepass")
-        for i in range(0, len(text) - step + 1, step)
-    ]
-    return _chain(blocks, root_seed(namespace))
+    end = len(text) - step + 1
+    if not text.isascii():
+        # Cut on characters, not bytes, so a boundary never falls inside a UTF-8 sequence.
+        blocks = [text[i : i + step].encode("utf-8", "surrogatepass") for i in range(0, end, step)]
+        return _chain(blocks, root_seed(namespace))
+    # ASCII: a character is a byte, so the text is encoded once and hashed in one pass
+    data = text.encode("ascii")
+    hash_ = xxhash.xxh3_64_intdigest
+    out: list[int] = []
+    append = out.append
+    h = root_seed(namespace)
+    for i in range(0, end, step):
+        h = hash_(data[i : i + step], h)
+        append(h)
+    return out
 
 
 def token_block_hashes(

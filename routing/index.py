@@ -18,7 +18,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from itertools import islice, takewhile
+from operator import truth
+from typing import Protocol, cast
 
 from routing.types import BlockHits, Location, Tier
 
@@ -108,10 +110,12 @@ class MemoryIndex:
         self._on_removed = on_removed
         # (model, hash) -> {location: expiry}
         self._blocks: dict[BlockKey, dict[Location, float]] = {}
-        # (model, hash) -> its holders as a frozenset, while none was added or removed: a lookup
-        # then builds nothing, and consecutive blocks with the same holders share one object
-        # (what decide() groups into runs)
-        self._frozen: dict[BlockKey, frozenset[Location]] = {}
+        # model -> hash -> its holders as a frozenset, while none was added or removed, and the
+        # earliest of their expiries when it was built (a refresh only makes that conservative):
+        # a lookup then builds nothing and allocates nothing per block, and consecutive blocks
+        # with the same holders share one object (what decide() groups into runs)
+        self._frozen: dict[str, dict[int, frozenset[Location]]] = {}
+        self._frozen_expiry: dict[str, dict[int, float]] = {}
         # location -> LRU of (model, hash), oldest first; with one TTL this is also expiry order
         self._lru: dict[Location, OrderedDict[BlockKey, None]] = {}
 
@@ -120,20 +124,36 @@ class MemoryIndex:
 
     def lookup_now(self, model: str, hashes: Sequence[int]) -> BlockHits:
         now = self._clock()
+        frozen = self._frozen.get(model)
+        if frozen is not None:
+            # the common case, at C speed: every block up to the first miss built and unexpired
+            built = cast(Callable[[int], frozenset[Location] | None], frozen.get)
+            hits = cast(BlockHits, list(takewhile(truth, map(built, hashes))))
+            if len(hits) == len(hashes) or (model, hashes[len(hits)]) not in self._blocks:
+                expiry = self._frozen_expiry[model]
+                if not hits or min(map(expiry.__getitem__, islice(hashes, len(hits)))) > now:
+                    return hits
+        return self._lookup_building(model, hashes, now)
+
+    def _lookup_building(self, model: str, hashes: Sequence[int], now: float) -> BlockHits:
+        """lookup_now block by block, building (and keeping) each block's frozenset."""
+        frozen = self._frozen.setdefault(model, {})
+        frozen_expiry = self._frozen_expiry.setdefault(model, {})
         hits: BlockHits = []
         previous: frozenset[Location] = frozenset()
         for h in hashes:
-            key = (model, h)
-            holders = self._blocks.get(key)
+            holders = self._blocks.get((model, h))
             if not holders:
                 break
-            if min(holders.values()) > now:  # the common case, at C speed
-                alive = self._frozen.get(key)
-                if alive is None:
+            earliest = min(holders.values())
+            if earliest > now:
+                alive = frozen.get(h)
+                if alive is None or frozen_expiry[h] <= now:
                     alive = frozenset(holders)
                     if alive == previous:
                         alive = previous
-                    self._frozen[key] = alive
+                    frozen[h] = alive
+                    frozen_expiry[h] = earliest
             else:
                 alive = frozenset(loc for loc, expiry in holders.items() if expiry > now)
             if not alive:
@@ -163,7 +183,7 @@ class MemoryIndex:
         for key in keys:
             holders = self._blocks.setdefault(key, {})
             if location not in holders:
-                self._frozen.pop(key, None)
+                self._unfreeze(key)
             holders[location] = expiry
             lru[key] = None
             lru.move_to_end(key)
@@ -206,10 +226,15 @@ class MemoryIndex:
         if holders is None:
             return 0.0
         expiry = holders.pop(location, 0.0)
-        self._frozen.pop(key, None)
+        self._unfreeze(key)
         if not holders:
             del self._blocks[key]
         return expiry
+
+    def _unfreeze(self, key: BlockKey) -> None:
+        frozen = self._frozen.get(key[0])
+        if frozen is not None and frozen.pop(key[1], None) is not None:
+            del self._frozen_expiry[key[0]][key[1]]
 
     async def evict(self, model: str, hashes: Sequence[int], location: Location) -> None:
         lru = self._lru.get(location)

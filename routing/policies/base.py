@@ -11,7 +11,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from routing.cost import CostTerms, Estimate, Load, Overlap, PoolCosts
 
@@ -69,8 +69,7 @@ class RouteRequest:
     block_size_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class Score:
+class Score(NamedTuple):  # a tuple: one per candidate per request (see routing/cost.py Overlap)
     replica: str
     overlap: Overlap
     estimate: Estimate

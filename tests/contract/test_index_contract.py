@@ -129,6 +129,19 @@ async def test_entries_expire_after_ttl_unless_refreshed(make_index: IndexFactor
     assert await index.lookup(MODEL, [1, 2]) == []
 
 
+async def test_a_refreshed_prefix_stays_whole_past_its_first_ttl(make_index: IndexFactory) -> None:
+    """A lookup in between (the memory index keeps what it built) does not hide the refresh."""
+    index = make_index(ttl_s=TTL_S)
+    await index.record(MODEL, [1, 2, 3], A_HBM)
+    await index.record(MODEL, [1], B_HBM)
+    assert await index.lookup(MODEL, [1, 2, 3]) == [{A_HBM, B_HBM}, {A_HBM}, {A_HBM}]
+    await make_index.wait(TTL_S * 0.6)
+    await index.record(MODEL, [1, 2, 3], A_HBM)
+    await make_index.wait(TTL_S * 0.6)
+    assert await index.lookup(MODEL, [1, 2, 3]) == [{A_HBM}, {A_HBM}, {A_HBM}]
+    assert await index.lookup(MODEL, [1, 2, 3]) == [{A_HBM}, {A_HBM}, {A_HBM}]
+
+
 async def test_capacity_pushes_out_least_recently_recorded_to_cpu(
     make_index: IndexFactory,
 ) -> None:
