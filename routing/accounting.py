@@ -9,7 +9,8 @@ Public API
   CostKey(tenant, tenant_class, pool)         what a row of the accounting is about
   FIELDS                                      the summed quantities of a row, in order (below)
   TierTokens, confirmed_tokens(...)           a prompt's split by tier, as the engine confirmed it
-  Layers, attribute_ttft(...)                 an observed TTFT split into fixed / queue / swap /
+  Layers, repriced_layers(...), attribute_ttft(...)
+                                              an observed TTFT split into fixed / queue / swap /
                                               fetch / prefill seconds
   request_fields(...)                         one answered request -> {field: value} to add
   Windows(bucket_s, span_s, max_keys)         time-bucketed ring of sums per key; add(), totals()
@@ -53,18 +54,17 @@ How a TTFT is attributed (attribute_ttft)
 The decision's estimate (the x-cachelane-est-terms-ms header's terms) is first recomputed on the
 tokens the engine confirmed: its `cached_tokens` moves tokens the decision expected in a tier to
 "computed" (or the other way), and the swap, fetch and prefill terms are re-priced at the
-replica's cost terms in use (fitted per replica from observed TTFTs, routing/learn.py). These
-work terms (fixed + swap + fetch + prefill) are then fitted to the observation:
+replica's cost terms in use (fitted per replica from observed TTFTs, routing/learn.py); the
+fixed overhead and the queue stay as estimated. Every term is then scaled by observed / (their
+sum), so the layers keep the estimate's proportions and sum to the observed TTFT.
 
-  observed >= work:  each work term stays; the queue is the rest (observed - work)
-  observed <  work:  the queue is 0; the work terms are scaled by observed / work
-
-The queue is the residual because it is the term the estimate knows least: the per-token rates
-are fitted from the same observations, while the queue depends on work the gateway may not see
-(other gateways, decode steps sharing the prefill). Scaling every term by observed / estimated
-instead would spread an unforeseen queue over the swap, fetch and prefill bars, i.e. report a
-queueing problem as an offloading one. docs/costs.md measures both rules against the
-simulator's own per-request queue time.
+Why proportional: the other natural rule, "the queue is the residual" (work terms as priced, the
+queue = observed - work), was measured against the simulator's own per-request queue time
+(loadtest/bench/costs.py, docs/costs.md): it put 1.5-2.2x the simulator's queue time in the
+queue (every unmodelled delay, the host's event-loop lag included, lands there), where the
+proportional rule was within 0.7-0.95x, and closer per request too. The limit: a queue the
+gateway did not foresee (work sent by other gateways) shows in proportion in every layer, not
+in the queue; cachelane_ttft_estimate_error says how large the estimate's misses are.
 """
 
 from __future__ import annotations
@@ -195,29 +195,32 @@ class Layers:
         return self.fixed_s + self.queue_s + self.swap_s + self.fetch_s + self.prefill_s
 
 
-def work_layers(
-    tokens: TierTokens, terms: CostTerms, costs: PoolCosts, swap_share: float
+def repriced_layers(
+    tokens: TierTokens, terms: CostTerms, costs: PoolCosts, swap_share: float, queue_s: float
 ) -> Layers:
-    """The estimate's work terms re-priced on `tokens` (queue 0): the fixed overhead, the
-    swap-in (with `swap_share` = 1 + swap-ins sharing the link), the fetch, the prefill."""
+    """The estimate's terms re-priced on `tokens`: the fixed overhead, the queue as estimated
+    (`queue_s`), the swap-in (with `swap_share` = 1 + swap-ins sharing the link), the fetch and
+    the prefill."""
     fetch_s = costs.remote_fixed_s + tokens.remote * terms.fetch_s_per_token if tokens.remote else 0
     return Layers(
         fixed_s=terms.fixed_s,
-        queue_s=0.0,
+        queue_s=queue_s,
         swap_s=tokens.cpu * swap_share * terms.swap_s_per_token,
         fetch_s=fetch_s,
         prefill_s=tokens.computed * terms.prefill_s_per_token,
     )
 
 
-def attribute_ttft(work: Layers, observed_s: float) -> Layers:
-    """Fit the work terms to an observed TTFT; the queue is the rest (module docstring)."""
+def attribute_ttft(estimated: Layers, observed_s: float) -> Layers:
+    """Scale the estimated layers to sum to the observed TTFT (module docstring); an estimate of
+    nothing leaves it all to the fixed overhead."""
     observed_s = max(0.0, observed_s)
-    total = work.fixed_s + work.swap_s + work.fetch_s + work.prefill_s
-    if observed_s >= total:
-        return Layers(work.fixed_s, observed_s - total, work.swap_s, work.fetch_s, work.prefill_s)
-    f = observed_s / total if total > 0 else 0.0
-    return Layers(work.fixed_s * f, 0.0, work.swap_s * f, work.fetch_s * f, work.prefill_s * f)
+    total = estimated.total_s
+    if total <= 0:
+        return Layers(observed_s, 0.0, 0.0, 0.0, 0.0)
+    f = observed_s / total
+    e = estimated
+    return Layers(e.fixed_s * f, e.queue_s * f, e.swap_s * f, e.fetch_s * f, e.prefill_s * f)
 
 
 def swap_share_of(overlap: Overlap, estimate: Estimate) -> float:
@@ -268,7 +271,8 @@ def request_fields(
         out["swap_link_sharers"] = share
         out["shared_swap_ins"] = 1 if share > 1 else 0
     if observed_s is not None:
-        layers = attribute_ttft(work_layers(tokens, terms, costs, share), observed_s)
+        priced = repriced_layers(tokens, terms, costs, share, estimate.queue_s)
+        layers = attribute_ttft(priced, observed_s)
         out |= {
             "timed_requests": 1,
             "observed_ttft_s": observed_s,

@@ -199,12 +199,7 @@ def checks(
     """The gateway's sums next to the simulator's own counters, quantity by quantity."""
     timed = [o for o in outcomes if o.status == 200 and o.ttft_s is not None]
     sim_queue_s = sum(o.sim.get("queue_wait_ms", 0.0) for o in timed) / 1000
-    # the other rule: every estimated term scaled by observed / estimated (client-side TTFT)
-    proportional_queue_s = sum(
-        o.est_terms_ms.get("queue", 0.0) / 1000 * o.ttft_s / (sum(o.est_terms_ms.values()) / 1000)
-        for o in timed
-        if o.ttft_s is not None and sum(o.est_terms_ms.values()) > 0
-    )
+    queue = queue_rules(timed)
     r, t = replicas, remote
     return [
         Check("streamed requests", gw["timed_requests"], len(timed), "exact"),
@@ -259,9 +254,48 @@ def checks(
             r["cachelane_sim_hbm_evicted_blocks_total"],
             "estimate",
         ),
-        Check("queue s (residual rule)", gw["queue_s"], sim_queue_s, "estimate"),
-        Check("queue s (proportional rule)", proportional_queue_s, sim_queue_s, "estimate"),
+        Check("queue s (gateway: proportional rule)", gw["queue_s"], sim_queue_s, "estimate"),
+        Check("queue s (residual rule, client-side)", queue.residual_s, sim_queue_s, "estimate"),
+        Check(
+            "queue: mean abs error per request, ms (proportional, client-side)",
+            queue.proportional_mae_ms,
+            0.0,
+            "estimate",
+        ),
+        Check(
+            "queue: mean abs error per request, ms (residual, client-side)",
+            queue.residual_mae_ms,
+            0.0,
+            "estimate",
+        ),
     ]
+
+
+@dataclass(frozen=True)
+class QueueRules:
+    residual_s: float
+    residual_mae_ms: float
+    proportional_mae_ms: float
+
+
+def queue_rules(timed: Sequence[Outcome]) -> QueueRules:
+    """The two attribution rules applied client-side, per request, to the estimate's terms (the
+    x-cachelane-est-terms-ms header) and the client's TTFT, against the simulator's queue wait:
+    proportional (every term scaled by observed / estimated: what the gateway does, there on
+    the tokens the engine confirmed) and residual (the queue is observed - the other terms)."""
+    residual_s, residual_err, proportional_err = 0.0, [], []
+    for o in timed:
+        terms, sim_ms = o.est_terms_ms, o.sim.get("queue_wait_ms")
+        est_ms = sum(terms.values())
+        if o.ttft_s is None or sim_ms is None or est_ms <= 0:
+            continue
+        obs_ms = 1000 * o.ttft_s
+        residual_ms = max(0.0, obs_ms - (est_ms - terms.get("queue", 0.0)))
+        residual_s += residual_ms / 1000
+        residual_err.append(abs(residual_ms - sim_ms))
+        proportional_err.append(abs(terms.get("queue", 0.0) * obs_ms / est_ms - sim_ms))
+    n = max(1, len(residual_err))
+    return QueueRules(residual_s, sum(residual_err) / n, sum(proportional_err) / n)
 
 
 def check_table(rows: Sequence[Check]) -> str:

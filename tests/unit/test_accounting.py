@@ -14,8 +14,8 @@ from routing.accounting import (
     Windows,
     attribute_ttft,
     confirmed_tokens,
+    repriced_layers,
     request_fields,
-    work_layers,
 )
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, estimate
 
@@ -52,33 +52,34 @@ def test_remote_tokens_recomputed_are_computed() -> None:
     )
 
 
-WORK = Layers(fixed_s=0.003, queue_s=0.0, swap_s=0.02, fetch_s=0.03, prefill_s=0.05)
+ESTIMATED = Layers(fixed_s=0.003, queue_s=0.017, swap_s=0.02, fetch_s=0.01, prefill_s=0.05)
 
 
 @pytest.mark.parametrize(
-    ("observed_s", "expected"),
-    [
-        (0.2, Layers(0.003, 0.097, 0.02, 0.03, 0.05)),  # the rest is queue
-        (0.103, Layers(0.003, 0.0, 0.02, 0.03, 0.05)),  # exactly the work
-        (0.0515, Layers(0.0015, 0.0, 0.01, 0.015, 0.025)),  # less: work scaled down
-        (0.0, Layers(0.0, 0.0, 0.0, 0.0, 0.0)),
-    ],
-    ids=["queue-residual", "exact", "scaled-down", "zero"],
+    ("observed_s", "factor"),
+    [(0.2, 2.0), (0.1, 1.0), (0.05, 0.5), (0.0, 0.0)],
+    ids=["slower", "exact", "faster", "zero"],
 )
-def test_attribution_sums_to_the_observation(observed_s: float, expected: Layers) -> None:
-    got = attribute_ttft(WORK, observed_s)
+def test_attribution_scales_every_layer_to_the_observation(
+    observed_s: float, factor: float
+) -> None:
+    got = attribute_ttft(ESTIMATED, observed_s)
     assert got.total_s == pytest.approx(observed_s)
     for name in ("fixed_s", "queue_s", "swap_s", "fetch_s", "prefill_s"):
-        assert getattr(got, name) == pytest.approx(getattr(expected, name)), name
+        assert getattr(got, name) == pytest.approx(getattr(ESTIMATED, name) * factor), name
 
 
-def test_work_layers_price_the_confirmed_tokens() -> None:
+def test_attribution_of_an_empty_estimate_is_overhead() -> None:
+    assert attribute_ttft(Layers(0, 0, 0, 0, 0), 0.02) == Layers(0.02, 0, 0, 0, 0)
+
+
+def test_repriced_layers_price_the_confirmed_tokens() -> None:
     tokens = TierTokens(hbm=0, cpu=1000, remote=2000, computed=3000)
-    work = work_layers(tokens, TERMS, COSTS, swap_share=2.0)
-    assert work.swap_s == pytest.approx(2 * 1000 * TERMS.swap_s_per_token)
-    assert work.fetch_s == pytest.approx(COSTS.remote_fixed_s + 2000 * TERMS.fetch_s_per_token)
-    assert work.prefill_s == pytest.approx(3000 / COSTS.prefill_tokens_per_s)
-    assert work.queue_s == 0
+    priced = repriced_layers(tokens, TERMS, COSTS, swap_share=2.0, queue_s=0.004)
+    assert priced.swap_s == pytest.approx(2 * 1000 * TERMS.swap_s_per_token)
+    assert priced.fetch_s == pytest.approx(COSTS.remote_fixed_s + 2000 * TERMS.fetch_s_per_token)
+    assert priced.prefill_s == pytest.approx(3000 / COSTS.prefill_tokens_per_s)
+    assert priced.queue_s == 0.004 and priced.fixed_s == TERMS.fixed_s
 
 
 def test_request_fields_of_a_swap_shared_with_another() -> None:
@@ -102,7 +103,10 @@ def test_request_fields_of_a_swap_shared_with_another() -> None:
     assert f["hbm_inserted_blocks"] == (4096 - 1024) // 16
     layers = sum(f[k] for k in ("fixed_s", "queue_s", "swap_s", "fetch_s", "prefill_s"))
     assert layers == pytest.approx(f["observed_ttft_s"])
-    assert f["queue_s"] == pytest.approx(0.010 + est.queue_s)
+    # the swap was confirmed in full: the layers keep the estimate's proportions
+    scale = f["observed_ttft_s"] / est.ttft_s
+    assert f["swap_s"] == pytest.approx(est.swap_s * scale)
+    assert f["queue_s"] == pytest.approx(est.queue_s * scale)
 
 
 def test_request_fields_without_a_ttft_attribute_nothing() -> None:
