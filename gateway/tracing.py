@@ -16,9 +16,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,6 +29,7 @@ from gateway import __version__, logs
 from gateway.extras import OTEL_MODULES, missing_message, missing_modules
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Tracer
 
@@ -80,7 +83,13 @@ def check_installed() -> None:
         raise ValueError(missing_message("tracing", "otel", missing))
 
 
-def tracer_from(config: TracingConfig, exporter: SpanExporter | None = None) -> Tracer:
+@dataclass(frozen=True)
+class Tracing:
+    tracer: Tracer
+    provider: TracerProvider  # shut down (its last spans flushed) when the app shuts down
+
+
+def tracer_from(config: TracingConfig, exporter: SpanExporter | None = None) -> Tracing:
     """A tracer of its own provider (the process's global provider is left alone): spans
     sampled by `config.sample_ratio`, sent to `exporter` as each ends (tests: the SDK's
     InMemorySpanExporter) or, without one, in batches over OTLP/HTTP to `config.endpoint`
@@ -107,23 +116,28 @@ def tracer_from(config: TracingConfig, exporter: SpanExporter | None = None) -> 
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint)))
     _propagator = TraceContextTextMapPropagator()
-    return provider.get_tracer("cachelane.gateway", __version__)
+    return Tracing(provider.get_tracer("cachelane.gateway", __version__), provider)
 
 
 class TracingMiddleware:
     """ASGI middleware, inside logs.RequestContext (whose access record it reads when the
     response has ended): one SERVER span per request, probes (/health, /ready, /metrics)
-    excepted."""
+    excepted. At the app's shutdown, the spans not yet exported are sent before the server is
+    told the shutdown is complete."""
 
-    def __init__(self, app: ASGIApp, tracer: Tracer) -> None:
+    def __init__(self, app: ASGIApp, tracer: Tracing) -> None:
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
         self.app = app
-        self._tracer = tracer
+        self._tracer = tracer.tracer
+        self._provider = tracer.provider
         self._server = SpanKind.SERVER
         self._error = Status(StatusCode.ERROR)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, partial(self._lifespan_sent, send))
+            return
         if scope["type"] != "http" or scope.get("path") in logs.PROBE_PATHS:
             await self.app(scope, receive, send)
             return
@@ -165,6 +179,11 @@ class TracingMiddleware:
                             span.set_status(self._error)
         finally:
             _notes.reset(token)
+
+    async def _lifespan_sent(self, send: Send, message: Message) -> None:
+        if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+            await asyncio.to_thread(self._provider.shutdown)  # the exporter blocks: a thread
+        await send(message)
 
 
 def _attributes(status: int, access: logs.Access | None, notes: _Notes) -> dict[str, Any]:

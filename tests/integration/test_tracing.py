@@ -23,9 +23,18 @@ from typing import Any
 
 import httpx
 import openai
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from gateway.app import create_app
 from loadtest.sim.config import SimReplicaSpec
@@ -170,6 +179,58 @@ async def test_a_client_traceparent_is_continued_and_its_sampling_kept() -> None
         assert len(exporter.get_finished_spans()) == 1
         trace_id, _, flags = parts(traceparents(captures)[1])
         assert trace_id != CLIENT_TRACE_ID and not sampled(flags)
+
+
+def otlp_receiver(received: list[ExportTraceServiceRequest]) -> Starlette:
+    """An OTLP/HTTP collector's traces endpoint (protobuf): keeps every export request."""
+
+    async def traces(request: Request) -> Response:
+        message = ExportTraceServiceRequest()
+        message.ParseFromString(await request.body())
+        received.append(message)
+        answer = ExportTraceServiceResponse().SerializeToString()
+        return Response(answer, media_type="application/x-protobuf")
+
+    return Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])
+
+
+def otlp_value(value: AnyValue) -> object:
+    return getattr(value, value.WhichOneof("value") or "string_value")
+
+
+async def test_spans_go_over_otlp_http_and_the_last_ones_are_flushed_at_shutdown() -> None:
+    received: list[ExportTraceServiceRequest] = []
+    async with AsyncExitStack() as stack:
+        collector = await stack.enter_async_context(running_app(otlp_receiver(received)))
+        spec = SimReplicaSpec(name="sim-0", port=0, costs=FAST_COSTS, itl_s=0.001)
+        replica = await stack.enter_async_context(running_app(create_sim_app(spec)))
+        tracing = {"enabled": True, "endpoint": f"{collector}/v1/traces", "service_name": "gw"}
+        app = create_app(gateway_config([replica], tracing=tracing))  # the OTLP exporter
+        async with running_app(app) as url:
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            for stream in (False, True):
+                answer = await client.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=2, stream=stream
+                )
+                if stream:
+                    async for _ in answer:  # type: ignore[union-attr]
+                        pass
+        # the gateway has shut down; the batch processor's 5 s delay had not passed: the spans
+        # arrived because the shutdown flushed them
+        resources = [rs for r in received for rs in r.resource_spans]
+        spans = [s for rs in resources for ss in rs.scope_spans for s in ss.spans]
+        assert len(spans) == 2
+        services = {
+            otlp_value(kv.value) for rs in resources for kv in rs.resource.attributes
+            if kv.key == "service.name"
+        }  # fmt: skip
+        assert services == {"gw"}
+        for span in spans:
+            attributes = {kv.key: otlp_value(kv.value) for kv in span.attributes}
+            assert attributes["cachelane.replica"] == replica.removeprefix("http://")
+            assert attributes["http.response.status_code"] == 200
+            assert attributes["gen_ai.request.model"] == MODEL
+            assert isinstance(attributes["cachelane.est_ttft_ms"], float)
 
 
 async def test_errors_are_spans_and_probes_are_not() -> None:
