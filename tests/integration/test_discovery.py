@@ -25,8 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from loadtest.bench.processes import free_port_run
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
+from loadtest.sim.tiny_tokenizer import BOS, EOS, write_tiny_tokenizer
 from routing.types import Location, Tier
 from tests.helpers.dnsmasq import Dnsmasq, DnsmasqMissing
 from tests.helpers.ports import free_port
@@ -184,7 +186,9 @@ async def test_a_headless_service_name_is_followed_as_its_addresses_change(
     served = await send(url, 16, "after")
     assert a not in served and served[c] > 0
     assert await prompt_tokens_at(a) == tokens_at_a  # nothing reached it, retries included
-    assert await metric(url, "cachelane_replica_changes_total", pool=POOL, change="added") == 3  # a, b, c
+    assert (
+        await metric(url, "cachelane_replica_changes_total", pool=POOL, change="added") == 3
+    )  # a, b, c
     assert await metric(url, "cachelane_replica_changes_total", pool=POOL, change="removed") == 1
 
     dnsmasq.set_hosts({"other.test": ["127.0.0.9"]})  # the name no longer exists: no replica
@@ -228,3 +232,70 @@ async def test_srv_records_give_each_replica_its_port_and_a_failed_lookup_change
     await two_more_resolutions(url, "failed")
     assert set(app.state.gw.registry.replicas) == {b, c}
     assert sum((await send(url, 4, "dns down")).values()) == 4
+
+
+async def test_a_discovered_replica_gets_its_kv_event_feed_and_loses_it_when_it_leaves(
+    dnsmasq: Dnsmasq, stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    """Precise mode: each replica's engine publishes KV events on its HTTP port + 1; a replica
+    that joins is subscribed to at once (its events fill the index), one that leaves is not
+    followed any more and its entries go."""
+    files = write_tiny_tokenizer(tmp_path / "tokenizer")
+    ports = [free_port_run(2) for _ in range(2)]  # (HTTP, HTTP + 1 for KV events) each
+    names = []
+    for http in ports:
+        spec = SimReplicaSpec(
+            name=f"sim-{http}",
+            port=http,
+            costs=FAST_COSTS,
+            itl_s=0.001,
+            block_size_tokens=16,
+            kv_events_port=http + 1,
+            tokenizer_path=str(files.tokenizer_json),
+            chat_template=str(files.chat_template),
+            bos_token=BOS,
+            eos_token=EOS,
+        )
+        app = create_sim_app(spec)
+        await stack.enter_async_context(running_app(app, port=http))
+        names.append(f"127.0.0.1:{http}")
+    a, b = names
+    srv = "_http._tcp.vllm.test"
+    dnsmasq.start({"pods.test": ["127.0.0.1"]}, srv=[(srv, "pods.test", ports[0])])
+    config = discovered_config({"name": srv, "type": "SRV", "nameservers": [dnsmasq.nameserver]})
+    data = config.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    data["routing"] = {"mode": "precise", "block_size_tokens": 16}
+    data["pools"][0] |= {
+        "kv_events": {"port_offset": 1},
+        "tokenizer": {
+            "path": str(files.tokenizer_json),
+            "chat_template": str(files.chat_template),
+            "bos_token": BOS,
+            "eos_token": EOS,
+        },
+    }
+    app = create_app(parse_config(data))
+    url = await stack.enter_async_context(running_app(app))
+    kv = app.state.gw.kv_events
+    assert set(kv.feeds) == {a}
+    await healthy(app, {a})
+    assert await kv.wait_connected(WAIT_S)
+    await send(url, 2, "first")
+
+    async def a_indexed() -> bool:
+        return entries(app, a) > 0
+
+    await until("a's KV events in the index", a_indexed)
+
+    dnsmasq.set_srv([(srv, "pods.test", ports[1])])
+    await two_more_resolutions(url)
+    assert set(kv.feeds) == {b}
+    assert await kv.wait_connected(WAIT_S)
+    served = await send(url, 3, "precise")
+    assert set(served) == {b}
+
+    async def b_indexed() -> bool:
+        return entries(app, b) > 0
+
+    await until("b's KV events in the index", b_indexed)  # only its events write there
+    assert entries(app, a) == 0

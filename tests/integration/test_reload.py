@@ -101,19 +101,25 @@ async def load(
             ]
             try:
                 if j % 2:
-                    raw = await client.chat.completions.with_raw_response.create(
+                    streamed = await client.chat.completions.with_raw_response.create(
                         model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True
                     )
+                    replica = streamed.headers["x-cachelane-replica"]
                     text = "".join(
-                        [c.choices[0].delta.content or "" async for c in raw.parse() if c.choices]
+                        [
+                            c.choices[0].delta.content or ""
+                            async for c in streamed.parse()
+                            if c.choices
+                        ]
                     )
                 else:
-                    raw = await client.chat.completions.with_raw_response.create(
+                    whole = await client.chat.completions.with_raw_response.create(
                         model=MODEL, messages=messages, max_tokens=MAX_TOKENS
                     )
-                    text = raw.parse().choices[0].message.content or ""
+                    replica = whole.headers["x-cachelane-replica"]
+                    text = whole.parse().choices[0].message.content or ""
                 assert text, "an empty answer"
-                sent.append(Sent(after, raw.headers["x-cachelane-replica"]))
+                sent.append(Sent(after, replica))
             except Exception as err:
                 failures.append(f"worker {worker} request {j}: {err!r}")
 
