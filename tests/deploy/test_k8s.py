@@ -275,10 +275,71 @@ def test_the_pod_reads_its_keys_from_the_secret(target: Path, tmp_path: Path) ->
     secret_files = {f.name for f in kustomize_check.check(target).generators[SECRETS]}
     referenced = {Path(k).name for k in keys if k}
     referenced |= {Path(text["auth"]["secret_file"]).name} if "auth" in text else set()
+    url_file = text["index"].get("redis_url_file")
+    referenced |= {Path(url_file).name} if url_file else set()
     assert referenced == secret_files
     assert all("api_key" not in t for t in text["tenants"]), "no key in the ConfigMap"
     if config.index.backend == "redis":
         assert config.auth.secret, "tenant records in Redis are signed"
+
+
+REDIS_TARGETS = [t for t in TARGETS if _gateway_config(t).index.backend == "redis"]
+
+
+@pytest.mark.parametrize("target", REDIS_TARGETS, ids=rel)
+def test_redis_needs_the_password_keeps_its_state_and_admits_only_the_gateways(
+    target: Path,
+) -> None:
+    """The Redis pods require the password of the Secret cachelane-redis, the gateways' URL
+    (a file of their Secret, never the ConfigMap) carries that same password, the pods snapshot
+    to a persistent volume, and a NetworkPolicy admits the gateway pods to the client port."""
+    config = _gateway_config(target)
+    generators = kustomize_check.check(target).generators
+    (password_file,) = generators["cachelane-redis"]
+    password = password_file.read_text().strip()
+    assert f":{password}@" in config.index.redis_url
+    assert "redis_url" not in load_one(generators[CONFIG][-1])["index"]
+    objects = kustomize_check.check(target).objects
+    pods = [
+        o
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+        and o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+        == "index"
+    ]
+    assert pods
+    for pod in pods:
+        (redis,) = pod["spec"]["template"]["spec"]["containers"]
+        args = [str(a) for a in redis["args"]]
+        assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+        env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"] if "valueFrom" in e
+               and "secretKeyRef" in e["valueFrom"]}  # fmt: skip
+        assert env["REDIS_PASSWORD"] == {"name": "cachelane-redis", "key": password_file.name}
+        assert args[args.index("--save") + 1] not in ("", '""'), "tenants and fits persist"
+        volumes = pod["spec"]["template"]["spec"].get("volumes", [])
+        claims = pod["spec"].get("volumeClaimTemplates") or [
+            v for v in volumes if "persistentVolumeClaim" in v
+        ]
+        assert claims, f"{pod['metadata']['name']}: /data on a persistent volume"
+        labels = pod["spec"]["template"]["metadata"]["labels"]
+        (policy,) = [
+            o
+            for o in objects
+            if o["kind"] == "NetworkPolicy"
+            and o["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        ]
+        admitted = [
+            (peer["podSelector"]["matchLabels"], {p["port"] for p in rule["ports"]})
+            for rule in policy["spec"]["ingress"]
+            for peer in rule["from"]
+        ]
+        gateway = {"app.kubernetes.io/name": "cachelane", "app.kubernetes.io/component": "gateway"}
+        assert (gateway, {6379}) in admitted
+        for peer, _ports in admitted:  # nobody else but Redis's own pods
+            assert (
+                peer == gateway
+                or peer["app.kubernetes.io/name"] == labels["app.kubernetes.io/name"]
+            ), peer
 
 
 DASHBOARD = "cachelane-grafana-dashboard"
