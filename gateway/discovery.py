@@ -70,12 +70,8 @@ async def resolve(d: DiscoveryConfig, resolver: dns.asyncresolver.Resolver) -> l
 
 
 async def _addresses(resolver: dns.asyncresolver.Resolver, name: str | dns.name.Name) -> set[str]:
-    found: set[str] = set()
-    for rdtype in ("A", "AAAA"):
-        answer = await _query(resolver, name, rdtype)
-        if answer is not None:
-            found |= {rr.address for rr in answer}
-    return found
+    answers = await asyncio.gather(*(_query(resolver, name, t) for t in ("A", "AAAA")))
+    return {rr.address for answer in answers if answer is not None for rr in answer}
 
 
 async def _query(

@@ -24,7 +24,8 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
-from gateway.config import parse_config
+from gateway.config import DiscoveryConfig, parse_config
+from gateway.discovery import DiscoveryFailed, make_resolver, resolve
 from loadtest.bench.processes import free_port_run
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
@@ -299,3 +300,28 @@ async def test_a_discovered_replica_gets_its_kv_event_feed_and_loses_it_when_it_
 
     await until("b's KV events in the index", b_indexed)  # only its events write there
     assert entries(app, a) == 0
+
+
+async def test_resolve_brackets_ipv6_addresses_and_reads_a_missing_name_as_no_replica(
+    dnsmasq: Dnsmasq,
+) -> None:
+    dnsmasq.start({"vllm.test": ["127.0.0.2", "fd00::7"], "pods.test": ["::1"]})
+    srv = "_http._tcp.vllm.test"
+    dnsmasq.set_srv([(srv, "pods.test", 9001)])
+
+    def config(**d: Any) -> DiscoveryConfig:
+        return DiscoveryConfig(nameservers=[dnsmasq.nameserver], **d)
+
+    async def urls(d: DiscoveryConfig) -> list[str]:
+        return await resolve(d, make_resolver(d))
+
+    assert await urls(config(name="vllm.test", port=8000)) == [
+        "http://127.0.0.2:8000",
+        "http://[fd00::7]:8000",
+    ]
+    assert await urls(config(name=srv, type="SRV", scheme="https")) == ["https://[::1]:9001"]
+    assert await urls(config(name="nothing.test", port=8000)) == []  # NXDOMAIN
+    assert await urls(config(name="_http._tcp.nothing.test", type="SRV")) == []
+    dnsmasq.stop()
+    with pytest.raises(DiscoveryFailed):
+        await urls(config(name="vllm.test", port=8000, timeout_s=0.3))
