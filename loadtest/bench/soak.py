@@ -76,6 +76,7 @@ DRAIN_TIMEOUT_S = 90.0  # after the last arrival, requests still open get this l
 RSS_SAMPLE_S = 1.0
 WARMUP_FRACTION = 0.2  # RSS slope and growth are measured after this share of the run
 WINDOWS = 20  # TTFT p99 and RSS are also shown per window of the run
+SETTLE_S = 5.0  # after the last client, the gateway's in-flight count must reach 0 within this
 REDIS_DOWN_S = 3.0  # at least; shorter runs keep Redis down for 5% of the run
 
 # (fraction of the run, action): crash and graceful stop hit different replicas
@@ -121,6 +122,7 @@ class Run:
     rss: list[tuple[float, float]] = field(default_factory=list)  # (s, MiB)
     faults: list[tuple[float, str]] = field(default_factory=list)  # (s, what) as done
     gateway: dict[str, float] = field(default_factory=dict)  # GATEWAY_COUNTERS' totals
+    in_flight_after: int | None = None  # requests the gateway still counts once all have ended
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -266,6 +268,20 @@ async def gateway_counters(url: str) -> dict[str, float]:
     return totals
 
 
+async def settled_in_flight(url: str) -> int:
+    """The gateway's in-flight count over all replicas (/ready) once every client is done: 0
+    unless a request that ended (abandoned, cut, failed) kept its reservation. Polled for up to
+    SETTLE_S, as the last streams' releases may trail their clients by a moment."""
+    deadline = time.monotonic() + SETTLE_S
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        while True:
+            replicas = (await client.get(f"{url}/ready")).json()["replicas"].values()
+            count = sum(int(r["in_flight"]) for r in replicas)
+            if count == 0 or time.monotonic() > deadline:
+                return count
+            await asyncio.sleep(0.1)
+
+
 class Replicas:
     """One `python -m loadtest.sim` process per replica, so each can be killed on its own."""
 
@@ -403,6 +419,7 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
         "failures": failures,
         "served_during_redis_outage": sum(1 for o in during_outage if o.status == 200),
         "gateway": run.gateway,
+        "in_flight_after": run.in_flight_after,
         "ttft_p50_ms": percentile(ttft_ms, 0.50),
         "ttft_p99_ms": percentile(ttft_ms, 0.99),
         "rss_start_mib": run.rss[0][1] if run.rss else math.nan,
@@ -428,6 +445,7 @@ def table(s: dict[str, Any]) -> Table:
         ("failed, caused by the crash (allowed)", str(s["failed_allowed"])),
         ("failed, not allowed", str(s["failed_not_allowed"])),
         ("served while Redis was down", str(s["served_during_redis_outage"])),
+        ("gateway in-flight once all ended", str(s["in_flight_after"])),
         ("TTFT p50 / p99 (ms)", f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}"),
         ("gateway RSS start / max (MiB)", f"{s['rss_start_mib']:.0f} / {s['rss_max_mib']:.0f}"),
         ("RSS slope after warm-up (MiB/min)", f"{s['rss_slope_mib_per_min']:+.2f}"),
@@ -502,6 +520,7 @@ async def soak(run: Run, log_dir: Path) -> dict[str, Any]:
                 stop.set()
                 await asyncio.gather(*background)
             run.gateway = await gateway_counters(gw.url)
+            run.in_flight_after = await settled_in_flight(gw.url)
     finally:
         replicas.stop_all()
         redis.stop()

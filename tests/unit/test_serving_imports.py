@@ -63,3 +63,13 @@ def test_precise_mode_without_the_extra_names_it(
     monkeypatch.setattr(config_module, "missing_modules", lambda modules: ["tokenizers"])
     with pytest.raises(ConfigError, match=re.escape("pip install 'cachelane[precise]'")):
         parse_config(data)
+
+
+def test_tracing_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    off = {"pools": [{"name": "p", "replicas": ["http://127.0.0.1:8001"]}]}
+    on = {**off, "tracing": {"enabled": True}}
+    parse_config(on)  # installed here: accepted
+    monkeypatch.setattr(config_module, "missing_modules", lambda modules: ["opentelemetry.sdk"])
+    assert not parse_config(off).tracing.enabled  # off: the extra is not needed
+    with pytest.raises(ConfigError, match=re.escape("pip install 'cachelane[otel]'")):
+        parse_config(on)
