@@ -32,7 +32,7 @@ from loadtest.sim.config import SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
 from loadtest.workloads.cost_traces import TENANT_CLASSES, cost_trace
 from loadtest.workloads.traces import TraceRecord
-from routing.cost import KV_BYTES_PER_TOKEN
+from routing.cost import KV_BYTES_PER_TOKEN, PoolCosts
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 
 ADMIN_KEY = "bench-admin-key-" + "0" * 32  # keys have at least 32 characters (gateway/keys.py)
@@ -254,6 +254,13 @@ def checks(
             r["cachelane_sim_hbm_evicted_blocks_total"],
             "estimate",
         ),
+        Check(
+            "prefill GPU-s avoided (sim: cached tokens / its prefill rate)",
+            sum(gw[f"avoided_{tier}_s"] for tier in ("hbm", "cpu", "remote")),
+            (r["vllm:prefix_cache_hits_total"] + r["vllm:external_prefix_cache_hits_total"])
+            / PoolCosts().prefill_tokens_per_s,
+            "estimate",
+        ),
         Check("queue s (gateway: proportional rule)", gw["queue_s"], sim_queue_s, "estimate"),
         Check("queue s (residual rule, client-side)", queue.residual_s, sim_queue_s, "estimate"),
         Check(
@@ -319,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-in-flight", type=int, default=32)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench_costs"))
     parser.add_argument("--png", type=Path, default=None, help="cachelane report's chart")
+    parser.add_argument("--remote-write", choices=("always", "reuse", "never"), default="always")
     return parser
 
 
@@ -353,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     args = build_parser().parse_args(argv)
-    shape = FleetShape()
+    shape = FleetShape(remote_write=args.remote_write)
     urls = loopback_urls(shape.replicas + 1)
     replica_urls, remote_url = urls[:-1], urls[-1]
     config = shape.config(replica_urls, remote_url)
