@@ -122,6 +122,13 @@ def _missing_extra(feature: str, extra: str) -> bool:
     return bool(missing)
 
 
+def _plan(argv: list[str]) -> int:
+    """`cachelane plan CAPTURE ...` (gateway/plan_cli.py; --png needs the [sim] extra)."""
+    from gateway.plan_cli import run
+
+    return run(argv)
+
+
 # Commands parsed by their own module's parser, imported only when the command runs, so that
 # `cachelane serve` (and `import gateway.cli`) loads none of loadtest; `cachelane --help` lists
 # them.
@@ -129,6 +136,7 @@ LAZY_COMMANDS = {
     "sim": (_sim, "run simulated GPU replicas"),
     "demo": (_demo, "run the demo: round_robin vs cache_aware on a simulated fleet"),
     "locust": (_locust, "run the Locust scenarios: Locust's options (--help lists them), --shapes"),
+    "plan": (_plan, "what-if: replay a traffic capture (capture.path) on other set-ups"),
 }
 
 

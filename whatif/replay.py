@@ -55,6 +55,7 @@ from whatif.setup import Setup
 class Replayed:
     """One request's planned outcome."""
 
+    arrived_s: float  # the captured arrival
     tenant: str
     tenant_class: str
     pool: str
@@ -390,6 +391,7 @@ class _Fleet:
         kv = r.costs.kv_bytes_per_token
         self.results.append(
             Replayed(
+                arrived_s=job.arrived_s,
                 tenant=req.tenant,
                 tenant_class=job.tenant_class,
                 pool=r.pool.name,

@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -35,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from loadtest.bench.processes import (
     gateway_from_config,
@@ -47,10 +48,11 @@ from loadtest.bench.replay import RequestResult, percentile, replay
 from loadtest.sim.config import SIM_MODEL
 from loadtest.workloads import tier_traces
 from loadtest.workloads.traces import TraceRecord
-from whatif.capture import Capture, parse_capture
+from whatif.capture import Capture, CapturedRequest, parse_capture
+from whatif.replay import Replayed
 from whatif.replay import replay as plan_replay
 from whatif.setup import Setup, hbm_only, with_cpu, with_remote
-from whatif.summary import ALL, summarize
+from whatif.summary import ALL
 
 DURATION_S = 45.0
 QUICK_DURATION_S = 6.0
@@ -75,6 +77,14 @@ KEYS = {
     "web": "web-plan-key-1-0123456789abcdef0123456789",
 }
 SETUPS = ("hbm", "cpu", "remote")
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "hit_rate", "requests_hit_share")
+LABELS = {
+    "ttft_p50_ms": "TTFT p50 ms",
+    "ttft_p99_ms": "TTFT p99 ms",
+    "ttft_mean_ms": "TTFT mean ms",
+    "hit_rate": "hit rate",
+    "requests_hit_share": "requests hit",
+}
 OUT_JSON = Path("results/plan_validation.json")
 
 
@@ -138,7 +148,8 @@ def run_setup(
     return {"critical": crit, "standard": std}, capture
 
 
-def measured(results: dict[str, list[RequestResult]]) -> dict[str, dict[str, float]]:
+def client_measured(results: dict[str, list[RequestResult]]) -> dict[str, dict[str, float]]:
+    """The client's view: TTFT to the first streamed token, through the gateway."""
     out: dict[str, dict[str, float]] = {}
     groups = {**results, ALL: [r for rows in results.values() for r in rows]}
     for name, rows in groups.items():
@@ -150,21 +161,58 @@ def measured(results: dict[str, list[RequestResult]]) -> dict[str, dict[str, flo
             "errors": len(rows) - len(ok),
             "ttft_p50_ms": percentile(ttfts, 50),
             "ttft_p99_ms": percentile(ttfts, 99),
+            "ttft_mean_ms": statistics.fmean(ttfts) if ttfts else math.nan,
             "hit_rate": sum(r.cached_tokens for r in ok) / prompt,
         }
     return out
 
 
-def predicted(capture: Capture, setup: Setup) -> dict[str, dict[str, float]]:
-    summary = summarize(plan_replay(capture.requests, setup, seed=SEED))
+def _stats(ttfts_ms: list[float], cached: int, prompt: int, hits: int) -> dict[str, float]:
     return {
-        name: {
-            "requests": c.requests,
-            "ttft_p50_ms": c.ttft_p50_ms,
-            "ttft_p99_ms": c.ttft_p99_ms,
-            "hit_rate": c.hit_rate,
-        }
-        for name, c in summary.classes.items()
+        "requests": len(ttfts_ms),
+        "ttft_p50_ms": percentile(ttfts_ms, 50),
+        "ttft_p99_ms": percentile(ttfts_ms, 99),
+        "ttft_mean_ms": statistics.fmean(ttfts_ms) if ttfts_ms else math.nan,
+        "hit_rate": cached / (prompt or 1),
+        "requests_hit_share": hits / (len(ttfts_ms) or 1),
+    }
+
+
+def measured(capture: Capture) -> dict[str, dict[str, float]]:
+    """The gateway's view of a run (its capture): the TTFT it observed (first byte from the
+    replica, cachelane_ttft_seconds) and the engines' cached tokens."""
+    out: dict[str, dict[str, float]] = {}
+    groups: dict[str, list[CapturedRequest]] = {ALL: list(capture.requests)}
+    for r in capture.requests:
+        groups.setdefault(r.tenant_class, []).append(r)
+    for name, rows in groups.items():
+        timed = [r for r in rows if r.ttft_s is not None]
+        out[name] = _stats(
+            [r.ttft_s * 1000 for r in timed if r.ttft_s is not None],
+            sum(r.cached_tokens or 0 for r in timed),
+            sum(r.prompt_tokens for r in timed),
+            sum(1 for r in timed if (r.cached_tokens or 0) >= r.prompt_tokens // 2),
+        )
+    return out
+
+
+def predicted(capture: Capture, setup: Setup) -> dict[str, dict[str, float]]:
+    outcome = plan_replay(capture.requests, setup, seed=SEED)
+    groups: dict[str, list[Replayed]] = {ALL: list(outcome.requests)}
+    for r in outcome.requests:
+        groups.setdefault(r.tenant_class, []).append(r)
+    return {
+        name: _stats(
+            [r.ttft_s * 1000 for r in rows],
+            sum(r.hbm_tokens + r.cpu_tokens + r.remote_tokens for r in rows),
+            sum(r.prompt_tokens for r in rows),
+            sum(
+                1
+                for r in rows
+                if r.hbm_tokens + r.cpu_tokens + r.remote_tokens >= r.prompt_tokens // 2
+            ),
+        )
+        for name, rows in groups.items()
     }
 
 
@@ -185,7 +233,7 @@ def rows_of(payload: dict[str, Any]) -> list[dict[str, Any]]:
             if m is None or p is None or s is None:
                 continue
             row: dict[str, Any] = {"setup": setup, "class": group}
-            for metric in ("ttft_p50_ms", "ttft_p99_ms", "hit_rate"):
+            for metric in METRICS:
                 row[metric] = {
                     "measured": m[metric],
                     "whatif": p[metric],
@@ -197,26 +245,22 @@ def rows_of(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def print_table(rows: list[dict[str, Any]], console: Console) -> None:
-    table = Table(title="planner vs measurement (what-if: from the HBM-only capture)")
-    for col in ("set-up", "class"):
-        table.add_column(col)
-    for metric in ("TTFT p50 ms", "TTFT p99 ms", "hit rate"):
-        table.add_column(f"{metric}\nmeasured", justify="right")
-        table.add_column("what-if (err)", justify="right")
-        table.add_column("same set-up (err)", justify="right")
+def markdown_table(rows: list[dict[str, Any]], kind: str) -> str:
+    """`kind`: "whatif" (predicted from the HBM-only capture) or "same" (from the run's own)."""
+    head = ["set-up", "class"]
+    for metric in METRICS:
+        head += [f"{LABELS[metric]} measured", "predicted (error)"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (2 * len(METRICS))]
     for row in rows:
         cells = [row["setup"], row["class"]]
-        for metric in ("ttft_p50_ms", "ttft_p99_ms", "hit_rate"):
+        for metric in METRICS:
             v = row[metric]
-            fmt = "{:.1%}" if metric == "hit_rate" else "{:.0f}"
-            cells.append(fmt.format(v["measured"]))
-            for kind in ("whatif", "same"):
-                err = v[f"{kind}_error"]
-                mark = "" if abs(err) <= GOAL else " !"
-                cells.append(f"{fmt.format(v[kind])} ({err:+.0%}){mark}")
-        table.add_row(*cells)
-    console.print(table)
+            fmt = "{:.0f}" if metric.endswith("_ms") else "{:.1%}"
+            err = v[f"{kind}_error"]
+            mark = "" if abs(err) <= GOAL else " **x**"
+            cells += [fmt.format(v["measured"]), f"{fmt.format(v[kind])} ({err:+.0%}){mark}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,7 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for setup in SETUPS:
             results, path = run_setup(setup, voice, web, args.log_dir)
             captures[setup] = read_capture(path)
-            payload["setups"][setup] = {"measured": measured(results)}
+            payload["setups"][setup] = {
+                "measured": measured(captures[setup]),
+                "client": client_measured(results),
+            }
             console.print(f"{setup}: ran, {len(captures[setup].requests)} requests captured")
     base = Setup.from_capture(captures["hbm"])
     payload["fit"] = {k: list(v.as_vector()) for k, v in base.terms.items()}
@@ -265,7 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry["predicted_same"] = predicted(captures[setup], own)
     payload["rows"] = rows_of(payload)
     payload["elapsed_s"] = time.perf_counter() - started
-    print_table(payload["rows"], console)
+    console.print("\nPredicted from the HBM-only capture (what-if):\n")
+    print(markdown_table(payload["rows"], "whatif"))
+    console.print("\nPredicted from each run's own capture (same set-up):\n")
+    print(markdown_table(payload["rows"], "same"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2))
     console.print(f"wrote {args.out}")
