@@ -89,11 +89,14 @@ class CostLearner:
             self.add(r)
 
     def add(self, r: Replica) -> None:
-        """Learn for a replica that joined (or whose pool's costs changed: a fresh seed)."""
+        """Learn for a replica that joined, or whose pool's costs changed: its own fit, and the
+        pool's if it was seeded from other costs, start again from the new seed."""
         seed = CostTerms.seed(r.costs)
         self._replicas[r.name] = r
         self._own[r.name] = OnlineFit(seed)
-        self._pooled.setdefault(r.pool.name, OnlineFit(seed))
+        pooled = self._pooled.get(r.pool.name)
+        if pooled is None or pooled.seed != seed:
+            self._pooled[r.pool.name] = OnlineFit(seed)
         r.terms = None if self.mode == "none" else self.terms_of(r.name)
         self._export(r)
 
