@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from gateway.admin import _require_admin
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, PoolConfig
 from gateway.errors import bad_request
 from gateway.metrics import Metrics
 from gateway.planner import Plan
@@ -74,6 +74,10 @@ class CostAccounting:
                 self._ledgers[tier.name] = RemoteLedger(
                     tier.capacity_tokens // self._block, block_bytes
                 )
+
+    def set_pools(self, pools: list[PoolConfig]) -> None:
+        """The pools a reload left (gateway/reload.py): the report lists these."""
+        self._pool_configs = pools
 
     def key(self, plan: Plan, replica: Replica) -> CostKey:
         tenant = plan.tenant

@@ -73,6 +73,7 @@ class Reloader:
             changes = await gw.fleet.set_pools(merged.pools)
             await gw.discovery.sync(merged.pools)
             gw.planner.set_pools(merged, tokenizers)
+            gw.costs.set_pools(merged.pools)
             gw.config = merged
             metrics.reloads.labels("ok").inc()
         report = ReloadReport(

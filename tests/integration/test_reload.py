@@ -197,15 +197,23 @@ async def test_a_reload_reports_sections_it_does_not_apply_and_needs_a_file(
 ) -> None:
     path = tmp_path / "gateway.yaml"
     async with AsyncExitStack() as stack:
-        (s0,) = await sims(stack, 1)
+        s0, s1 = await sims(stack, 2)
         path.write_text(yaml.safe_dump(config_data([s0])))
         with_file = create_app(load_config(path), config_path=str(path))
         url = await stack.enter_async_context(running_app(with_file))
-        path.write_text(yaml.safe_dump(config_data([s0], max_body_bytes=1024)))
+        data = config_data([s0], max_body_bytes=1024)
+        data["pools"].append({**data["pools"][0], "name": "more", "replicas": [s1]})
+        path.write_text(yaml.safe_dump(data))
         resp = await reload(url)
         assert resp.status_code == 200, resp.text
         assert resp.json()["not_applied"] == ["max_body_bytes"]
+        assert resp.json()["pools"] == ["default", "more"]
         assert with_file.state.gw.config.max_body_bytes != 1024
+        async with httpx.AsyncClient() as h:  # the cost report follows the pools
+            costs = await h.get(
+                f"{url}/debug/costs?window_s=60", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+            )
+        assert [p["pool"] for p in costs.json()["windows"][0]["pools"]] == ["default", "more"]
 
         without_file = create_app(load_config(path))  # as `serve --replicas` runs
         url = await stack.enter_async_context(running_app(without_file))
