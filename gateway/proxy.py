@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import orjson
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -134,7 +135,11 @@ def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
         extra["priority"] = ENGINE_PRIORITY[plan.tenant.tenant_class]
     if not extra:
         return raw_body
-    return json.dumps({**plan.body, **extra}).encode()
+    body = {**plan.body, **extra}
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # an integer beyond 64 bits (the body parser keeps them exact)
+        return json.dumps(body).encode()
 
 
 def _upstream_headers(resp: UpstreamResponse) -> dict[str, str]:

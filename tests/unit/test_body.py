@@ -63,3 +63,25 @@ async def test_a_large_body_leaves_the_event_loop_running() -> None:
     ticker.cancel()
     assert len(body["prompt"]) == 1_000_000
     assert max(gaps) < took / 3, (max(gaps), took)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "seed": 123456789012345678901234567890}',  # past int64: exact int
+        b'{"model": "m", "x": -9223372036854775809}',
+        b'{"model": "m", "x": 1.5, "y": [1, {"z": null}], "t": "caf\\u00e9 \\ud83d\\ude00"}',
+        b'{"a": 1, "a": 2}',
+        b'{"model": "m", "n": 1e308, "m": -0.0}',
+    ],
+    ids=["big-int", "big-negative-int", "mixed", "duplicate-key", "floats"],
+)
+def test_the_fast_path_and_the_bounded_parser_agree(raw: bytes) -> None:
+    assert parse_body(raw) == json.loads(raw)
+    assert type(parse_body(raw).get("seed", 0)) is int
+
+
+def test_a_number_longer_than_the_limit_is_refused_by_either_path() -> None:
+    with pytest.raises(BodyError) as caught:
+        parse_body(b'{"model": "m", "max_tokens": 12345678}', max_number_chars=5)
+    assert caught.value.code == "number_too_large"

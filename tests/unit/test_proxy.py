@@ -258,6 +258,13 @@ async def test_a_salted_pool_receives_one_salt_per_tenant_cache_scope() -> None:
     assert {k: v for k, v in bodies[0].items() if k != "cache_salt"} == json.loads(raw)
 
 
+async def test_a_body_the_pool_changes_keeps_an_integer_past_64_bits_exact() -> None:
+    s = await setup(engine_priority=True)
+    await s.forward(raw_chat(seed=10**30))
+    [sent] = s.fleet.sent
+    assert sent.json()["seed"] == 10**30
+
+
 # -- retries ---------------------------------------------------------------------------------------
 
 
