@@ -6,14 +6,16 @@ replicas, while replicas crash and restart, Redis restarts, and some clients rea
 
 What runs (every process on loopback, started and stopped here): three replicas, each its own
 `python -m loadtest.sim` process so that one can be killed; a throwaway redis-server
-(loadtest/bench/redis_servers.py); one `cachelane serve` with `index.backend: redis`. Requests
-arrive as a Poisson process at `--rate`, on prompts that share one of a few system prompts (so
-the index matters); the mix (CLIENT_MIX): streamed, whole, slow readers (a pause between chunks,
-long answers) and abandoners (they leave after a random delay, before or during the answer).
+(loadtest/bench/redis_servers.py); one `cachelane serve` with `index.backend: redis` and keys
+checked: a tenant from the config file and one added through the admin API at the start (its
+record lives in Redis), each sending half the requests. Requests arrive as a Poisson process at
+`--rate`, on prompts that share one of a few system prompts (so the index matters); the mix
+(CLIENT_MIX): streamed, whole, slow readers (a pause between chunks, long answers) and
+abandoners (they leave after a random delay, before or during the answer).
 
 Faults, at fixed fractions of the run (FAULTS): sim-0 crashes (SIGKILL) and comes back; Redis
-stops and comes back (empty: no persistence); sim-1 is stopped gracefully (SIGTERM, a rolling
-restart) and comes back.
+stops and comes back (empty: no persistence, so the admin-added tenant must be re-written by the
+gateway); sim-1 is stopped gracefully (SIGTERM, a rolling restart) and comes back.
 
 A failed request is any non-200 answer, an error event inside a stream, a stream that ends
 without `[DONE]`, a transport error or a client timeout; an abandoner fails only if it saw one of
@@ -21,7 +23,8 @@ these before it left. The faults may cause exactly one kind (ALLOWED_KIND): a st
 being answered by sim-0 when it was killed (the replica died mid-answer; nothing before the first
 byte can mend that, and the gateway ends such a stream with an error event). Everything else
 must be zero: a crashed or restarting replica is covered by the retry before the first byte
-(and the health check's ejection), a Redis outage by the local view of the index.
+(and the health check's ejection), a Redis outage by the local view of the index and of the
+tenants, a Redis that lost its data by the gateway writing back what it knows.
 
 Reported (a table, results/bench_soak.json, results/bench_soak.png): requests and failures by
 kind (allowed and not), the gateway's RSS over time (sampled from /proc every RSS_SAMPLE_S; the
@@ -39,6 +42,7 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import sys
 import time
@@ -89,6 +93,7 @@ FAULTS = (
     (0.75, "restart sim-1"),
 )
 CRASHED = "sim-0"
+ADMIN_TENANT = "from-admin-api"  # added through the admin API: its record lives in Redis
 ALLOWED_KIND = "stream_cut_by_crash"
 
 REPLICA_HEADER = "x-cachelane-replica"
@@ -110,6 +115,7 @@ class Outcome:
     ttft_s: float | None = None
     failure: str | None = None  # None: it succeeded (or an abandoner left cleanly)
     abandoned: bool = False
+    tenant: str = ""
 
 
 @dataclass
@@ -134,6 +140,33 @@ def prompts(rng: random.Random) -> list[str]:
         f"System prompt {i}. " + " ".join(rng.choice(words) for _ in range(SYSTEM_WORDS))
         for i in range(FAMILIES)
     ]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Random keys for this run: the tenants' and the admin's, and the records' HMAC secret."""
+
+    secret: str = field(default_factory=lambda: secrets.token_hex(32))
+    admin: str = field(default_factory=lambda: secrets.token_hex(32))
+    file_tenant: str = field(default_factory=lambda: secrets.token_hex(32))
+    admin_tenant: str = field(default_factory=lambda: secrets.token_hex(32))
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "auth": {"mode": "keys", "secret": self.secret},
+            "admin": {"api_key": self.admin},
+            "tenants": [{"name": "from-file", "api_key": self.file_tenant}],
+        }
+
+
+async def add_admin_tenant(url: str, keys: Keys) -> None:
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        resp = await client.put(
+            f"{url}/admin/tenants/{ADMIN_TENANT}",
+            json={"api_key": keys.admin_tenant},
+            headers={"authorization": f"Bearer {keys.admin}"},
+        )
+        resp.raise_for_status()
 
 
 def body(rng: random.Random, systems: list[str], stream: bool, max_tokens: int) -> dict[str, Any]:
@@ -171,9 +204,15 @@ async def read_stream(resp: httpx.Response, out: Outcome, run: Run, pause_s: flo
 
 
 async def request(
-    client: httpx.AsyncClient, run: Run, out: Outcome, payload: dict[str, Any], pause_s: float
+    client: httpx.AsyncClient,
+    run: Run,
+    out: Outcome,
+    payload: dict[str, Any],
+    pause_s: float,
+    key: str,
 ) -> None:
-    async with client.stream("POST", "/v1/chat/completions", json=payload) as resp:
+    headers = {"authorization": f"Bearer {key}"}
+    async with client.stream("POST", "/v1/chat/completions", json=payload, headers=headers) as resp:
         out.status = resp.status_code
         out.replica = resp.headers.get(REPLICA_HEADER)
         if resp.status_code != 200:
@@ -188,9 +227,14 @@ async def request(
             out.failure = "bad_body"
 
 
-async def one(client: httpx.AsyncClient, run: Run, rng: random.Random, systems: list[str]) -> None:
+async def one(
+    client: httpx.AsyncClient, run: Run, rng: random.Random, systems: list[str], keys: Keys
+) -> None:
     kind = rng.choices(list(CLIENT_MIX), weights=list(CLIENT_MIX.values()))[0]
-    out = Outcome(kind, run.now())
+    tenant, key = (
+        ("from-file", keys.file_tenant) if rng.random() < 0.5 else (ADMIN_TENANT, keys.admin_tenant)
+    )
+    out = Outcome(kind, run.now(), tenant=tenant)
     run.outcomes.append(out)
     stream = kind != "whole" and not (kind == "abandon" and rng.random() < 0.3)
     max_tokens = SLOW_MAX_TOKENS if kind == "slow_reader" else rng.randint(*MAX_TOKENS)
@@ -199,7 +243,7 @@ async def one(client: httpx.AsyncClient, run: Run, rng: random.Random, systems: 
     limit_s = rng.uniform(*ABANDON_AFTER_S) if kind == "abandon" else CLIENT_TIMEOUT_S
     try:
         async with asyncio.timeout(limit_s):
-            await request(client, run, out, payload, pause_s)
+            await request(client, run, out, payload, pause_s, key)
     except TimeoutError:
         if kind == "abandon":
             out.abandoned = True  # it left: the connection is closed under the gateway
@@ -211,7 +255,7 @@ async def one(client: httpx.AsyncClient, run: Run, rng: random.Random, systems: 
         out.ended_s = run.now()
 
 
-async def drive(gateway_url: str, run: Run, duration_s: float) -> None:
+async def drive(gateway_url: str, run: Run, duration_s: float, keys: Keys) -> None:
     """Poisson arrivals at run.rate for duration_s, then wait (bounded) for the open ones."""
     rng = random.Random(run.seed)
     systems = prompts(rng)
@@ -220,13 +264,13 @@ async def drive(gateway_url: str, run: Run, duration_s: float) -> None:
     tasks: set[asyncio.Task[None]] = set()
     async with httpx.AsyncClient(base_url=gateway_url, limits=limits, timeout=timeout) as client:
         next_s = 0.0
-        count = max(1, round(run.rate * duration_s))
-        for _ in range(count):
+        bound = 2 * round(run.rate * duration_s) + 10  # Poisson: far above any real count
+        for _ in range(bound):
             next_s += rng.expovariate(run.rate)
             if next_s >= duration_s:
                 break
             await asyncio.sleep(max(0.0, next_s - run.now()))
-            task = asyncio.create_task(one(client, run, rng, systems))
+            task = asyncio.create_task(one(client, run, rng, systems, keys))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:
@@ -418,6 +462,14 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
         "failed_not_allowed": sum(failures.values()) - allowed,
         "failures": failures,
         "served_during_redis_outage": sum(1 for o in during_outage if o.status == 200),
+        "admin_tenant_served_after_redis_restart": sum(
+            1
+            for o in run.outcomes
+            if len(redis_down) == 2
+            and o.started_s >= redis_down[1]
+            and o.tenant == ADMIN_TENANT
+            and o.status == 200
+        ),
         "gateway": run.gateway,
         "in_flight_after": run.in_flight_after,
         "ttft_p50_ms": percentile(ttft_ms, 0.50),
@@ -445,6 +497,10 @@ def table(s: dict[str, Any]) -> Table:
         ("failed, caused by the crash (allowed)", str(s["failed_allowed"])),
         ("failed, not allowed", str(s["failed_not_allowed"])),
         ("served while Redis was down", str(s["served_during_redis_outage"])),
+        (
+            "admin-added tenant served after Redis restarted empty",
+            str(s["admin_tenant_served_after_redis_restart"]),
+        ),
         ("gateway in-flight once all ended", str(s["in_flight_after"])),
         ("TTFT p50 / p99 (ms)", f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}"),
         ("gateway RSS start / max (MiB)", f"{s['rss_start_mib']:.0f} / {s['rss_max_mib']:.0f}"),
@@ -501,13 +557,16 @@ async def soak(run: Run, log_dir: Path) -> dict[str, Any]:
     try:
         for i in range(REPLICAS):
             await asyncio.to_thread(replicas.start, i)
+        keys = Keys()
         config = {
+            **keys.config(),
             "index": {"backend": "redis", "redis_url": redis.url},
             "health": {"interval_s": 0.5, "timeout_s": 1.0, "fail_after": 1},
             "pools": [{"name": "default", "models": [SIM_MODEL], "replicas": replicas.urls}],
         }
         with gateway_from_config(config, log_dir, "soak") as gw:
             assert gw.proc.pid is not None
+            await add_admin_tenant(gw.url, keys)
             run.t0 = time.monotonic()
             stop = asyncio.Event()
             background = [
@@ -515,7 +574,7 @@ async def soak(run: Run, log_dir: Path) -> dict[str, Any]:
                 asyncio.create_task(inject_faults(run, duration_s, replicas, redis, stop)),
             ]
             try:
-                await drive(gw.url, run, duration_s)
+                await drive(gw.url, run, duration_s, keys)
             finally:
                 stop.set()
                 await asyncio.gather(*background)

@@ -3,7 +3,8 @@ real sim processes, a real redis-server, a real `cachelane serve`, every fault o
 
 Asserted: no failed request but the kind the faults may cause (a stream sim-0 was answering
 when it was killed: loadtest/bench/soak.py ALLOWED_KIND), every fault done, requests served
-while Redis was down, no request still counted in flight once all ended (abandoners included),
+while Redis was down, the tenant added through the admin API still served once Redis came
+back empty, no request still counted in flight once all ended (abandoners included),
 and the gateway's RSS bounded after warm-up.
 """
 
@@ -39,6 +40,7 @@ def test_short_soak_fails_no_request_the_faults_do_not_explain(tmp_path: Path) -
     assert all(n > 0 for n in data["by_client"].values()), data["by_client"]
     assert data["abandoned"] > 0
     assert data["served_during_redis_outage"] > 0
+    assert data["admin_tenant_served_after_redis_restart"] > 0
     assert data["in_flight_after"] == 0  # no request kept its reservation, abandoned or not
     assert data["ttft_p99_ms"] is not None and data["ttft_p99_ms"] > 0
     assert len(data["rss"]) >= MINUTES * 60 * 0.8  # sampled every second
