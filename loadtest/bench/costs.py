@@ -349,6 +349,7 @@ async def _measure(
         "wall_s": round(wall_s, 1),
         "checks": [asdict(c) | {"ratio": c.ratio} for c in rows],
         "table": check_table(rows),
+        "debug_costs": window,
     }
 
 
