@@ -106,3 +106,20 @@ def test_discovered_pool_needs_no_replicas() -> None:
     (pool,) = config.pools
     assert pool.replicas == [] and pool.discovery is not None
     assert (pool.discovery.type, pool.discovery.port, pool.discovery.interval_s) == ("A", 8000, 2)
+
+
+def test_a_discovered_precise_pool_takes_its_event_ports_by_offset(tmp_path: Path) -> None:
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")  # only its existence is checked here
+    pool = {
+        "name": "p",
+        "models": ["m"],
+        "discovery": DNS_A,
+        "tokenizer": {"path": str(tokenizer)},
+        "kv_events": {"endpoints": {"http://10.0.0.1:8000": "tcp://10.0.0.1:5557"}},
+    }
+    data = {"routing": {"mode": "precise"}, "pools": [pool]}
+    with pytest.raises(ConfigError, match="use port_offset"):
+        parse_config(data)
+    pool["kv_events"] = {"port_offset": 1}
+    assert parse_config(data).pools[0].kv_events is not None
