@@ -114,6 +114,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=int,
         help=f"remote tier capacity if the capture had none (default {DEFAULT_REMOTE_TOKENS})",
     )
+    p.add_argument(
+        "--remote-lookup-ms",
+        type=float,
+        default=0.0,
+        help="a remote tier's lookup round trip, paid by every request that misses locally, in "
+        "scenarios that add the tier (default 0: the cost model has no such term)",
+    )
     p.add_argument("--pin-replicas", type=int, default=1, help="pinned pool size (default 1)")
     p.add_argument(
         "--critical-tenant",
@@ -152,6 +159,7 @@ def plan(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         remote_tokens=remote,
         pin_replicas=args.pin_replicas,
         critical_tenants=frozenset(args.critical_tenant),
+        remote_lookup_s=args.remote_lookup_ms / 1000,
     )
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [n for n in names if n not in table]

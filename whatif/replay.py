@@ -15,6 +15,7 @@ the same steps for a vLLM-like engine):
 
   1. its prompt's blocks are looked up in the replica's HBM, CPU tier and remote tier
      (whatif/cache.py);
+     (the lookup takes the set-up's `remote_lookup_s`, which the cost model has no term for);
   2. CPU blocks are swapped in (PCIe shared with the swap-ins in flight) and remote blocks
      fetched, or recomputed when that is cheaper: routing/cost.py's swap and remote terms at the
      pool's cost terms;
@@ -348,8 +349,10 @@ class _Fleet:
         reusable = req.hashes[: max(0, req.prompt_tokens - 1) // bs]
         g, c = r.cache.local_prefix(reusable)
         m = 0
+        lookup_s = 0.0
         if r.remote is not None and g + c < len(reusable):
             m = r.remote.lookup(reusable[g + c :])
+            lookup_s = self.setup.remote_lookup_s
         cost = estimate(
             Overlap(req.prompt_tokens, g * bs, c * bs, m * bs),
             Load(swaps_in_flight=r.swaps_in_flight),
@@ -361,9 +364,9 @@ class _Fleet:
             r.remote.read(reusable[g + c : g + c + fetched])
         if c:
             r.swaps_in_flight += 1
-            self.push(self.now + cost.swap_s, _SWAPPED, r)
+            self.push(self.now + lookup_s + cost.swap_s, _SWAPPED, r)
         job = _Job(job_key, req, klass.value, r, reusable, g, c, fetched, write, arrived_s=self.now)
-        self.push(self.now + cost.load_s, _JOIN, job)
+        self.push(self.now + lookup_s + cost.load_s, _JOIN, job)
 
     def start_next(self, r: _Replica) -> None:
         if r.busy or not r.queue:

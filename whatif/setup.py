@@ -33,6 +33,10 @@ class Setup:
     critical_fallback: str = "spill"
     critical_budget_ms: float | None = None
     critical_tenants: frozenset[str] = field(default_factory=frozenset)  # served as critical
+    # A request that misses locally asks the remote tier what it holds before loading anything:
+    # one round trip, which the cost model has no term for (a fit over a capture with a remote
+    # tier has it in its fixed overhead). 0 unless a scenario states it.
+    remote_lookup_s: float = 0.0
 
     @classmethod
     def from_capture(cls, capture: Capture, name: str = "as captured") -> Setup:
@@ -85,9 +89,13 @@ def with_cpu(cpu_tokens: int) -> Scenario:
     return apply
 
 
-def with_remote(cpu_tokens: int, remote_tokens: int, admission: str) -> Scenario:
+def with_remote(
+    cpu_tokens: int, remote_tokens: int, admission: str, lookup_s: float = 0.0
+) -> Scenario:
     """CPU tier as with_cpu, and one shared remote tier (the captured one, else
-    `remote_tokens`) with `admission` (reuse, always) on every pool that is not HBM-only."""
+    `remote_tokens`) with `admission` (reuse, always) on every pool that is not HBM-only;
+    `lookup_s` per request that misses locally (Setup.remote_lookup_s), unless the base
+    already had a remote tier (its fitted overhead holds the lookup then)."""
 
     def apply(base: Setup) -> Setup:
         tiers = dict(base.remote_tiers) or {DEFAULT_REMOTE_TIER: remote_tokens}
@@ -103,7 +111,10 @@ def with_remote(cpu_tokens: int, remote_tokens: int, admission: str) -> Scenario
             )
             for p in base.pools
         )
-        return base.with_pools(f"+ remote ({admission})", pools, remote_tiers=tiers)
+        lookup = base.remote_lookup_s if base.remote_tiers else lookup_s
+        return base.with_pools(
+            f"+ remote ({admission})", pools, remote_tiers=tiers, remote_lookup_s=lookup
+        )
 
     return apply
 
@@ -165,6 +176,7 @@ def scenarios(
     remote_tokens: int,
     pin_replicas: int,
     critical_tenants: frozenset[str] = frozenset(),
+    remote_lookup_s: float = 0.0,
     hbm_factors: tuple[float, ...] = (0.5, 2.0),
 ) -> dict[str, Scenario]:
     """The standard comparison, by short name (the CLI's --scenarios)."""
@@ -172,8 +184,8 @@ def scenarios(
         "captured": lambda base: base,
         "hbm": hbm_only,
         "cpu": with_cpu(cpu_tokens),
-        "remote-reuse": with_remote(cpu_tokens, remote_tokens, "reuse"),
-        "remote-always": with_remote(cpu_tokens, remote_tokens, "always"),
+        "remote-reuse": with_remote(cpu_tokens, remote_tokens, "reuse", remote_lookup_s),
+        "remote-always": with_remote(cpu_tokens, remote_tokens, "always", remote_lookup_s),
         "pinned": pinned(pin_replicas, critical_tenants),
     }
     for f in hbm_factors:

@@ -1,0 +1,49 @@
+"""`python -m loadtest.bench.plan_validation` end to end, with tiny set-ups: real sim fleets, real
+gateways capturing, the planner on their captures.
+
+Checks that it runs, that every request was captured, and the JSON's shape; the hit rates must
+agree (the cache model and the simulator's tiers are the same LRUs); the TTFT figures are the
+benchmark's job (docs/planning.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_TIMEOUT_S = 120  # ~30 s here: 3 set-ups of 3 s plus three fleets' and gateways' start-up
+
+
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 10)
+def test_plan_validation_runs_and_writes_results(tmp_path: Path) -> None:
+    out = tmp_path / "plan_validation.json"
+    args = [
+        sys.executable, "-m", "loadtest.bench.plan_validation",
+        "--duration-s", "3", "--out", str(out), "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    done = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| set-up | class |" in done.stdout  # the markdown tables docs/planning.md shows
+
+    data = json.loads(out.read_text())
+    assert set(data["setups"]) == {"hbm", "cpu", "remote"}
+    assert data["remote_lookup_probe_ms"] > 0
+    for name, setup in data["setups"].items():
+        client = setup["client"]["all"]
+        assert client["errors"] == 0, name
+        assert setup["measured"]["all"]["requests"] == client["requests"], "one record each"
+        for kind in ("predicted_whatif", "predicted_same"):
+            assert setup[kind]["all"]["requests"] == client["requests"], (name, kind)
+        same = setup["predicted_same"]["all"]["hit_rate"]
+        assert abs(same - setup["measured"]["all"]["hit_rate"]) < 0.15, name
+    assert {row["setup"] for row in data["rows"]} == {"hbm", "cpu", "remote"}
