@@ -1,0 +1,38 @@
+"""`python -m loadtest.bench.costs` end to end with a short trace: a simulated fleet and a gateway
+as processes from one config, the account against the simulator's counters, `cachelane report`
+with its chart. Checks that it runs and what it writes; the numbers are docs/costs.md's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_TIMEOUT_S = 90  # ~15 s here: two process start-ups, 30 requests at 8 req/s, the report
+
+
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 10)
+def test_bench_costs_runs_and_reports(tmp_path: Path) -> None:
+    png = tmp_path / "costs.png"
+    args = [
+        "--requests", "30", "--seed", "2", "--out-dir", str(tmp_path), "--png", str(png),
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench.costs", *args],
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "costs.json").read_text())
+    assert result["requests"] == 30 and result["errors"] == 0
+    checks = {c["quantity"]: c for c in result["checks"]}
+    for exact in ("streamed requests", "prompt tokens", "cached tokens"):
+        assert checks[exact]["gateway"] == checks[exact]["simulator"], checks[exact]
+    assert "Where the cost of offloading landed" in result["report"]
+    assert "cache hits avoided" in result["report"]
+    assert png.stat().st_size > 0
