@@ -150,14 +150,14 @@ class TracingMiddleware:
         method, path = scope.get("method", ""), scope.get("path", "")
         notes = _Notes()
         token = _notes.set(notes)
-        status = 500
+        status: int | None = None  # None: no response began (the client left first)
         error_body = bytearray()  # the access record's error code is parsed after the span ends
 
         async def sent(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-            elif status >= 400 and len(error_body) < ERROR_BODY_LIMIT:
+            elif (status or 0) >= 400 and len(error_body) < ERROR_BODY_LIMIT:
                 error_body.extend(message.get("body", b"")[: ERROR_BODY_LIMIT - len(error_body)])
             await send(message)
 
@@ -175,7 +175,7 @@ class TracingMiddleware:
                         span.set_attributes(_attributes(status, logs.current_access(), notes))
                         if error_body and (code := _error_code(bytes(error_body))) is not None:
                             span.set_attribute("cachelane.error_code", code)
-                        if status >= 500:
+                        if (status or 0) >= 500:
                             span.set_status(self._error)
         finally:
             _notes.reset(token)
@@ -186,8 +186,8 @@ class TracingMiddleware:
         await send(message)
 
 
-def _attributes(status: int, access: logs.Access | None, notes: _Notes) -> dict[str, Any]:
-    out: dict[str, Any] = {"http.response.status_code": status}
+def _attributes(status: int | None, access: logs.Access | None, notes: _Notes) -> dict[str, Any]:
+    out: dict[str, Any] = {} if status is None else {"http.response.status_code": status}
     if access is not None:
         out["cachelane.request_id"] = access.request_id
         fields = {
