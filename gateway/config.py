@@ -28,7 +28,7 @@ from pydantic import (
 from gateway import config_env
 from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
 from gateway.extras import OTEL_MODULES, PRECISE_MODULES, missing_message, missing_modules
-from gateway.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS
+from gateway.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS, sha256_hex
 from routing.cost import (
     FIXED_S,
     HBM_CAPACITY_TOKENS,
@@ -660,6 +660,15 @@ def _check_auth(config: GatewayConfig) -> None:
             "the tenant records kept there, so a write to Redis alone cannot add or change a "
             f"tenant (at least {MIN_SECRET_CHARS} characters: `openssl rand -hex 32`)"
         )
+    owners: dict[str, str] = {}  # a key's SHA-256 -> who has it (the keys are never printed)
+    admin = config.admin
+    if admin.configured:
+        owners[admin.api_key_sha256 or sha256_hex(admin.api_key or "")] = "the admin"
+    for t in config.tenants:
+        digest = t.api_key_sha256 or sha256_hex(t.api_key or "")
+        if digest in owners:
+            raise ValueError(f"tenants: {t.name!r} has the same API key as {owners[digest]}")
+        owners[digest] = f"tenant {t.name!r}"
 
 
 def _check_precise(pools: list[PoolConfig]) -> None:

@@ -19,6 +19,7 @@ KEYRING = Keyring(SECRET)
 RECORD = Record("web", KEYRING.digest("k" * 40), TenantClass.STANDARD, "acme", 1_700_000_000.5)
 POOLS = [{"name": "p", "replicas": ["http://127.0.0.1:1"]}]
 KEY = "k" * 32
+KEY_SHA256 = hashlib.sha256(KEY.encode()).hexdigest()
 
 
 def test_a_record_and_a_tombstone_round_trip() -> None:
@@ -108,9 +109,20 @@ def test_digests_are_keyed_and_file_sha256_keys_match_plain_ones() -> None:
         ({"index": {"backend": "redis"}, "admin": {"api_key": KEY}}, "auth.secret"),
         ({"auth": {"secret": "too-short"}}, "auth.secret"),
         ({"auth": {"mode": "closed"}}, "auth.mode"),
+        (
+            {"tenants": [{"name": "a", "api_key": KEY}, {"name": "b", "api_key": KEY}]},
+            "'b' has the same API key as tenant 'a'",
+        ),
+        (
+            {
+                "admin": {"api_key": KEY},
+                "tenants": [{"name": "a", "api_key_sha256": KEY_SHA256}],
+            },
+            "'a' has the same API key as the admin",
+        ),
     ],
     ids=["short-tenant-key", "short-admin-key", "open-tenants", "open-admin", "redis-no-secret",
-         "short-secret", "unknown-mode"],
+         "short-secret", "unknown-mode", "two-tenants-one-key", "tenant-with-admin-key"],
 )  # fmt: skip
 def test_auth_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
