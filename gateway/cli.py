@@ -249,8 +249,8 @@ def _check_config(args: argparse.Namespace) -> int:
     print(
         f"{path}: valid; {len(config.pools)} pool(s), {replicas} replica(s)"
         + (f" and {discovered} pool(s) discovered in DNS" if discovered else "")
-        + f", {len(config.tenants)} tenant(s), routing {config.routing.mode} "
-        f"{config.routing.policy.value}, index {config.index.backend}"
+        + f", {len(config.tenants)} tenant(s), auth {config.auth.mode}, routing "
+        f"{config.routing.mode} {config.routing.policy.value}, index {config.index.backend}"
     )
     return 0
 
