@@ -24,6 +24,7 @@ examples:
   cachelane serve --replicas http://127.0.0.1:9001,http://127.0.0.1:9002
   cachelane serve --config deploy/examples/sim-fleet.yaml
   cachelane route-explain --prompt "You are a helpful assistant..." --model sim-llama-8b
+  cachelane report http://127.0.0.1:8000 --admin-key $KEY   # where offloading's cost landed
   cachelane locust --headless -u 20 -r 5 -t 60s --host http://127.0.0.1:8000
 """
 
