@@ -114,8 +114,9 @@ class TenantStore:
         return True
 
     async def refresh(self) -> None:
-        """Adopt newer records from Redis; write back those it lacks, holds older, or garbled."""
-        if self._redis is None:
+        """Adopt newer records from Redis; write back those it lacks, holds older, or garbled.
+        Open mode checks no key, so it reads no record either."""
+        if self._redis is None or self._open:
             return
         raw = await self._redis.hgetall(self._redis_key)
         stored: dict[str, Record] = {}
