@@ -2,7 +2,7 @@
 replicas, while replicas crash and restart, Redis restarts, and some clients read slowly or leave.
 
     python -m loadtest.bench.soak                   # 10 minutes at 10 requests/s
-    python -m loadtest.bench.soak --minutes 0.75    # the CI version (tests/integration)
+    python -m loadtest.bench.soak --minutes 0.6 --rate 8   # the CI version (tests/integration)
 
 What runs (every process on loopback, started and stopped here): three replicas, each its own
 `python -m loadtest.sim` process so that one can be killed; a throwaway redis-server
@@ -29,8 +29,8 @@ tenants, a Redis that lost its data by the gateway writing back what it knows.
 Reported (a table, results/bench_soak.json, results/bench_soak.png): requests and failures by
 kind (allowed and not), the gateway's RSS over time (sampled from /proc every RSS_SAMPLE_S; the
 slope after warm-up, in MiB per minute, and the growth from warm-up's end to the run's end), TTFT
-p50/p99 of the streamed clients overall and per window. Exit code 1 when any failure is not
-allowed.
+p50/p99 of the streamed clients and the prefix hit rate (the engines' usage), overall and per
+window. Exit code 1 when any failure is not allowed.
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ from loadtest.bench.report import write_json
 from loadtest.sim.config import SIM_MODEL
 
 DEFAULT_MINUTES = 10.0
-DEFAULT_RATE = 10.0  # requests/s: ~3 streams in flight per replica, light for a 2-core machine
+DEFAULT_RATE = 10.0  # requests/s: a few in flight per replica (8-48 tokens at the sim's 10 ms each)
 REPLICAS = 3
 FAMILIES = 8  # system prompts shared by the requests (prefix reuse for the index to track)
-SYSTEM_WORDS = 300  # ~400 tokens per system prompt: a few 16-token blocks each
+SYSTEM_WORDS = 300  # ~300-400 tokens: some 20 16-token blocks per system prompt to match
 CLIENT_MIX = {"stream": 0.55, "whole": 0.15, "slow_reader": 0.15, "abandon": 0.15}
 SLOW_READ_PAUSE_S = 0.05  # a slow reader's pause between chunks: 48 tokens take ~2.4 s to read
 SLOW_MAX_TOKENS = 48
@@ -116,6 +116,8 @@ class Outcome:
     failure: str | None = None  # None: it succeeded (or an abandoner left cleanly)
     abandoned: bool = False
     tenant: str = ""
+    prompt_tokens: int | None = None  # the engine's usage
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -198,6 +200,7 @@ async def read_stream(resp: httpx.Response, out: Outcome, run: Run, pause_s: flo
             return
         if out.ttft_s is None and chunk.get("choices"):
             out.ttft_s = run.now() - out.started_s
+        note_usage(out, chunk.get("usage"))
         if pause_s:
             await asyncio.sleep(pause_s)
     out.failure = "incomplete"
@@ -225,6 +228,15 @@ async def request(
         data = await resp.aread()
         if b'"choices"' not in data:
             out.failure = "bad_body"
+            return
+        note_usage(out, json.loads(data).get("usage"))
+
+
+def note_usage(out: Outcome, usage: Any) -> None:
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        out.prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details") or {}
+        out.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
 async def one(
@@ -426,6 +438,12 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
     tail = [m for t, m in run.rss if t >= duration_s * 0.9]
     start = [m for t, m in after if t < warm_s + 0.1 * duration_s]
     window_s = duration_s / WINDOWS
+
+    def hit_rate(outcomes: Sequence[Outcome]) -> float:
+        prompt = sum(o.prompt_tokens or 0 for o in outcomes if o.cached_tokens is not None)
+        cached = sum(o.cached_tokens or 0 for o in outcomes)
+        return cached / prompt if prompt else math.nan
+
     windows = []
     for w in range(WINDOWS):
         lo, hi = w * window_s, (w + 1) * window_s
@@ -441,6 +459,7 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
                 "requests": sum(1 for o in run.outcomes if lo <= o.started_s < hi),
                 "failed": sum(1 for o in run.outcomes if o.failure and lo <= o.started_s < hi),
                 "ttft_p99_ms": percentile(in_window, 0.99),
+                "hit_rate": hit_rate([o for o in run.outcomes if lo <= o.started_s < hi]),
                 "rss_mib": max(rss) if rss else math.nan,
             }
         )
@@ -472,6 +491,7 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
         ),
         "gateway": run.gateway,
         "in_flight_after": run.in_flight_after,
+        "hit_rate": hit_rate(run.outcomes),  # the engines' cached / prompt tokens
         "ttft_p50_ms": percentile(ttft_ms, 0.50),
         "ttft_p99_ms": percentile(ttft_ms, 0.99),
         "rss_start_mib": run.rss[0][1] if run.rss else math.nan,
@@ -503,6 +523,7 @@ def table(s: dict[str, Any]) -> Table:
         ),
         ("gateway in-flight once all ended", str(s["in_flight_after"])),
         ("TTFT p50 / p99 (ms)", f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}"),
+        ("prefix hit rate (engines' cached / prompt tokens)", f"{s['hit_rate']:.1%}"),
         ("gateway RSS start / max (MiB)", f"{s['rss_start_mib']:.0f} / {s['rss_max_mib']:.0f}"),
         ("RSS slope after warm-up (MiB/min)", f"{s['rss_slope_mib_per_min']:+.2f}"),
         ("RSS growth after warm-up (MiB)", f"{s['rss_growth_mib']:+.1f}"),
@@ -520,15 +541,18 @@ def plot(path: Path, s: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (rss_ax, ttft_ax) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig, (rss_ax, ttft_ax, hit_ax) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     rss_ax.plot([t for t, _ in s["rss"]], [m for _, m in s["rss"]], color="tab:blue")
     rss_ax.set_ylabel("gateway RSS (MiB)")
     rss_ax.set_ylim(bottom=0)
     ws = s["windows"]
     ttft_ax.step([w["start_s"] for w in ws], [w["ttft_p99_ms"] for w in ws], where="post")
     ttft_ax.set_ylabel("TTFT p99 per window (ms)")
-    ttft_ax.set_xlabel("seconds into the run")
-    for ax in (rss_ax, ttft_ax):
+    hit_ax.step([w["start_s"] for w in ws], [w["hit_rate"] for w in ws], where="post")
+    hit_ax.set_ylabel("prefix hit rate per window")
+    hit_ax.set_ylim(0, 1)
+    hit_ax.set_xlabel("seconds into the run")
+    for ax in (rss_ax, ttft_ax, hit_ax):
         for fault in s["faults"]:
             ax.axvline(fault["at_s"], color="tab:red", alpha=0.3, linestyle="--")
         ax.grid(True, alpha=0.3)
