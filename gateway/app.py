@@ -92,6 +92,8 @@ def create_app(
             if gw.fit_store is not None:
                 await gw.fit_store.load()
                 tasks.append(asyncio.create_task(gw.fit_store.run(), name="cost-fit-sharing"))
+            if gw.cost_store is not None:
+                tasks.append(asyncio.create_task(gw.cost_store.run(), name="cost-sharing"))
             if gw.flow is not None:
                 tasks.append(asyncio.create_task(gw.flow.run(), name="flow-control"))
             if config.engine_metrics.enabled:

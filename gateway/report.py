@@ -76,6 +76,26 @@ def fetch_windows(urls: Sequence[str], admin_key: str, window_s: float) -> list[
     return out
 
 
+def fetch_shared(redis_url: str, window_s: float) -> tuple[list[dict[str, Any]], float]:
+    """The windows the gateways on this Redis published (gateway/cost_store.py)."""
+    import time
+
+    from redis import Redis
+    from redis.exceptions import RedisError
+
+    from gateway.cost_store import COSTS_KEY, shared_windows
+
+    try:
+        with Redis.from_url(redis_url, socket_timeout=FETCH_TIMEOUT_S) as redis:
+            raw = redis.hgetall(COSTS_KEY)
+    except RedisError as err:
+        raise RuntimeError(f"{redis_url}: {err}") from None
+    windows, shared_s = shared_windows(raw, window_s, time.time())
+    if not windows:
+        raise RuntimeError(f"{redis_url}: no gateway has published its accounting recently")
+    return windows, shared_s
+
+
 def _message(resp: httpx.Response) -> str:
     try:
         return str(resp.json()["error"]["message"])
@@ -245,7 +265,13 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("urls", nargs="+", metavar="URL", help="gateway base URLs (merged)")
+    p.add_argument("urls", nargs="*", metavar="URL", help="gateway base URLs (merged)")
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        help="instead of URLs: every gateway sharing this Redis (index.backend redis) publishes "
+        "its accounting there; they are merged (windows of 1 min, 15 min or 1 h)",
+    )
     p.add_argument(
         "--admin-key",
         help=f"the gateways' admin key (default: ${ADMIN_KEY_ENV})",
@@ -259,15 +285,26 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
-    if not key:
-        print(f"cachelane report: give --admin-key or set {ADMIN_KEY_ENV}", file=sys.stderr)
+    if bool(args.urls) == bool(args.redis):
+        print("cachelane report: give gateway URLs or --redis URL", file=sys.stderr)
         return 2
     try:
-        merged = merge(fetch_windows(args.urls, key, args.window))
+        if args.redis:
+            windows, window_s = fetch_shared(args.redis, args.window)
+            if window_s != args.window:
+                print(
+                    f"(the gateways share 1 min, 15 min and 1 h: {window_s:g} s)", file=sys.stderr
+                )
+        else:
+            key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
+            if not key:
+                print(f"cachelane report: give --admin-key or set {ADMIN_KEY_ENV}", file=sys.stderr)
+                return 2
+            windows = fetch_windows(args.urls, key, args.window)
     except RuntimeError as err:
         print(f"cachelane report: {err}", file=sys.stderr)
         return 1
+    merged = merge(windows)
     found = findings(merged)
     if args.json:
         print(json.dumps(as_json(merged, found), indent=2))

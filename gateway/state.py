@@ -16,6 +16,7 @@ from gateway.calibration import CostLearner
 from gateway.capture import Capture
 from gateway.capture import header as capture_header
 from gateway.config import GatewayConfig
+from gateway.cost_store import CostStore
 from gateway.costs import CostAccounting
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
@@ -214,6 +215,8 @@ class Gateway:
             if self.redis is not None and config.routing.calibration == "fit"
             else None
         )
+        # the cost accounting shared through Redis, for `cachelane report --redis`
+        self.cost_store = CostStore(self.redis, self.costs) if self.redis is not None else None
         self.capture: Capture | None = None
         if config.capture.path is not None:
             self.capture = Capture(
