@@ -1,7 +1,8 @@
 """`cachelane report URL [URL ...]`: where the cost of offloading landed, from running gateways.
 
 Each gateway's GET /debug/costs (admin key) for one window is fetched and merged (sums added:
-every gateway accounts for the requests it proxied), then printed per tenant class: the TTFT by
+every gateway accounts for the requests it proxied); with `--redis URL`, the windows the gateways
+sharing that Redis published (gateway/cost_store.py). Then printed per tenant class: the TTFT by
 layer, the cache hits by tier, the bytes that crossed PCIe and the network, the prefill
 GPU-seconds avoided, and the findings (gateway/findings.py) in plain words. `--png` draws the
 same as a chart (matplotlib: the [report] extra); `--json` prints the merged numbers instead.
