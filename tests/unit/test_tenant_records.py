@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gateway.cli import main
 from gateway.config import ConfigError, parse_config
 from gateway.keys import Keyring
 from gateway.tenant_records import Record, RecordError, dump, load, tombstone
@@ -139,3 +141,17 @@ def test_auth_defaults_to_keys_and_redis_takes_a_secret() -> None:
         {"pools": POOLS, "index": {"backend": "redis"}, "auth": {"mode": "open"}}
     )
     assert open_redis.auth.secret is None  # open mode checks no key and signs no record
+
+
+def test_serve_refuses_a_short_key_at_start_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        "pools: [{name: p, replicas: ['http://127.0.0.1:1']}]\n"
+        "tenants: [{name: web, api_key: sekret-key}]\n"
+    )
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "tenants.0.api_key" in err and "at least 32 characters" in err
+    assert "sekret-key" not in err  # the key is not printed
