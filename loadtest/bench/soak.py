@@ -131,6 +131,7 @@ class Run:
     faults: list[tuple[float, str]] = field(default_factory=list)  # (s, what) as done
     gateway: dict[str, float] = field(default_factory=dict)  # GATEWAY_COUNTERS' totals
     in_flight_after: int | None = None  # requests the gateway still counts once all have ended
+    logged: dict[str, int] = field(default_factory=dict)  # the gateway log's tracebacks, errors
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -324,6 +325,19 @@ async def gateway_counters(url: str) -> dict[str, float]:
     return totals
 
 
+def logged_problems(path: Path) -> dict[str, int]:
+    """Tracebacks (an exception nothing handled) and ERROR lines in the gateway's log; warnings
+    (an ejection, a failed index call served locally) are what the faults should cause."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    return {
+        "tracebacks": sum(1 for line in lines if line.startswith("Traceback")),
+        "error_lines": sum(1 for line in lines if " ERROR " in line or " CRITICAL " in line),
+    }
+
+
 async def settled_in_flight(url: str) -> int:
     """The gateway's in-flight count over all replicas (/ready) once every client is done: 0
     unless a request that ended (abandoned, cut, failed) kept its reservation. Polled for up to
@@ -491,6 +505,7 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
         ),
         "gateway": run.gateway,
         "in_flight_after": run.in_flight_after,
+        "gateway_logged": run.logged,
         "hit_rate": hit_rate(run.outcomes),  # the engines' cached / prompt tokens
         "ttft_p50_ms": percentile(ttft_ms, 0.50),
         "ttft_p99_ms": percentile(ttft_ms, 0.99),
@@ -511,6 +526,7 @@ def table(s: dict[str, Any]) -> Table:
     t = Table(title=f"soak: {s['minutes']:g} min at {s['rate_per_s']:g} req/s")
     t.add_column("measure")
     t.add_column("value", justify="right")
+    logged = s["gateway_logged"]
     rows = [
         ("requests", f"{s['requests']:,}"),
         ("abandoned by their client", f"{s['abandoned']:,}"),
@@ -522,6 +538,10 @@ def table(s: dict[str, Any]) -> Table:
             str(s["admin_tenant_served_after_redis_restart"]),
         ),
         ("gateway in-flight once all ended", str(s["in_flight_after"])),
+        (
+            "gateway log: tracebacks / ERROR lines",
+            f"{logged.get('tracebacks', '-')} / {logged.get('error_lines', '-')}",
+        ),
         ("TTFT p50 / p99 (ms)", f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}"),
         ("prefix hit rate (engines' cached / prompt tokens)", f"{s['hit_rate']:.1%}"),
         ("gateway RSS start / max (MiB)", f"{s['rss_start_mib']:.0f} / {s['rss_max_mib']:.0f}"),
@@ -588,6 +608,8 @@ async def soak(run: Run, log_dir: Path) -> dict[str, Any]:
             "health": {"interval_s": 0.5, "timeout_s": 1.0, "fail_after": 1},
             "pools": [{"name": "default", "models": [SIM_MODEL], "replicas": replicas.urls}],
         }
+        gateway_log = log_dir / "gateway-soak.log"
+        gateway_log.unlink(missing_ok=True)  # appended to otherwise: this run's lines only
         with gateway_from_config(config, log_dir, "soak") as gw:
             assert gw.proc.pid is not None
             await add_admin_tenant(gw.url, keys)
@@ -604,6 +626,7 @@ async def soak(run: Run, log_dir: Path) -> dict[str, Any]:
                 await asyncio.gather(*background)
             run.gateway = await gateway_counters(gw.url)
             run.in_flight_after = await settled_in_flight(gw.url)
+        run.logged = logged_problems(gateway_log)
     finally:
         replicas.stop_all()
         redis.stop()

@@ -42,6 +42,7 @@ def test_short_soak_fails_no_request_the_faults_do_not_explain(tmp_path: Path) -
     assert data["served_during_redis_outage"] > 0
     assert data["admin_tenant_served_after_redis_restart"] > 0
     assert data["in_flight_after"] == 0  # no request kept its reservation, abandoned or not
+    assert data["gateway_logged"]["tracebacks"] == 0, "an exception nothing handled"
     assert data["ttft_p99_ms"] is not None and data["ttft_p99_ms"] > 0
     assert len(data["rss"]) >= MINUTES * 60 * 0.8  # sampled every second
     assert data["rss_growth_mib"] < MAX_RSS_GROWTH_MIB, data["rss"]
