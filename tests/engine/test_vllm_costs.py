@@ -80,6 +80,7 @@ async def gateway(
         {
             "health": {"interval_s": 0.5, "timeout_s": 2.0, "fail_after": 3},
             "engine_metrics": {"interval_s": 0.2},
+            "auth": {"mode": "open"},  # no tenants: the test sends no real key
             "routing": {
                 "mode": "precise" if precise else "approximate",
                 "block_size_tokens": BLOCK_SIZE_TOKENS,

@@ -47,6 +47,7 @@ async def precise_gateway(replicas: list[VllmReplica], model_dir: Path) -> Async
         {
             "health": {"interval_s": 0.5, "timeout_s": 2.0, "fail_after": 3},
             "engine_metrics": {"enabled": False},
+            "auth": {"mode": "open"},  # no tenants: the test sends no real key
             "routing": {"mode": "precise", "block_size_tokens": BLOCK_SIZE_TOKENS},
             "pools": [
                 {
