@@ -55,7 +55,7 @@ def _public(t: Tenant) -> dict[str, Any]:
 def _store_down(err: StoreUnavailable) -> ApiError:
     return ApiError(
         503,
-        f"the tenant store (Redis) cannot be written, nothing was changed: {err}",
+        f"the tenant store (Redis) did not take the change; retry it: {err}",
         code="store_unavailable",
         type="service_unavailable",
         headers={"retry-after": str(STORE_RETRY_AFTER_S)},

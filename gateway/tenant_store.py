@@ -38,7 +38,8 @@ class KeyInUse(Exception):
 
 
 class StoreUnavailable(Exception):
-    """The shared store (Redis) failed; nothing was changed."""
+    """The shared store (Redis) did not confirm a write. This gateway changed nothing; a write
+    that timed out may still have reached Redis, and then every gateway adopts it."""
 
 
 def record_of(config: TenantConfig, keyring: Keyring, at: float) -> Record:
@@ -94,7 +95,7 @@ class TenantStore:
         return sorted((_tenant(r) for r in self._by_digest.values()), key=lambda t: t.name)
 
     async def put(self, config: TenantConfig) -> Tenant:
-        """Create or replace a tenant. Raises KeyInUse, or StoreUnavailable (nothing changed)."""
+        """Create or replace a tenant. Raises KeyInUse, or StoreUnavailable (see there)."""
         record = record_of(config, self._keyring, self._next_at(config.name))
         owner = self._by_digest.get(record.digest or "")
         if record.digest in self._reserved or (owner is not None and owner.name != config.name):
