@@ -280,7 +280,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             if klass in classes and metric == "ttft_p99_ms":
                 ax.axhline(target, linestyle="--", linewidth=0.8, color="grey")
         ax.set_title(title)
-        ax.set_xticks([v + width * (len(classes) - 1) / 2 for v in x], labels, rotation=20)
+        centres = [v + width * (len(classes) - 1) / 2 for v in x]
+        ax.set_xticks(centres, labels, rotation=25, ha="right")
         ax.legend()
     ax = axes[1][0]
     bottom = [0.0] * len(names)
@@ -291,7 +292,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.bar(x, values, 0.6, bottom=bottom, label=tier.upper() if tier != "remote" else tier)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_title("prompt tokens served from each tier (all classes)")
-    ax.set_xticks(x, labels, rotation=20)
+    ax.set_xticks(x, labels, rotation=25, ha="right")
     ax.legend()
     ax = axes[1][1]
     kinds = (
@@ -306,7 +307,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     never = [result["scenarios"][n]["summary"]["remote_never_read_bytes"] / GB for n in names]
     ax.bar([v + 3 * width for v in x], never, width, label="remote never read")
     ax.set_title("bytes moved (GB)")
-    ax.set_xticks([v + 1.5 * width for v in x], labels, rotation=20)
+    ax.set_xticks([v + 1.5 * width for v in x], labels, rotation=25, ha="right")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
