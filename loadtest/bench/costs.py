@@ -52,6 +52,7 @@ class FleetShape:
     remote_capacity_tokens: int = 24_000
     remote_write: str = "always"
     itl_s: float = 0.002  # short answers: the accounting is about the prompt
+    pcie_gbps: float = PoolCosts().pcie_gbps  # lower it to put swap-ins under PCIe pressure
 
     def config(self, replica_urls: Sequence[str], remote_url: str) -> dict[str, Any]:
         """One file for the gateway and `cachelane sim --config`: capacities, tenants, admin."""
@@ -76,6 +77,7 @@ class FleetShape:
                     "cpu_capacity_tokens": self.cpu_capacity_tokens,
                     "remote_tier": "kv",
                     "remote_write": self.remote_write,
+                    "costs": {"pcie_gbps": self.pcie_gbps},
                     "sim": {"itl_s": self.itl_s},
                 }
             ],
@@ -327,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench_costs"))
     parser.add_argument("--png", type=Path, default=None, help="cachelane report's chart")
     parser.add_argument("--remote-write", choices=("always", "reuse", "never"), default="always")
+    parser.add_argument(
+        "--pcie-gbps", type=float, default=PoolCosts().pcie_gbps, help="the CPU tier's link"
+    )
     return parser
 
 
@@ -362,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     args = build_parser().parse_args(argv)
-    shape = FleetShape(remote_write=args.remote_write)
+    shape = FleetShape(remote_write=args.remote_write, pcie_gbps=args.pcie_gbps)
     urls = loopback_urls(shape.replicas + 1)
     replica_urls, remote_url = urls[:-1], urls[-1]
     config = shape.config(replica_urls, remote_url)

@@ -65,7 +65,7 @@ async def cost_fleet(shape: FleetShape) -> AsyncIterator[CostFleet]:
                 hbm_capacity_tokens=shape.hbm_capacity_tokens,
                 cpu_capacity_tokens=shape.cpu_capacity_tokens,
                 remote_url=remote_url,
-                costs=PoolCosts(),
+                costs=PoolCosts(pcie_gbps=shape.pcie_gbps),
                 itl_s=shape.itl_s,
             )
             urls.append(await stack.enter_async_context(running_app(create_sim_app(spec))))
