@@ -177,14 +177,18 @@ def _per_class(klass: str, s: Sums) -> list[Finding]:
         swaps = s.get("swap_ins", 0.0)
         shared = share(s.get("shared_swap_ins", 0.0), swaps)
         at_once = share(s.get("swap_link_sharers", 0.0), swaps)
-        out.append(
-            Finding(
-                "pcie",
-                f"class {klass}: swap-ins over PCIe are {pct(swap)} of its TTFT (mean TTFT "
-                f"{mean_ms:.0f} ms); {pct(shared)} of its {swaps:.0f} swap-ins shared the link "
-                f"({at_once:.1f} at once on average)",
-            )
+        text = (
+            f"class {klass}: swap-ins over PCIe are {pct(swap)} of its TTFT (mean TTFT "
+            f"{mean_ms:.0f} ms); "
         )
+        if shared > 0:
+            text += (
+                f"{pct(shared)} of its {swaps:.0f} swap-ins shared the link ({at_once:.1f} at "
+                "once on average): the link is contended"
+            )
+        else:
+            text += f"none of its {swaps:.0f} swap-ins shared the link: the link itself is slow"
+        out.append(Finding("pcie", text))
     if queue >= QUEUE_SHARE:
         out.append(
             Finding(

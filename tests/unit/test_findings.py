@@ -93,6 +93,12 @@ def test_pcie_finding_says_how_the_link_was_shared() -> None:
     assert "30% of its TTFT" in text and "50% of its 4 swap-ins" in text and "1.5 at once" in text
 
 
+def test_pcie_finding_without_sharing_blames_the_link() -> None:
+    sums = timed(1.0, swap_s=0.3, swap_ins=4, swap_link_sharers=4)
+    text = rules(f.merge([window([("web", "standard", "p", sums)])]))["pcie"]
+    assert "none of its 4 swap-ins shared the link: the link itself is slow" in text
+
+
 def test_critical_load_only_for_the_critical_class() -> None:
     sums = timed(1.0, swap_s=0.06, fetch_s=0.05)
     assert "critical_load" in rules(f.merge([window([("voice", "critical", "p", sums)])]))
