@@ -60,11 +60,11 @@ sum), so the layers keep the estimate's proportions and sum to the observed TTFT
 
 Why proportional: the other natural rule, "the queue is the residual" (work terms as priced, the
 queue = observed - work), was measured against the simulator's own per-request queue time
-(loadtest/bench/costs.py, docs/costs.md): it put 1.5-2.2x the simulator's queue time in the
-queue (every unmodelled delay, the host's event-loop lag included, lands there), where the
-proportional rule was within 0.7-0.95x, and closer per request too. The limit: a queue the
-gateway did not foresee (work sent by other gateways) shows in proportion in every layer, not
-in the queue; cachelane_ttft_estimate_error says how large the estimate's misses are.
+(loadtest/bench/costs.py, docs/costs.md): it put 3-12x the simulator's queue time in the queue
+and missed it by 8-28 ms per request (every unmodelled delay, the host's event-loop lag
+included, lands there), where the proportional rule gave 0.3-1.0x and 0.5-9 ms. The limit: a
+queue the gateway did not foresee (work sent by other gateways) shows in proportion in every
+layer, not in the queue; cachelane_ttft_estimate_error says how large the estimate's misses are.
 """
 
 from __future__ import annotations
