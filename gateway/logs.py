@@ -190,8 +190,9 @@ class RequestContext:
             if access.code is None and error_body:
                 access.code = _error_code(bytes(error_body))
             level = logging.DEBUG if access.path in PROBE_PATHS else logging.INFO
-            fields = access.fields(time.perf_counter() - access.started_s)
-            access_log.log(level, _key_values(fields), extra={"access": fields})
+            if access_log.isEnabledFor(level):  # the line is built only when it is written
+                fields = access.fields(time.perf_counter() - access.started_s)
+                access_log.log(level, _key_values(fields), extra={"access": fields})
             _current.reset(token)
 
 
