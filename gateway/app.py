@@ -14,7 +14,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -89,6 +89,8 @@ def create_app(
             ]
             if config.prewarm.enabled:
                 tasks.append(asyncio.create_task(gw.prewarmer.run(), name="prewarm"))
+            if gw.siblings is not None:  # --workers N
+                tasks.append(gw.siblings.start())
             if gw.fit_store is not None:
                 await gw.fit_store.load()
                 tasks.append(asyncio.create_task(gw.fit_store.run(), name="cost-fit-sharing"))
@@ -183,14 +185,17 @@ def create_app(
             body["kv_events"] = gw.kv_events.status()
         if gw.flow is not None:
             body["flow_control"] = gw.flow.stats()
+        if gw.siblings is not None:
+            body["workers"] = gw.siblings.status()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         gw: Gateway = request.app.state.gw
-        for r in gw.registry.replicas.values():
-            gw.metrics.replica_in_flight.labels(r.name).set(r.in_flight)
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        text = gw.exposition()
+        if gw.siblings is not None:  # --workers N: every worker's, merged
+            text = await gw.siblings.merged_metrics(text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> dict[str, Any]:

@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -34,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
     from gateway.logs import configure_logging
+    from gateway.siblings import WORKERS_DIR_ENV
 
     try:
         config = _serve_config(args)
@@ -41,15 +44,43 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"cachelane: {err}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, args.log_format)
-    uvicorn.run(
-        create_app(config, config_path=_config_path(args)),  # reloaded on SIGHUP
-        host=config.listen.host,
-        port=config.listen.port,
-        log_level=args.log_level,
-        log_config=None,  # uvicorn's lines go through the root handler, in --log-format
-        access_log=False,  # cachelane.access writes one line per request instead
-    )
+    common: dict[str, Any] = {
+        "host": config.listen.host,
+        "port": config.listen.port,
+        "log_level": args.log_level,
+        "log_config": None,  # uvicorn's lines go through the root handler, in --log-format
+        "access_log": False,  # cachelane.access writes one line per request instead
+    }
+    if args.workers == 1:
+        uvicorn.run(create_app(config, config_path=_config_path(args)), **common)  # SIGHUP reloads
+        return 0
+    # N processes on one socket (uvicorn's supervisor binds it, each worker accepts on it); each
+    # builds its app from these same arguments and finds its siblings in the directory
+    with tempfile.TemporaryDirectory(prefix="cachelane-workers-") as directory:
+        os.environ[WORKERS_DIR_ENV] = directory
+        os.environ[SERVE_ARGV_ENV] = json.dumps(args.argv)
+        uvicorn.run("gateway.cli:worker_app", factory=True, workers=args.workers, **common)
     return 0
+
+
+SERVE_ARGV_ENV = "CACHELANE_SERVE_ARGV"  # a worker's `serve` arguments (--workers N)
+
+
+def worker_app() -> Any:
+    """The app of one worker of `cachelane serve --workers N` (uvicorn calls this in each)."""
+    from gateway.app import create_app
+    from gateway.logs import configure_logging
+
+    args = build_parser().parse_args(json.loads(os.environ[SERVE_ARGV_ENV]))
+    configure_logging(args.log_level, args.log_format)
+    return create_app(_serve_config(args), config_path=_config_path(args))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _config_path(args: argparse.Namespace) -> str | None:
@@ -285,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["text", "json"],
         help="text, or json: one object a line (the access line's fields at the top level)",
     )
+    serve.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="worker processes on the one port, sharing the routing view (default 1)",
+    )
     serve.set_defaults(func=_serve)
 
     for name, (run, help_text) in LAZY_COMMANDS.items():
@@ -322,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         run, _ = LAZY_COMMANDS[argv[0]]
         return run(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # `serve --workers N`: each worker parses the same arguments
     return int(args.func(args))
 
 

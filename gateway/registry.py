@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -138,6 +138,16 @@ def _no_listener() -> None:
     pass
 
 
+class LoadListener(Protocol):
+    """Hears of every reservation's steps (gateway/siblings.py: the other workers' view)."""
+
+    def reserved(self, reservation: Reservation, at_s: float, tokens: int, swaps: bool) -> None: ...
+
+    def first_byte(self, reservation: Reservation) -> None: ...
+
+    def released(self, reservation: Reservation) -> None: ...
+
+
 @dataclass
 class Reservation:
     replica: Replica
@@ -145,12 +155,15 @@ class Reservation:
     started_s: float = field(default_factory=time.perf_counter)
     first_byte_s: float | None = None
     done: bool = False
+    listener: LoadListener | None = None
 
     def first_byte(self) -> float:
         """Mark the first byte from the replica; returns the observed TTFT in seconds."""
         if self.first_byte_s is None:
             self.first_byte_s = time.perf_counter()
             self._prefill_done(self.first_byte_s)
+            if self.listener is not None:
+                self.listener.first_byte(self)
             self.on_drop()
         return self.first_byte_s - self.started_s
 
@@ -162,6 +175,8 @@ class Reservation:
             self._prefill_done(time.perf_counter())
             self.first_byte_s = -1.0
         self.replica.in_flight -= 1
+        if self.listener is not None:
+            self.listener.released(self)
         self.on_drop()
 
     def _prefill_done(self, now_s: float) -> None:
@@ -197,6 +212,7 @@ class Registry:
         self._ejection_s = config.health.ejection_s
         self._on_change = on_change
         self.on_load_change: Callable[[], None] = _no_listener  # flow control's kick
+        self.load_listener: LoadListener | None = None  # the sibling workers (gateway/siblings.py)
         self.pool_models = frozenset(m for p in config.pools for m in p.models)  # Fleet updates
         for pool in config.pools:
             for raw in pool.replicas:
@@ -254,8 +270,10 @@ class Registry:
         replica.mean_prefill_tokens += PREFILL_EWMA_WEIGHT * (
             prefill_tokens - replica.mean_prefill_tokens
         )
-        reservation = Reservation(replica, on_drop=self.on_load_change)
+        reservation = Reservation(replica, on_drop=self.on_load_change, listener=self.load_listener)
         replica.joining[id(reservation)] = (now + load_s, prefill_tokens, swaps > 0)
+        if self.load_listener is not None:
+            self.load_listener.reserved(reservation, now + load_s, prefill_tokens, swaps > 0)
         self.on_load_change()  # after the reservation counts: flow control reads the load
         return reservation
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import Request
+from prometheus_client import generate_latest
 
 from gateway.calibration import CostLearner
 from gateway.capture import Capture
@@ -33,6 +34,7 @@ from gateway.registry import HealthChecker, Registry, Replica
 from gateway.reload import Reloader
 from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
+from gateway.siblings import Siblings
 from gateway.tenant_store import TenantStore
 from gateway.tenants import CLASS_HEADER, Tenant
 from gateway.tracing import note_queue_wait
@@ -158,6 +160,12 @@ class Gateway:
         # precise mode: routing also sees what was just sent, until the engines' events settle it
         self.speculative: SpeculativeIndex | None = None
         routing_index: Index = self.index
+        # cachelane serve --workers N: the other workers hear of this one's records and load
+        self.siblings = Siblings.from_env(self.registry, self.exposition)
+        if self.siblings is not None:
+            self.registry.load_listener = self.siblings
+            if config.index.backend == "memory" and config.routing.mode != "precise":
+                routing_index = self.siblings.share_index(self.index)  # precise: engine events
         if config.routing.mode == "precise":
             from gateway.engines.feed import KvEvents
 
@@ -329,6 +337,12 @@ class Gateway:
         now_s, stale_s = time.monotonic(), self.config.engine_metrics.stale_after_s
         return {name: asdict(r.load(now_s, stale_s)) for name, r in self.registry.replicas.items()}
 
+    def exposition(self) -> bytes:
+        """This process's /metrics text."""
+        for r in self.registry.replicas.values():
+            self.metrics.replica_in_flight.labels(r.name).set(r.in_flight)
+        return generate_latest(self.metrics.registry)
+
     def index_status(self) -> dict[str, Any]:
         """For /ready: a degraded index still serves (on the local view), so it is not fatal."""
         status: dict[str, Any] = {"backend": self.config.index.backend, "ok": True}
@@ -396,5 +410,7 @@ class Gateway:
         if self.kv_events is not None:
             await self.kv_events.aclose()
         await self.index.close()
+        if self.siblings is not None:
+            self.siblings.close()
         if self.redis is not None:
             await self.redis.aclose()

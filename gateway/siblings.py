@@ -1,0 +1,371 @@
+"""One routing view for the worker processes of `cachelane serve --workers N`.
+
+Each worker routes on its own embedded index and its own load counts, so that the decision path
+stays in-process; what a worker changes in them it publishes to its siblings, which apply it to
+theirs:
+
+- a prompt recorded at a location (the index `record` after a replica accepted a request, or a
+  remote-tier write), so a follow-up that lands on another worker finds the prefix;
+- a reservation: its uncached tokens and load time when sent, its first byte, its end, so every
+  worker sees every worker's requests in a replica's in-flight count and prefill queue.
+
+Metrics: each worker also answers `metrics-<pid>.sock` (a Unix stream socket) with its own
+exposition; the worker that serves GET /metrics merges its siblings' into its own
+(`merged_metrics`): counters, histograms and summaries add up, a gauge is the largest value
+(each worker's gauges describe the shared view: replicas' health, in-flight counts with the
+siblings' requests in them, the index).
+
+The channel is one Unix datagram socket per worker, `worker-<pid>.sock` in the directory the
+supervisor made (WORKERS_DIR_ENV); what one turn of the event loop published leaves as one
+datagram, one non-blocking sendto per sibling, off the decision path. The alternative, one
+process owning the index and the others asking it over a Unix socket, puts a round trip on
+every decision and one event loop in every request's path; publishing costs one send per loop
+turn and one receive per sibling. A datagram a sibling's full queue refuses is retried for a
+while, then dropped (counted); a sibling that is gone is forgotten with the load it held.
+
+With the Redis index the workers share Redis instead, and only load is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+import time
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import orjson
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from routing.index import Index, MemoryIndex
+from routing.types import BlockHits, Location
+
+if TYPE_CHECKING:
+    from gateway.registry import Registry, Reservation
+
+log = logging.getLogger("cachelane.siblings")
+
+WORKERS_DIR_ENV = "CACHELANE_WORKERS_DIR"
+METRICS_TIMEOUT_S = 2.0  # a sibling that cannot answer in this long is left out of /metrics
+SEND_RETRIES = 50
+SEND_RETRY_S = 0.002
+# A Unix datagram socket queues net.unix.max_dgram_qlen datagrams (10 by default); a sibling
+# that has not read them yet refuses more. Retried for up to 0.1 s, then dropped (counted).
+REFRESH_S = 1.0  # how often the sibling list is re-read (a worker that restarted is found again)
+RECV_BUFFER_BYTES = 4 * 1024 * 1024
+# Room for bursts: a record of a 32k-token prompt is ~16 KiB (2,048 hashes of 8 bytes).
+_FOREIGN_KEY_BIT = 1 << 62  # a sibling's reservation keys never meet this process's id()s
+
+_RECORD, _JOIN, _FIRST_BYTE, _END = b"R", b"J", b"F", b"E"
+
+
+class Siblings:
+    """This worker's end of the channel: publish, and apply what siblings publish."""
+
+    def __init__(
+        self,
+        directory: Path,
+        registry: Registry,
+        exposition: Callable[[], bytes],
+        *,
+        pid: int | None = None,  # this worker's; tests give two ends in one process two pids
+    ) -> None:
+        self.directory = directory
+        self._registry = registry
+        self._exposition = exposition  # this worker's own /metrics text
+        self._pid = os.getpid() if pid is None else pid
+        self._metrics_path = directory / f"metrics-{self._pid}.sock"
+        self._metrics_server: asyncio.Server | None = None
+        self._path = directory / f"worker-{self._pid}.sock"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER_BYTES)
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+        self._sock.bind(str(self._path))
+        self._peers: list[str] = []
+        self._index: Index | None = None
+        # (sibling pid, its reservation key) -> (replica name, still awaiting its first byte)
+        self._shadows: dict[tuple[int, int], tuple[str, bool]] = {}
+        self._outbox: list[bytes] = []
+        self.dropped = 0  # datagrams a sibling's full queue still refused after the retries
+        self.received = 0
+
+    @classmethod
+    def from_env(cls, registry: Registry, exposition: Callable[[], bytes]) -> Siblings | None:
+        directory = os.environ.get(WORKERS_DIR_ENV)
+        return cls(Path(directory), registry, exposition) if directory else None
+
+    def share_index(self, index: Index) -> Index:
+        """`index` for this worker's routing, its records published; siblings' applied to it."""
+        self._index = index
+        return SharedIndex(index, self)
+
+    def start(self) -> asyncio.Task[None]:
+        """Listen (on the running loop) and return the task that keeps the sibling list."""
+        asyncio.get_running_loop().add_reader(self._sock.fileno(), self._on_readable)
+        self._refresh()
+        return asyncio.create_task(self._run(), name="siblings")
+
+    async def _run(self) -> None:
+        async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(self._exposition())
+            with contextlib.suppress(OSError):
+                await writer.drain()
+            writer.close()
+
+        with contextlib.suppress(FileNotFoundError):
+            self._metrics_path.unlink()
+        self._metrics_server = await asyncio.start_unix_server(answer, str(self._metrics_path))
+        await self._keep_peers()
+
+    async def merged_metrics(self, own: bytes) -> bytes:
+        """`own` exposition with every sibling's merged in (see the module docstring)."""
+        texts = [own]
+        for path in self._peers:
+            metrics = path.replace("/worker-", "/metrics-")
+            try:
+                async with asyncio.timeout(METRICS_TIMEOUT_S):
+                    reader, writer = await asyncio.open_unix_connection(metrics)
+                    texts.append(await reader.read())
+                    writer.close()
+            except (OSError, TimeoutError) as err:
+                log.warning("no metrics from sibling %s: %r", metrics, err)
+        return merge_expositions(texts) if len(texts) > 1 else own
+
+    def close(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._metrics_path.unlink()
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+        self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+
+    def status(self) -> dict[str, int]:
+        return {
+            "pid": self._pid,
+            "siblings": len(self._peers),
+            "received": self.received,
+            "dropped": self.dropped,
+            "shadow_reservations": len(self._shadows),
+        }
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def recorded(self, model: str, hashes: Sequence[int], location: Location) -> None:
+        head = orjson.dumps([model, location.key()])
+        self._publish(_RECORD + head + b"\n" + array("Q", hashes).tobytes())
+
+    def reserved(self, reservation: Reservation, at_s: float, tokens: int, swaps: bool) -> None:
+        replica = reservation.replica.name
+        self._publish(_JOIN + orjson.dumps([replica, id(reservation), at_s, tokens, swaps]))
+
+    def first_byte(self, reservation: Reservation) -> None:
+        self._publish(_FIRST_BYTE + orjson.dumps([reservation.replica.name, id(reservation)]))
+
+    def released(self, reservation: Reservation) -> None:
+        self._publish(_END + orjson.dumps([reservation.replica.name, id(reservation)]))
+
+    def _publish(self, message: bytes) -> None:
+        """Queue a message; what one turn of the event loop queued leaves as one datagram."""
+        if not self._peers:
+            return
+        self._outbox.append(len(message).to_bytes(4, "little") + message)
+        if len(self._outbox) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        datagram = self._pid.to_bytes(4, "little") + b"".join(batch)
+        for peer in self._peers:
+            self._send(datagram, peer, SEND_RETRIES)
+
+    def _send(self, datagram: bytes, peer: str, retries: int) -> None:
+        try:
+            self._sock.sendto(datagram, peer)
+        except BlockingIOError:  # the sibling's queue is full: it is busy, try again shortly
+            if retries:
+                loop = asyncio.get_running_loop()
+                loop.call_later(SEND_RETRY_S, self._send, datagram, peer, retries - 1)
+            else:
+                self.dropped += 1
+        except OSError as err:  # gone: found out at the next refresh
+            if err.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                log.warning("cannot publish to sibling %s: %r", peer, err)
+
+    # -- applying ------------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(RECV_BUFFER_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            pid, at = int.from_bytes(data[:4], "little"), 4
+            while at < len(data):
+                size = int.from_bytes(data[at : at + 4], "little")
+                message = data[at + 4 : at + 4 + size]
+                at += 4 + size
+                self.received += 1
+                try:
+                    self._apply(pid, message[:1], message[1:])
+                except Exception:  # a message this version cannot read must not stop the others
+                    log.exception("cannot apply a sibling's message")
+
+    def _apply(self, pid: int, kind: bytes, body: bytes) -> None:
+        if kind == _RECORD:
+            head, _, raw = body.partition(b"\n")
+            model, key = orjson.loads(head)
+            hashes = array("Q")
+            hashes.frombytes(raw)
+            if isinstance(self._index, MemoryIndex):
+                self._index.record_now(model, hashes.tolist(), Location.parse(key))
+            return
+        if kind == _JOIN:
+            name, rid, at_s, tokens, swaps = orjson.loads(body)
+            replica = self._registry.replicas.get(name)
+            if replica is None:
+                return
+            if not replica.awaiting_first_byte:
+                replica.head_since_s = time.perf_counter()
+            replica.in_flight += 1
+            replica.joining[self._key(pid, rid)] = (at_s, tokens, bool(swaps))
+            self._shadows[(pid, rid)] = (name, True)
+            self._registry.on_load_change()
+            return
+        name, rid = orjson.loads(body)
+        shadow = self._shadows.get((pid, rid))
+        if shadow is None:
+            return
+        self._prefill_done(pid, rid, shadow)
+        if kind == _END:
+            self._end(pid, rid)
+        self._registry.on_load_change()
+
+    def _prefill_done(self, pid: int, rid: int, shadow: tuple[str, bool]) -> None:
+        name, joining = shadow
+        if not joining:
+            return
+        self._shadows[(pid, rid)] = (name, False)
+        replica = self._registry.replicas.get(name)
+        if replica is not None and replica.joining.pop(self._key(pid, rid), None) is not None:
+            replica.head_since_s = time.perf_counter()
+
+    def _end(self, pid: int, rid: int) -> None:
+        name, _ = self._shadows.pop((pid, rid))
+        replica = self._registry.replicas.get(name)
+        if replica is not None:
+            replica.in_flight -= 1
+
+    @staticmethod
+    def _key(pid: int, rid: int) -> int:
+        return -(_FOREIGN_KEY_BIT | (pid << 48) | (rid & ((1 << 48) - 1)))
+
+    # -- the sibling list ----------------------------------------------------------------------
+
+    async def _keep_peers(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        peers, alive = [], {self._pid}
+        for path in sorted(self.directory.glob("worker-*.sock")):
+            pid = int(path.stem.removeprefix("worker-"))
+            if pid == self._pid:
+                continue
+            if not _running(pid):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                continue
+            alive.add(pid)
+            peers.append(str(path))
+        self._peers = peers
+        for pid, rid in [k for k in self._shadows if k[0] not in alive]:  # a sibling died
+            self._prefill_done(pid, rid, self._shadows[(pid, rid)])
+            self._end(pid, rid)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedIndex:
+    """An Index whose records are also published to the sibling workers."""
+
+    def __init__(self, inner: Index, siblings: Siblings) -> None:
+        self.inner = inner
+        self._siblings = siblings
+
+    async def lookup(self, model: str, hashes: Sequence[int]) -> BlockHits:
+        return await self.inner.lookup(model, hashes)
+
+    async def record(self, model: str, hashes: Sequence[int], location: Location) -> None:
+        await self.inner.record(model, hashes, location)
+        self._siblings.recorded(model, hashes, location)
+
+    async def evict(self, model: str, hashes: Sequence[int], location: Location) -> None:
+        await self.inner.evict(model, hashes, location)
+
+    async def drop_location(self, location: Location) -> None:
+        await self.inner.drop_location(location)
+
+    async def drop_replica(self, replica: str) -> None:
+        await self.inner.drop_replica(replica)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def merge_expositions(texts: Sequence[bytes]) -> bytes:
+    """Prometheus text expositions of the same metrics merged into one: samples with the same
+    name and labels add up, except a gauge's, whose largest value is kept."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            into = values.setdefault(family.name, {})
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key not in into:
+                    into[key] = sample.value
+                elif merged.type == "gauge":
+                    into[key] = max(into[key], sample.value)
+                else:
+                    into[key] += sample.value
+    for name, merged in families.items():
+        merged.samples = [
+            Sample(sample_name, dict(labels), value)
+            for (sample_name, labels), value in values[name].items()
+        ]
+
+    class _Merged:
+        def collect(self) -> Iterator[Metric]:
+            return iter(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)
