@@ -96,6 +96,8 @@ def create_app(
                 tasks.append(asyncio.create_task(gw.fit_store.run(), name="cost-fit-sharing"))
             if gw.cost_store is not None:
                 tasks.append(asyncio.create_task(gw.cost_store.run(), name="cost-sharing"))
+            if gw.worker_costs is not None:
+                tasks.append(asyncio.create_task(gw.worker_costs.run(), name="worker-costs"))
             if gw.flow is not None:
                 tasks.append(asyncio.create_task(gw.flow.run(), name="flow-control"))
             if config.engine_metrics.enabled:

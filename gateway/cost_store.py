@@ -10,6 +10,7 @@ Redis Cluster without scanning its nodes. A Redis that is away costs nothing but
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from gateway.costs import CostAccounting
@@ -96,3 +98,72 @@ def shared_windows(
             if isinstance(snap, dict) and snap.get("window_s") == window:
                 out.append(snap)
     return out, window
+
+
+WORKER_SHARE_INTERVAL_S = 1.0
+# --workers N: a worker's windows reach its siblings' /debug/costs within a second (a file write
+# of a few kB per second per worker)
+WORKER_STALE_AFTER_S = 5 * WORKER_SHARE_INTERVAL_S  # a worker that stopped writing is gone
+
+
+class WorkerCosts:
+    """`cachelane serve --workers N`: each worker's accounting in a file of the workers' directory
+    (`costs-<pid>.json`, written whole then renamed), so the worker that answers /debug/costs
+    merges its siblings' with its own. `leader`: this worker has the lowest live pid; where every
+    worker's index sees every worker's evictions (the memory index fed by its siblings, or the
+    engines' events in precise mode), only the leader counts them."""
+
+    def __init__(self, directory: Path, costs: CostAccounting, pid: int | None = None) -> None:
+        self.directory = directory
+        self._costs = costs
+        self.pid = os.getpid() if pid is None else pid
+        self.leader = True
+
+    def _live_pids(self) -> set[int]:
+        pids = {self.pid}
+        for path in self.directory.glob("worker-*.sock"):
+            with contextlib.suppress(ValueError):
+                pid = int(path.stem.removeprefix("worker-"))
+                if _alive(pid):
+                    pids.add(pid)
+        return pids
+
+    def save(self) -> None:
+        self.leader = self.pid == min(self._live_pids())
+        value = {"at_unix": time.time(), "windows": [self._costs.snapshot(w) for w in WINDOWS_S]}
+        tmp = self.directory / f".costs-{self.pid}.json.tmp"
+        tmp.write_text(json.dumps(value))
+        tmp.replace(self.directory / f"costs-{self.pid}.json")
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.save()
+            except OSError as err:
+                log.warning("cannot share the cost accounting with the other workers: %r", err)
+            await asyncio.sleep(WORKER_SHARE_INTERVAL_S)
+
+    def siblings_windows(self, window_s: float) -> list[dict[str, Any]]:
+        """The other live workers' snapshots of `window_s` (one of WINDOWS_S)."""
+        now, out = time.time(), []
+        for path in self.directory.glob("costs-*.json"):
+            if path.stem == f"costs-{self.pid}":
+                continue
+            try:
+                value = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if now - float(value.get("at_unix", 0)) > WORKER_STALE_AFTER_S:
+                continue
+            out += [w for w in value.get("windows", []) if w.get("window_s") == window_s]
+        return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -23,7 +23,7 @@ at the HBM capacity; precise mode: the engines' BlockRemoved events).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -66,6 +66,8 @@ class CostAccounting:
         self._clock = clock
         self._rows = Windows()
         self._pools = Windows()
+        # --workers N with a view every worker shares: only one counts evictions (gateway/state.py)
+        self.counts_evictions: Callable[[], bool] = lambda: True
         self._ledgers: dict[str, RemoteLedger] = {}
         for tier in config.remote_tiers:
             users = [r for r in registry.replicas.values() if r.pool.remote_tier == tier.name]
@@ -136,6 +138,8 @@ class CostAccounting:
     def index_removed(self, location: Location, blocks: int, cause: str) -> None:
         """The index's hook (routing.index.MemoryIndex on_removed): HBM churn per pool."""
         if location.tier is not Tier.HBM or cause not in _CHURN_CAUSES:
+            return
+        if not self.counts_evictions():
             return
         replica = self._registry.replicas.get(location.holder)
         if replica is None:
@@ -246,7 +250,55 @@ async def debug_costs(request: Request) -> dict[str, Any]:
             )
         windows = (window,)
     costs: CostAccounting = gw.costs
+    workers = gw.worker_costs
+    if workers is None:
+        return {"fields": list(FIELDS), "windows": [costs.snapshot(w) for w in windows]}
+    # --workers N: this worker's and its siblings' (they share the windows of WINDOWS_S)
+    shared = [min(s for s in WINDOWS_S if s >= w) for w in windows]
     return {
         "fields": list(FIELDS),
-        "windows": [costs.snapshot(w) for w in windows],
+        "windows": [
+            merge_snapshots([costs.snapshot(w), *workers.siblings_windows(w)]) for w in shared
+        ],
+    }
+
+
+def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several snapshots of one window as one: row sums and pool evictions added (each process
+    counts its own requests, and an eviction once), pools' capacities taken once, remote tiers'
+    unread bytes added by writer."""
+    rows: dict[tuple[str, str, str], dict[str, float]] = {}
+    pools: dict[str, dict[str, Any]] = {}
+    tiers: dict[str, dict[str, Any]] = {}
+    for snap in snapshots:
+        for row in snap["rows"]:
+            into = rows.setdefault(
+                (row["tenant"], row["tenant_class"], row["pool"]), dict.fromkeys(FIELDS, 0.0)
+            )
+            for name, value in row["sums"].items():
+                into[name] = into.get(name, 0.0) + value
+        for pool in snap["pools"]:
+            seen = pools.setdefault(pool["pool"], {**pool, "hbm_evicted_blocks": 0.0})
+            seen["hbm_evicted_blocks"] += pool["hbm_evicted_blocks"]
+        for tier in snap["remote_tiers"]:
+            t = tiers.setdefault(tier["name"], {**tier, "tracked_blocks": 0, "unread": {}})
+            t["tracked_blocks"] += tier["tracked_blocks"]
+            for e in tier["resident_unread_bytes"]:
+                writer = CostKey(e["tenant"], e["tenant_class"], e["pool"])
+                t["unread"][writer] = t["unread"].get(writer, 0.0) + e["bytes"]
+    return {
+        "window_s": snapshots[0]["window_s"],
+        "bucket_s": snapshots[0]["bucket_s"],
+        "processes": len(snapshots),
+        "rows": [_row(CostKey(*k), sums) for k, sums in sorted(rows.items())],
+        "pools": list(pools.values()),
+        "remote_tiers": [
+            {
+                **{k: v for k, v in t.items() if k not in ("unread", "resident_unread_bytes")},
+                "resident_unread_bytes": [
+                    {**_labels(k), "bytes": v} for k, v in sorted(t["unread"].items())
+                ],
+            }
+            for t in tiers.values()
+        ],
     }

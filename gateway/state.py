@@ -17,7 +17,7 @@ from gateway.calibration import CostLearner
 from gateway.capture import Capture
 from gateway.capture import header as capture_header
 from gateway.config import GatewayConfig
-from gateway.cost_store import CostStore
+from gateway.cost_store import CostStore, WorkerCosts
 from gateway.costs import CostAccounting
 from gateway.discovery import Discovery
 from gateway.errors import ApiError
@@ -225,6 +225,12 @@ class Gateway:
         )
         # the cost accounting shared through Redis, for `cachelane report --redis`
         self.cost_store = CostStore(self.redis, self.costs) if self.redis is not None else None
+        self.worker_costs: WorkerCosts | None = None
+        if self.siblings is not None:  # --workers N: /debug/costs answers for every worker
+            self.worker_costs = WorkerCosts(self.siblings.directory, self.costs)
+            if config.index.backend == "memory" or config.routing.mode == "precise":
+                workers = self.worker_costs  # every worker's index sees every eviction
+                self.costs.counts_evictions = lambda: workers.leader
         self.capture: Capture | None = None
         if config.capture.path is not None:
             self.capture = Capture(
