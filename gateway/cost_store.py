@@ -1,4 +1,5 @@
-"""Share each gateway's cost accounting through Redis, so `cachelane report --redis` sees a fleet.
+"""Share the cost accounting: between gateways through Redis (`cachelane report --redis` sees a
+fleet), and between the worker processes of `cachelane serve --workers N` (WorkerCosts).
 
 Every COST_SHARE_INTERVAL_S a gateway with a Redis index writes its /debug/costs windows (the
 1 min, 15 min and 1 h snapshots, gateway/costs.py) into one Redis hash, under a field naming the
