@@ -207,6 +207,8 @@ class Capture:
             if is_request:
                 self._written += 1
                 self._metrics.capture_records.labels("written").inc()
+            if self._queue.empty():  # nothing waiting: a planner may read the file now
+                self._file.flush()
         self._file.close()
 
     def _fits_in(self, line: str) -> bool:

@@ -4,6 +4,7 @@ outcomes, never their text; it is bounded; `cachelane plan` reads it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -154,3 +155,21 @@ async def test_cachelane_plan_reads_a_real_capture(tmp_path: Path) -> None:
     captured = result["scenarios"]["captured"]["summary"]["classes"]["all"]
     assert captured["requests"] == 4 and captured["hit_rate"] > 0
     assert png.stat().st_size > 10_000
+
+
+async def test_cachelane_plan_reads_a_live_capture_with_a_gateways_fit(tmp_path: Path) -> None:
+    """While the gateway runs: the capture is readable (flushed) and --gateway takes the fitted
+    terms routing uses now."""
+    path = tmp_path / "capture.jsonl"
+    rng = random.Random(5)
+    out = tmp_path / "plan.json"
+    async with fleet(2, capture={"path": str(path), "max_records": 2}) as f:
+        await _send(f.gateway_url, [_prompt(rng, 200) for _ in range(3)], stream=True)
+        for _ in range(100):  # the writer thread flushes once its queue is empty
+            if len(path.read_text().splitlines()) >= 3:  # the header and two requests
+                break
+            await asyncio.sleep(0.05)
+        args = ["--scenarios", "captured", "--no-search", "--json", str(out)]
+        code = await asyncio.to_thread(plan_run, [str(path), *args, "--gateway", f.gateway_url])
+    assert code == 0
+    assert json.loads(out.read_text())["fit_source"] == "gateway"
