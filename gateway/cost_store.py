@@ -105,12 +105,13 @@ WORKER_SHARE_INTERVAL_S = 1.0
 # --workers N: a worker's windows reach its siblings' /debug/costs within a second (a file write
 # of a few kB per second per worker)
 WORKER_STALE_AFTER_S = 5 * WORKER_SHARE_INTERVAL_S  # a worker that stopped writing is gone
+LEADER_CHECK_S = 0.5  # how long a worker trusts its last look at which workers are alive
 
 
 class WorkerCosts:
     """`cachelane serve --workers N`: each worker's accounting in a file of the workers' directory
     (`costs-<pid>.json`, written whole then renamed), so the worker that answers /debug/costs
-    merges its siblings' with its own. `leader`: this worker has the lowest live pid; where every
+    merges its siblings' with its own. `leads()`: this worker has the lowest live pid; where every
     worker's index sees every worker's evictions (the memory index fed by its siblings, or the
     engines' events in precise mode), only the leader counts them."""
 
@@ -118,7 +119,17 @@ class WorkerCosts:
         self.directory = directory
         self._costs = costs
         self.pid = os.getpid() if pid is None else pid
-        self.leader = True
+        self._leader = True
+        self._checked_at = float("-inf")
+
+    def leads(self) -> bool:
+        """Whether this worker has the lowest live pid (looked up at most every LEADER_CHECK_S,
+        so a worker started after this one, or one gone, is taken into account promptly)."""
+        now = time.monotonic()
+        if now - self._checked_at >= LEADER_CHECK_S:
+            self._leader = self.pid == min(self._live_pids())
+            self._checked_at = now
+        return self._leader
 
     def _live_pids(self) -> set[int]:
         pids = {self.pid}
@@ -130,7 +141,6 @@ class WorkerCosts:
         return pids
 
     def save(self) -> None:
-        self.leader = self.pid == min(self._live_pids())
         value = {"at_unix": time.time(), "windows": [self._costs.snapshot(w) for w in WINDOWS_S]}
         tmp = self.directory / f".costs-{self.pid}.json.tmp"
         tmp.write_text(json.dumps(value))

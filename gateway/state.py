@@ -229,8 +229,8 @@ class Gateway:
         if self.siblings is not None:  # --workers N: /debug/costs answers for every worker
             self.worker_costs = WorkerCosts(self.siblings.directory, self.costs)
             if config.index.backend == "memory" or config.routing.mode == "precise":
-                workers = self.worker_costs  # every worker's index sees every eviction
-                self.costs.counts_evictions = lambda: workers.leader
+                # every worker's index sees every eviction: one counts them
+                self.costs.counts_evictions = self.worker_costs.leads
         self.capture: Capture | None = None
         if config.capture.path is not None:
             self.capture = Capture(
