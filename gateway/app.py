@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import __version__, logs, tracing
@@ -267,11 +268,16 @@ async def _read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         raise _too_large(max_bytes)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:  # it left while sending its body: not the gateway's error
+        raise ApiError(
+            499, "the client closed the request while sending its body", code="client_closed"
+        ) from None
     raw = b"".join(chunks)
     request.state.raw_body = raw
     config: GatewayConfig = request.app.state.gw.config
