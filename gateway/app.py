@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -116,7 +117,7 @@ def create_app(
                 await gw.close()
 
     logs.quiet_http_clients()
-    app = FastAPI(title="cachelane", version=__version__, lifespan=lifespan)
+    app = _App(title="cachelane", version=__version__, lifespan=lifespan)
     _install_error_handlers(app)
     if config.tracing.enabled:  # inside RequestContext: the span reads its access record
         app.add_middleware(
@@ -126,9 +127,8 @@ def create_app(
     app.include_router(admin_router)
     app.include_router(costs_router)  # GET /debug/costs, with the admin key
 
-    # The two hot endpoints are plain Starlette routes: FastAPI's per-request dependency solving
-    # (query parameters parsed, nothing declared to fill) was ~15% of a request's gateway time
-    # in a cProfile of the overhead benchmark's closed loop (docs/performance.md).
+    # The two hot endpoints skip the framework's layers (_App); these routes give the other
+    # methods their 405 and list them in the route table.
     async def chat_completions(request: Request) -> Response:
         return await _serve(request, "chat")
 
@@ -137,6 +137,7 @@ def create_app(
 
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/completions", completions, methods=["POST"])
+    app.hot = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -386,6 +387,50 @@ def _install_error_handlers(app: FastAPI) -> None:
         return await api_error(request, bad_request(str(err.errors()), code="invalid_request"))
 
     app.add_middleware(_Unexpected)
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class _App(FastAPI):
+    """FastAPI, with POST /v1/chat/completions and /v1/completions (`hot`) served without the
+    framework's own layers: in a CPU profile of the overhead benchmark's closed loop
+    (docs/performance.md) Starlette's and FastAPI's (error middlewares, FastAPI's body-limit and
+    telemetry wrappers, its exit stack, route matching, dependency solving) were ~11% of a
+    request's gateway CPU. Every middleware the app was given (user_middleware: request ids and
+    the access line, tracing, the 500 catcher, and any added later) still wraps them, built the
+    way Starlette builds its stack; an ApiError or HTTPException is rendered by the app's own
+    exception handlers. Everything else, the lifespan included, takes the usual stack."""
+
+    hot: dict[str, Endpoint]
+
+    def build_middleware_stack(self) -> ASGIApp:
+        usual = super().build_middleware_stack()
+        hot: ASGIApp = self._serve_hot
+        for cls, args, kwargs in reversed(self.user_middleware):
+            hot = cls(hot, *args, **kwargs)
+
+        async def dispatch(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and scope["path"] in self.hot and scope["method"] == "POST":
+                await hot(scope, receive, send)
+            else:
+                await usual(scope, receive, send)
+
+        return dispatch
+
+    async def _serve_hot(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        try:
+            response = await self.hot[scope["path"]](request)
+        except (ApiError, StarletteHTTPException) as err:
+            handler = next(
+                self.exception_handlers[t]
+                for t in type(err).__mro__
+                if t in self.exception_handlers
+            )
+            answer = handler(request, err)
+            response = await answer if inspect.isawaitable(answer) else answer
+        await response(scope, receive, send)
 
 
 class _Unexpected:
