@@ -25,7 +25,9 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -33,13 +35,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from rich.console import Console
 from rich.table import Table
 
 from gateway.index.redis_backend import RedisIndex
 from loadtest.bench import report
-from loadtest.bench.peer_routers import RouterSpec, ensure_installed, running_router
+from loadtest.bench.peer_routers import (
+    RouterSpec,
+    ensure_installed,
+    running_router,
+    with_workers,
+)
 from loadtest.bench.processes import SimFleetSettings, sim_fleet
 from loadtest.bench.redis_servers import RedisMissing, RedisServer
 from loadtest.bench.replay import percentile
@@ -98,14 +105,23 @@ def zero_delay_fleet(log_dir: Path, replicas: int = 2) -> Iterator[list[str]]:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """utime + stime of a process (all its threads), from /proc; 0 where there is no /proc."""
+    """utime + stime of a process and its descendants alive now (all their threads; `serve
+    --workers N`: the supervisor and its workers), from /proc; 0 where there is no /proc."""
     if pid is None:
         return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu seconds)
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = path.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(path.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])))
+    tree, total = [pid], 0.0
+    while tree:
+        current = tree.pop()
+        total += stats.get(current, (0, 0.0))[1] / CLK_TCK
+        tree += [child for child, (parent, _) in stats.items() if parent == current]
+    return total
 
 
 # --- open-loop client ------------------------------------------------------------------------
@@ -133,37 +149,37 @@ class Sample:
     error: str | None = None
 
 
-async def _one(client: httpx.AsyncClient, body: dict[str, Any], sample: Sample) -> None:
+async def _one(client: aiohttp.ClientSession, body: dict[str, Any], sample: Sample) -> None:
     started = time.perf_counter()
     try:
-        if body["stream"]:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    sample.error = f"HTTP {resp.status_code}"
-                    return
-                async for line in resp.aiter_lines():
+        async with client.post("/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                sample.error = f"HTTP {resp.status}"
+                return
+            if body["stream"]:
+                async for line in resp.content:  # one SSE line at a time, as it arrives
                     if (
                         sample.ttft_s is None
-                        and '"content":"' in line
-                        and '"content":""' not in line
+                        and b'"content":"' in line
+                        and b'"content":""' not in line
                     ):
                         sample.ttft_s = time.perf_counter() - started
-        else:
-            resp = await client.post("/v1/chat/completions", json=body)
-            if resp.status_code != 200:
-                sample.error = f"HTTP {resp.status_code}"
-                return
-            sample.ttft_s = time.perf_counter() - started
+            else:
+                await resp.read()
+                sample.ttft_s = time.perf_counter() - started
         sample.e2e_s = time.perf_counter() - started
-    except httpx.HTTPError as err:
+    except (aiohttp.ClientError, TimeoutError) as err:
         sample.error = f"{type(err).__name__}: {err}"
 
 
 @contextlib.asynccontextmanager
-async def _client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(
-        base_url=base_url, limits=limits, timeout=REQUEST_TIMEOUT_S, trust_env=False
+async def _client(base_url: str) -> AsyncIterator[aiohttp.ClientSession]:
+    """aiohttp, kept-alive connections: a client light enough not to be the bottleneck (httpx's
+    pool costs ~4 ms of CPU per request at this concurrency: loadtest/bench/upstream.py)."""
+    connector = aiohttp.TCPConnector(limit=256)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(
+        base_url=base_url, connector=connector, timeout=timeout, trust_env=False
     ) as client:
         yield client
 
@@ -229,10 +245,29 @@ async def closed_loop(base_url: str, duration_s: float) -> tuple[int, int, float
 # --- part 1 and 2: HTTP ----------------------------------------------------------------------
 
 
+def baseline_tree(ref: str, log_dir: Path) -> RouterSpec:
+    """cachelane as it was at git `ref` (its gateway/ and routing/ extracted from this
+    repository), to run beside the current code in the same run: before/after as ratios."""
+    tree = log_dir / f"baseline-{ref}"
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", ref, "gateway", "routing"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return RouterSpec("cachelane", "cache_aware", label_suffix=f"@{ref}", source=tree)
+
+
 def bench_http(
-    console: Console, log_dir: Path, rates: Sequence[int], rate_s: float, tput_s: float
+    console: Console,
+    log_dir: Path,
+    rates: Sequence[int],
+    rate_s: float,
+    tput_s: float,
+    extra: Sequence[RouterSpec] = (),
 ) -> dict[str, Any]:
-    targets: list[RouterSpec | None] = [None, *ROUTERS]
+    targets: list[RouterSpec | None] = [None, *ROUTERS[:1], *extra, *ROUTERS[1:]]
     out: dict[str, Any] = {"latency": {}, "throughput": {}, "not_run": {}}
     with zero_delay_fleet(log_dir) as urls:
         for spec in targets:
@@ -485,6 +520,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="fewer rates, shorter runs")
     parser.add_argument("--skip-http", action="store_true", help="only the decision benchmark")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="also run cachelane with `serve --workers N` (N > 1) beside the one-worker run",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="GIT_REF",
+        help="also run cachelane as it was at this commit (before/after in one run)",
+    )
     parser.add_argument("--out", type=Path, default=OUT_PATH)
     parser.add_argument("--plot", type=Path, default=PLOT_PATH)
     args = parser.parse_args(argv)
@@ -497,7 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     http: dict[str, Any] = {"latency": {}, "throughput": {}, "not_run": {}}
     try:
         if not args.skip_http:
-            http = bench_http(console, log_dir, rates, rate_s, tput_s)
+            extra = [baseline_tree(args.baseline, log_dir)] if args.baseline else []
+            if args.workers > 1:
+                extra.append(with_workers(ROUTERS[0], args.workers))
+            http = bench_http(console, log_dir, rates, rate_s, tput_s, extra)
         decision = asyncio.run(run_decision(console, DECISION_BUDGET_S / (3 if args.quick else 1)))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every process was stopped")

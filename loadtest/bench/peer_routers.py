@@ -8,6 +8,7 @@ router that fails to install or start is reported by the caller, who goes on wit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -39,10 +40,18 @@ class RouterSpec:
     policy: str
     config: Path | None = None  # cachelane only: a YAML config instead of --replicas
     label_suffix: str = ""
+    source: Path | None = None  # cachelane only: another checkout's tree to run (a baseline)
+    workers: int = 1  # cachelane only: `serve --workers N`
 
     @property
     def label(self) -> str:
         return f"{self.kind}:{self.policy}{self.label_suffix}"
+
+
+def with_workers(spec: RouterSpec, workers: int) -> RouterSpec:
+    """cachelane `spec` served by `workers` processes, labelled e.g. cachelane:cache_aware+2w."""
+    suffix = f"{spec.label_suffix}+{workers}w"
+    return dataclasses.replace(spec, workers=workers, label_suffix=suffix)
 
 
 def ensure_installed(kind: str) -> str | None:
@@ -80,8 +89,14 @@ def router_args(spec: RouterSpec, replica_urls: Sequence[str], port: int) -> lis
             if spec.config
             else ["--replicas", ",".join(replica_urls)]
         )
+        if spec.source is None:
+            launch = [sys.executable, "-m", "gateway"]
+        else:  # that tree's gateway and routing packages, ahead of this checkout's
+            code = f"import sys; sys.path.insert(0, {str(spec.source)!r}); import gateway.cli; "
+            launch = [sys.executable, "-c", code + "sys.exit(gateway.cli.main())"]
+        workers = ["--workers", str(spec.workers)] if spec.workers > 1 else []
         return [
-            sys.executable, "-m", "gateway", "serve", *where,
+            *launch, "serve", *where, *workers,
             "--policy", spec.policy, "--port", str(port), "--log-level", "warning",
         ]  # fmt: skip
     exe = str(ROUTERS_VENV / "bin" / f"{spec.kind}-router")

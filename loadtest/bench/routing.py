@@ -46,6 +46,7 @@ from loadtest.bench.peer_routers import (
     RouterSpec,
     ensure_installed,
     running_router,
+    with_workers,
 )
 from loadtest.bench.processes import ManagedProcess, free_port, free_port_run, wait_ready
 from loadtest.bench.replay import RequestResult, Summary, replay, summarize
@@ -457,6 +458,10 @@ def select_routers(text: str | None) -> list[RouterSpec]:
         return specs
     wanted = [w.strip() for w in text.split(",") if w.strip()]
     known = {s.label: s for s in specs}
+    for w in wanted:  # cachelane:<policy>+2w: that policy served by `cachelane serve --workers 2`
+        base, _, workers = w.partition("+")
+        if base in known and base.startswith("cachelane:") and re.fullmatch(r"\d+w", workers):
+            known[w] = with_workers(known[base], int(workers[:-1]))
     unknown = [w for w in wanted if w not in known]
     if unknown:
         raise ValueError(f"--routers: unknown {unknown}; known: {', '.join(known)}")
