@@ -18,8 +18,10 @@ from gateway.planner import namespace_of
 from gateway.tenants import ANONYMOUS
 from routing.hashing import block_hashes
 from routing.prompt import chat_text
-from tests.integration.fleet import MODEL, fleet
+from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 from whatif.capture import hex_hashes, parse_capture
+from whatif.replay import replay
+from whatif.setup import Setup
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,3 +175,25 @@ async def test_cachelane_plan_reads_a_live_capture_with_a_gateways_fit(tmp_path:
         code = await asyncio.to_thread(plan_run, [str(path), *args, "--gateway", f.gateway_url])
     assert code == 0
     assert json.loads(out.read_text())["fit_source"] == "gateway"
+
+
+async def test_the_replay_routes_and_hits_as_the_gateway_did(tmp_path: Path) -> None:
+    """Requests one after another (no queue): the replay of the capture on the set-up it was
+    served on sends each request where the gateway sent it (up to the replicas' names) and
+    finds the cached tokens the engine reported."""
+    path = tmp_path / "capture.jsonl"
+    rng = random.Random(6)
+    docs = [_prompt(rng, 600) for _ in range(4)]
+    prompts = [rng.choice(docs) + " " + _prompt(rng, 20) for _ in range(16)]
+    async with fleet(3, costs=CACHE_VISIBLE_COSTS, capture={"path": str(path)}) as f:
+        await _send(f.gateway_url, prompts, stream=True)
+    capture = parse_capture(_lines(path))
+    outcome = replay(capture.requests, Setup.from_capture(capture), seed=0)
+    assert len(outcome.requests) == len(capture.requests) == 16
+    planned = {r.arrived_s: r for r in outcome.requests}
+    names: dict[str, str] = {}
+    for c in capture.requests:
+        p = planned[c.t_s]
+        assert names.setdefault(p.replica, c.replica) == c.replica, "routed elsewhere"
+        assert p.hbm_tokens + p.cpu_tokens + p.remote_tokens == c.cached_tokens
+    assert sum(c.cached_tokens or 0 for c in capture.requests) > 0
