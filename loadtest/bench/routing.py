@@ -201,6 +201,7 @@ def cachelane_config(
         data["remote_tiers"] = [{"name": "kv", "url": fleet.remote_url}]
     remote = {"remote_tier": "kv"} if shape.remote else {}
     if pinned is None:
+        data["auth"] = {"mode": "open"}  # no tenants: no keys to check (keys mode fails closed)
         data["pools"] = [_pool("default", fleet.urls, shape, **remote)]
         return data
     data["tenants"] = [
