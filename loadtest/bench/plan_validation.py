@@ -337,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lookup_s = probed if probed is not None else lookup_s
             captures[setup] = read_capture(path)
             payload["setups"][setup] = {
+                "captured_requests": len(captures[setup].requests),
                 "measured": measured(captures[setup]),
                 "client": client_measured(results),
             }
