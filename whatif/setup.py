@@ -136,13 +136,20 @@ def scaled_hbm(factor: float) -> Scenario:
 
 
 def pinned(replicas: int, tenants: frozenset[str] = frozenset()) -> Scenario:
-    """`replicas` taken from the largest unpinned pool into a pinned, HBM-only pool for critical
-    traffic (the captured critical class, plus `tenants` served as critical)."""
+    """A pinned, HBM-only pool of `replicas` for critical traffic (the captured critical class,
+    plus `tenants` served as critical): the captured pinned pool resized, else one carved out of
+    the largest pool (which keeps at least one replica)."""
 
     def apply(base: Setup) -> Setup:
-        donors = [p for p in base.pools if not p.pinned]
+        label = f"pinned {replicas} for critical"
+        critical = base.critical_tenants | tenants
+        if any(p.pinned for p in base.pools):
+            first = next(p for p in base.pools if p.pinned)
+            pools = tuple(replace(p, replicas=replicas) if p is first else p for p in base.pools)
+            return base.with_pools(label, pools, critical_tenants=critical)
+        donors = list(base.pools)
         if not donors:
-            return base.with_pools(f"pinned {replicas}", base.pools)
+            return base.with_pools(label, base.pools)
         donor = max(donors, key=lambda p: p.replicas)
         kept = max(1, donor.replicas - replicas)
         pin = replace(
@@ -155,17 +162,9 @@ def pinned(replicas: int, tenants: frozenset[str] = frozenset()) -> Scenario:
             hbm_only=True,
             replica_names=(),
         )
-        pools = tuple(
-            [replace(p, replicas=kept) if p is donor else p for p in base.pools if not p.pinned]
-            + [pin]
-        )
+        pools = (*(replace(p, replicas=kept) if p is donor else p for p in base.pools), pin)
         terms = {**base.terms, PINNED_POOL: base.terms_of(donor)}
-        return base.with_pools(
-            f"pinned {replicas} for critical",
-            pools,
-            terms=terms,
-            critical_tenants=base.critical_tenants | tenants,
-        )
+        return base.with_pools(label, pools, terms=terms, critical_tenants=critical)
 
     return apply
 

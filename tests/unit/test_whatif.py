@@ -340,6 +340,16 @@ def test_pinned_pool_takes_critical_traffic_only() -> None:
     assert ("standard", "pinned") not in pools
 
 
+def test_pinned_scenario_resizes_a_captured_pinned_pool() -> None:
+    base = pinned(1)(_setup(replicas=4))
+    assert {p.name: p.replicas for p in base.pools} == {"p": 3, "pinned": 1}
+    again = pinned(2, frozenset({"web"}))(base)
+    assert {p.name: p.replicas for p in again.pools} == {"p": 3, "pinned": 2}
+    assert again.critical_tenants == {"web"}
+    out = replay(_trace(2), again, seed=0)
+    assert {r.pool for r in out.requests if r.tenant == "web"} == {"pinned"}
+
+
 def test_more_hbm_never_lowers_the_hit_rate_here() -> None:
     trace = _trace(4)
     small = summarize(replay(trace, scaled_hbm(0.5)(_setup()), seed=0)).classes["all"]
