@@ -136,6 +136,7 @@ class Run:
     t0: float = field(default_factory=time.monotonic)
     outcomes: list[Outcome] = field(default_factory=list)
     rss: list[tuple[float, float]] = field(default_factory=list)  # (s, MiB)
+    fds: list[tuple[float, int]] = field(default_factory=list)  # (s, open file descriptors)
     faults: list[tuple[float, str]] = field(default_factory=list)  # (s, what) as done
     gateway: dict[str, float] = field(default_factory=dict)  # GATEWAY_COUNTERS' totals
     in_flight_after: int | None = None  # requests the gateway still counts once all have ended
@@ -305,6 +306,8 @@ async def sample_rss(pid: int, run: Run, stop: asyncio.Event) -> None:
         mib = rss_mib(pid)
         if mib is not None:
             run.rss.append((run.now(), mib))
+        with contextlib.suppress(OSError):  # open sockets and files: a leaked connection shows
+            run.fds.append((run.now(), len(os.listdir(f"/proc/{pid}/fd"))))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), RSS_SAMPLE_S)
 
@@ -519,6 +522,11 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
         "ttft_p99_ms": percentile(ttft_ms, 0.99),
         "rss_start_mib": run.rss[0][1] if run.rss else math.nan,
         "rss_max_mib": max((m for _, m in run.rss), default=math.nan),
+        "fds_start_max_end": [
+            run.fds[0][1] if run.fds else None,
+            max((n for _, n in run.fds), default=None),
+            run.fds[-1][1] if run.fds else None,
+        ],
         "rss_slope_mib_per_min": slope_mib_per_min(after),
         "rss_slope_last_quarter_mib_per_min": slope_mib_per_min(
             [(t, m) for t, m in run.rss if t >= LAST_QUARTER * duration_s]
@@ -562,6 +570,7 @@ def table(s: dict[str, Any]) -> Table:
             f"{s['rss_slope_last_quarter_mib_per_min']:+.2f}",
         ),
         ("RSS growth after warm-up (MiB)", f"{s['rss_growth_mib']:+.1f}"),
+        ("gateway open fds start / max / end", " / ".join(map(str, s["fds_start_max_end"]))),
     ]
     rows += [(f"  failures: {kind}", str(n)) for kind, n in sorted(s["failures"].items())]
     rows += [(f"gateway: {k.replace('_', ' ')}", f"{v:g}") for k, v in s["gateway"].items()]
