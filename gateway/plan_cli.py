@@ -1,9 +1,10 @@
 """`cachelane plan CAPTURE`: what the captured traffic would see on other set-ups.
 
 The edge around whatif/ (pure): read the capture (gateway/capture.py wrote it), take the fitted
-cost terms from it or from a running gateway (--gateway: POST /debug/route, the terms in use per
-replica), replay it on each scenario, search the replicas each class's TTFT target needs, and
-print a table; --json writes the numbers, --png a comparison (matplotlib: the [sim] extra).
+cost terms from it, from a running gateway (--gateway: POST /debug/route, the terms in use per
+replica) or from the fits the gateways share in Redis (--redis: gateway/fit_store.py), replay
+it on each scenario, search the replicas each class's TTFT target needs, and print a table;
+--json writes the numbers, --png a comparison (matplotlib: the [sim] extra).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
@@ -73,6 +75,39 @@ def gateway_fit(url: str, api_key: str | None, capture: Capture) -> Capture:
             samples=int(t.get("samples", 0)),
         )
         pools.setdefault(name, next(iter(pools.values()), ""))
+    return replace(capture, fit=fit, fit_pools=pools)
+
+
+def redis_fit(url: str, capture: Capture) -> Capture:
+    """The capture with the fits the gateways share in Redis (gateway/fit_store.py): per replica
+    and per pool, each resumed on its pool's seed (a fit seeded from other constants is
+    skipped)."""
+    import redis
+
+    from gateway.fit_store import FITS_KEY
+    from routing.learn import OnlineFit
+
+    client = redis.Redis.from_url(url, socket_timeout=HTTP_TIMEOUT_S)
+    try:
+        raw = client.hgetall(FITS_KEY)
+    finally:
+        client.close()
+    seeds = {p.name: CostTerms.seed(p.costs) for p in capture.header.pools}
+    replica_pool = {name: p.name for p in capture.header.pools for name in p.replica_names}
+    fit: dict[str, CostTerms] = {}
+    pools: dict[str, str] = {}
+    for key, value in raw.items():
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        pool = name.removeprefix("pool:") if name.startswith("pool:") else replica_pool.get(name)
+        if pool not in seeds:
+            continue
+        try:
+            state = json.loads(value)
+        except ValueError:
+            continue
+        resumed = OnlineFit.from_dict(seeds[pool], state)
+        if resumed.samples:
+            fit[name], pools[name] = resumed.terms(), pool
     return replace(capture, fit=fit, fit_pools=pools)
 
 
@@ -148,6 +183,8 @@ def plan(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     capture = read_capture(args.capture)
     if args.gateway:
         capture = gateway_fit(args.gateway, args.api_key, capture)
+    elif args.redis:
+        capture = redis_fit(args.redis, capture)
     base = Setup.from_capture(capture)
     hbm = max((p.hbm_capacity_tokens for p in base.pools), default=0)
     cpu = args.cpu_tokens or max(
@@ -166,7 +203,8 @@ def plan(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; known: {sorted(table)}")
     targets = _targets(args.target)
-    fit_source = "gateway" if args.gateway else ("capture" if capture.fit else "config")
+    fit_source = "gateway" if args.gateway else "redis" if args.redis else "capture"
+    fit_source = fit_source if capture.fit else "config"
     console.print(
         f"{len(capture.requests)} requests over {_span_s(capture):.0f} s; cost terms from the "
         f"{fit_source}; targets (TTFT p99): "
@@ -321,7 +359,7 @@ def run(argv: Sequence[str]) -> int:
     console = Console(width=None if sys.stdout.isatty() else CONSOLE_WIDTH)
     try:
         result = plan(args, console)
-    except (OSError, CaptureError, ValueError, httpx.HTTPError) as err:
+    except (OSError, CaptureError, ValueError, httpx.HTTPError, RedisError) as err:
         print(f"cachelane plan: {err}", file=sys.stderr)
         return 2
     print_plan(result, console)
