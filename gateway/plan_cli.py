@@ -173,6 +173,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--no-search", action="store_true", help="skip the replica-count search")
     p.add_argument("--seed", type=int, default=0, help="routing's tie-break seed (default 0)")
     p.add_argument("--gateway", help="take the fitted cost terms from this running gateway")
+    p.add_argument(
+        "--redis", help="take the fitted cost terms the gateways share in this Redis (redis://)"
+    )
     p.add_argument("--api-key", help="a tenant's key for --gateway")
     p.add_argument("--json", type=Path, help="write the numbers here")
     p.add_argument("--png", type=Path, help="write a comparison plot here (the [sim] extra)")
