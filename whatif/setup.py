@@ -135,6 +135,27 @@ def scaled_hbm(factor: float) -> Scenario:
     return apply
 
 
+def scaled_pcie(factor: float) -> Scenario:
+    """Every replica's host-to-GPU link `factor` times as fast (a swap-in's fitted seconds per
+    token divided by it): a Gen5 host for a Gen4 one is x2, a link shared by four GPUs x0.25."""
+
+    def apply(base: Setup) -> Setup:
+        pools = tuple(
+            replace(p, costs=replace(p.costs, pcie_gbps=p.costs.pcie_gbps * factor))
+            for p in base.pools
+        )
+        terms = {
+            pool.name: replace(
+                base.terms_of(pool),
+                swap_s_per_token=base.terms_of(pool).swap_s_per_token / factor,
+            )
+            for pool in base.pools
+        }
+        return base.with_pools(f"PCIe x{factor:g}", pools, terms=terms)
+
+    return apply
+
+
 def pinned(replicas: int, tenants: frozenset[str] = frozenset()) -> Scenario:
     """A pinned, HBM-only pool of `replicas` for critical traffic (the captured critical class,
     plus `tenants` served as critical): the captured pinned pool resized, else one carved out of
@@ -177,6 +198,7 @@ def scenarios(
     critical_tenants: frozenset[str] = frozenset(),
     remote_lookup_s: float = 0.0,
     hbm_factors: tuple[float, ...] = (0.5, 2.0),
+    pcie_factors: tuple[float, ...] = (0.25, 4.0),
 ) -> dict[str, Scenario]:
     """The standard comparison, by short name (the CLI's --scenarios)."""
     out: dict[str, Scenario] = {
@@ -189,4 +211,6 @@ def scenarios(
     }
     for f in hbm_factors:
         out[f"hbm-x{f:g}"] = scaled_hbm(f)
+    for f in pcie_factors:
+        out[f"pcie-x{f:g}"] = scaled_pcie(f)
     return out

@@ -80,7 +80,7 @@ CASES = {
     "pcie": Case(
         "pcie", "sim-llama-70b", PCIE_GEN4_COSTS, 24_000, 200_000, False,
         {"web": "standard", "docs": "standard"},
-        ["--scenarios", "captured,hbm,hbm-x2"],
+        ["--scenarios", "captured,hbm,hbm-x2,pcie-x0.25,pcie-x4"],
     ),
     "remote-high": Case(
         "remote-high", SIM_MODEL, {}, 12_000, 8_000, True, {"web": "standard"},

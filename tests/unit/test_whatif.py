@@ -22,7 +22,15 @@ from whatif.capture import (
     parse_capture,
 )
 from whatif.replay import replay
-from whatif.setup import Setup, hbm_only, pinned, scaled_hbm, with_cpu, with_remote
+from whatif.setup import (
+    Setup,
+    hbm_only,
+    pinned,
+    scaled_hbm,
+    scaled_pcie,
+    with_cpu,
+    with_remote,
+)
 from whatif.summary import percentile, replicas_needed, summarize
 
 BS = 16
@@ -348,6 +356,17 @@ def test_pinned_scenario_resizes_a_captured_pinned_pool() -> None:
     assert again.critical_tenants == {"web"}
     out = replay(_trace(2), again, seed=0)
     assert {r.pool for r in out.requests if r.tenant == "web"} == {"pinned"}
+
+
+def test_a_slower_pcie_link_makes_swap_ins_slower() -> None:
+    a, b = list(range(100)), list(range(1000, 1100))
+    trace = [_req(0.0, a), _req(1.0, b), _req(2.0, [*a, 99_999])]
+    cpu = with_cpu(200 * BS)(_setup(replicas=1, hbm_tokens=100 * BS))
+    fast = replay(trace, cpu, seed=0).requests[2]
+    slow = replay(trace, scaled_pcie(0.25)(cpu), seed=0).requests[2]
+    assert slow.cpu_tokens == fast.cpu_tokens > 0
+    swap_s = fast.cpu_tokens * 131_072 / (50e9 * 0.25) - fast.cpu_tokens * 131_072 / 50e9
+    assert slow.ttft_s - fast.ttft_s == pytest.approx(swap_s)
 
 
 def test_more_hbm_never_lowers_the_hit_rate_here() -> None:
