@@ -1,5 +1,5 @@
 """Opt-in traffic capture for planning (`capture.path`): one JSON line per answered request, with
-the prompt's structure and its outcome, never its text (the format: whatif/capture.py).
+the prompt's structure and its outcome, never its text (the format: routing/whatif/capture.py).
 
 The proxy calls `answered()` on the event loop when an answer ends; it builds the record (the
 block hashes as hex, token counts, the decision, the outcome) and hands it to a bounded queue. One
@@ -31,7 +31,7 @@ from gateway.planner import Plan
 from gateway.registry import Registry, Reservation
 from routing.admission import DEFAULT_WINDOW_S
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms
-from whatif.capture import VERSION, hex_hashes, hit_tiers, terms_record
+from routing.whatif.capture import VERSION, hex_hashes, hit_tiers, terms_record
 
 log = logging.getLogger("cachelane.capture")
 

@@ -578,7 +578,7 @@ DEFAULT_CAPTURE_MAX_RECORDS = 1_000_000
 
 class CaptureConfig(Strict):
     """Opt-in traffic capture for `cachelane plan` (gateway/capture.py; format:
-    whatif/capture.py)."""
+    routing/whatif/capture.py)."""
 
     path: str | None = Field(
         default=None,

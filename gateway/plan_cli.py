@@ -1,8 +1,8 @@
 """`cachelane plan CAPTURE`: what the captured traffic would see on other set-ups.
 
-The edge around whatif/ (pure): read the capture (gateway/capture.py wrote it), take the fitted
-cost terms from it, from a running gateway (--gateway: POST /debug/route, the terms in use per
-replica) or from the fits the gateways share in Redis (--redis: gateway/fit_store.py), replay
+The edge around routing/whatif/ (pure): read the capture (gateway/capture.py wrote it), take the
+fitted cost terms from it, from a running gateway (--gateway: POST /debug/route, the terms in use
+per replica) or from the fits the gateways share in Redis (--redis: gateway/fit_store.py), replay
 it on each scenario, search the replicas each class's TTFT target needs, and print a table;
 --json writes the numbers, --png a comparison (matplotlib: the [sim] extra).
 """
@@ -25,10 +25,10 @@ from rich.table import Table
 
 from gateway.config import ClassesConfig
 from routing.cost import CostTerms
-from whatif.capture import Capture, CaptureError, parse_capture
-from whatif.replay import Outcome, replay
-from whatif.setup import Setup, scenarios
-from whatif.summary import ALL, MAX_REPLICAS, Needed, replicas_needed, summarize
+from routing.whatif.capture import Capture, CaptureError, parse_capture
+from routing.whatif.replay import Outcome, replay
+from routing.whatif.setup import Setup, scenarios
+from routing.whatif.summary import ALL, MAX_REPLICAS, Needed, replicas_needed, summarize
 
 HOST_RAM_PER_HBM = 2
 # A scenario's CPU tier where the capture had none: 2x the replica's HBM KV capacity. GPU servers

@@ -56,11 +56,11 @@ from loadtest.bench.replay import RequestResult, percentile, replay
 from loadtest.sim.config import SIM_MODEL
 from loadtest.workloads import tier_traces
 from loadtest.workloads.traces import TraceRecord
-from whatif.capture import Capture, CapturedRequest, parse_capture
-from whatif.replay import Replayed
-from whatif.replay import replay as plan_replay
-from whatif.setup import Setup, hbm_only, with_cpu, with_remote
-from whatif.summary import ALL
+from routing.whatif.capture import Capture, CapturedRequest, parse_capture
+from routing.whatif.replay import Replayed
+from routing.whatif.replay import replay as plan_replay
+from routing.whatif.setup import Setup, hbm_only, with_cpu, with_remote
+from routing.whatif.summary import ALL
 
 DURATION_S = 60.0
 QUICK_DURATION_S = 8.0

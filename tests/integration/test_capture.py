@@ -19,9 +19,9 @@ from gateway.tenants import ANONYMOUS
 from routing.hashing import block_hashes
 from routing.prompt import chat_text
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
-from whatif.capture import hex_hashes, parse_capture
-from whatif.replay import replay
-from whatif.setup import Setup
+from routing.whatif.capture import hex_hashes, parse_capture
+from routing.whatif.replay import replay
+from routing.whatif.setup import Setup
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.plan_cli import _targets, read_capture
 from tests.unit.test_whatif import _header_obj, _request_obj
-from whatif.capture import CaptureError
+from routing.whatif.capture import CaptureError
 
 
 def _write(path: Path, lines: list[str]) -> Path:

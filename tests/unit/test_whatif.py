@@ -1,4 +1,4 @@
-"""The what-if planner's core (whatif/): the cache model, the capture format, the replay's
+"""The what-if planner's core (routing/whatif/): the cache model, the capture format, the replay's
 determinism and queueing, the scenarios and the replica search. Pure: no servers."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from routing.cost import CostTerms, PoolCosts
-from whatif.cache import BlockLRU, RemoteTier, ReplicaCache
-from whatif.capture import (
+from routing.whatif.cache import BlockLRU, RemoteTier, ReplicaCache
+from routing.whatif.capture import (
     VERSION,
     CapturedRequest,
     CaptureError,
@@ -21,8 +21,8 @@ from whatif.capture import (
     hit_tiers,
     parse_capture,
 )
-from whatif.replay import replay
-from whatif.setup import (
+from routing.whatif.replay import replay
+from routing.whatif.setup import (
     Setup,
     hbm_only,
     pinned,
@@ -31,7 +31,7 @@ from whatif.setup import (
     with_cpu,
     with_remote,
 )
-from whatif.summary import percentile, replicas_needed, summarize
+from routing.whatif.summary import percentile, replicas_needed, summarize
 
 BS = 16
 
@@ -402,7 +402,7 @@ FORBIDDEN = {
     "redis", "asyncio", "prometheus_client", "os", "pathlib", "io", "socket", "threading",
     "time", "json", "matplotlib",
 }  # fmt: skip
-WHATIF = Path(__file__).resolve().parents[2] / "whatif"
+WHATIF = Path(__file__).resolve().parents[2] / "routing" / "whatif"
 
 
 @pytest.mark.parametrize("path", sorted(WHATIF.glob("*.py")), ids=lambda p: p.name)

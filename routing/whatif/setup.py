@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from routing.cost import CostTerms
-from whatif.capture import Capture, PoolSetup
+from routing.whatif.capture import Capture, PoolSetup
 
 DEFAULT_REMOTE_TIER = "remote"
 PINNED_POOL = "pinned"

@@ -12,9 +12,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from whatif.capture import CapturedRequest
-from whatif.replay import Outcome, Replayed, replay
-from whatif.setup import Setup
+from routing.whatif.capture import CapturedRequest
+from routing.whatif.replay import Outcome, Replayed, replay
+from routing.whatif.setup import Setup
 
 ALL = "all"
 

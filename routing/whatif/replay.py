@@ -14,7 +14,7 @@ On the chosen replica the request then runs as a replica runs it (loadtest/sim/e
 the same steps for a vLLM-like engine):
 
   1. its prompt's blocks are looked up in the replica's HBM, CPU tier and remote tier
-     (whatif/cache.py);
+     (routing/whatif/cache.py);
      (the lookup takes the set-up's `remote_lookup_s`, which the cost model has no term for);
   2. CPU blocks are swapped in (PCIe shared with the swap-ins in flight) and remote blocks
      fetched, or recomputed when that is cheaper: routing/cost.py's swap and remote terms at the
@@ -47,9 +47,9 @@ from routing.decide import Candidate, Decision, Policy, PoolRules, RouteRequest,
 from routing.filters import Fallback, eligible
 from routing.index import MemoryIndex
 from routing.types import BlockHits, Location, TenantClass, Tier
-from whatif.cache import RemoteStats, RemoteTier, ReplicaCache
-from whatif.capture import CapturedRequest, PoolSetup
-from whatif.setup import Setup
+from routing.whatif.cache import RemoteStats, RemoteTier, ReplicaCache
+from routing.whatif.capture import CapturedRequest, PoolSetup
+from routing.whatif.setup import Setup
 
 
 @dataclass(frozen=True, slots=True)
