@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterable
+from typing import Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-)
+import prometheus_client
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.metrics_core import Metric
 
 OTHER_MODEL = "other"  # the `model` label of a request for a model no replica serves (or none)
@@ -26,6 +21,43 @@ OTHER_MODEL = "other"  # the `model` label of a request for a model no replica s
 def model_label(model: object, known: Collection[str]) -> str:
     """`model` if a replica serves it, else OTHER_MODEL: label values never come from input."""
     return model if isinstance(model, str) and model in known else OTHER_MODEL
+
+
+class _KeptChildren:
+    """labels() with positional values, each child kept after its first lookup: prometheus_client
+    validates the values, takes a lock and builds a key on every call, the top entry of the
+    gateway's CPU profile (docs/performance.md); a request calls labels() ~16 times."""
+
+    _kept: dict[tuple[Any, ...], Any]
+
+    def labels(self, *values: Any, **by_name: Any) -> Any:
+        if by_name or not values:
+            return super().labels(*values, **by_name)  # type: ignore[misc]
+        kept = self.__dict__.setdefault("_kept", {})
+        child = kept.get(values)
+        if child is None:
+            child = kept[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+    def remove(self, *values: Any) -> None:
+        self.__dict__.get("_kept", {}).pop(tuple(values), None)
+        super().remove(*values)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self.__dict__.get("_kept", {}).clear()
+        super().clear()  # type: ignore[misc]
+
+
+class Counter(_KeptChildren, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_KeptChildren, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_KeptChildren, prometheus_client.Histogram):
+    pass
 
 
 class _NoCreatedRegistry(CollectorRegistry):
