@@ -137,6 +137,10 @@ DESCRIPTIONS: dict[str, str] = {
     "prefetch: the simulator's prefetch call.",
     "prewarm.queue_size": "Prewarms waiting to be sent; more are dropped.",
     "prewarm.timeout_s": "Seconds one prewarm may take.",
+    "rate_limits": "Per-tenant requests and tokens per minute (429 rate_limit_exceeded with "
+    "Retry-After), and failed authentications per client address (docs/security.md).",
+    "body_fields": "Request body fields clients may not set (docs/security.md).",
+    "exposure": "Who may read /metrics, /ready and the OpenAPI pages (docs/security.md).",
     "max_body_bytes": "Largest request body accepted (8 MiB: a 128k-token prompt is ~512 KiB of "
     "text; the rest is headroom for base64 images).",
     "max_json_depth": "Deepest nesting of arrays and objects accepted in a request body; deeper is "
@@ -166,8 +170,6 @@ DESCRIPTIONS: dict[str, str] = {
     "(a TTFT budget times the prefill rate).",
     "pools[].lend_below": "Fraction of the admission cap below which a pinned replica also takes "
     "standard and batch traffic. Unset: never lent.",
-    "pools[].cache_salt": "Add a per-tenant cache_salt to request bodies so engines never share "
-    "KV across tenants (vLLM >= 0.9).",
     "pools[].remote_write": "Which prompts the replicas write to the remote tier: `reuse` (only "
     "where expected reuse pays for the write, routing/admission.py), `always` or `never` "
     "(baselines).",

@@ -21,18 +21,30 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import __version__, logs, tracing
-from gateway.admin import admin_router
+from gateway.admin import _require_admin, admin_router
 from gateway.body import BodyError, parse_body_async
+from gateway.body_fields import check_fields
 from gateway.config import GatewayConfig
 from gateway.costs import costs_router
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, bad_request
+from gateway.exposure import (
+    POLICY_STATE_KEY,
+    AuthFailures,
+    ConnectionPolicy,
+    FailedAuthLimit,
+    ReadDeadline,
+    require_monitoring,
+)
 from gateway.metrics import Metrics, model_label
+from gateway.openapi import schema_of
 from gateway.planner import Plan
 from gateway.proxy import RelayResponse
 from gateway.reload import install_sighup
 from gateway.state import Gateway
+from gateway.tenants import ANONYMOUS, CLASS_HEADER, Tenant
 from gateway.upstream import AiohttpUpstream
+from routing.types import TenantClass
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -50,7 +62,7 @@ def create_app(
     `config_path`: the file `config` came from, reloaded on SIGHUP and POST /admin/reload."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         up = config.upstream
         limits = httpx.Limits(
             max_connections=up.max_connections,
@@ -106,8 +118,12 @@ def create_app(
                 tasks.append(asyncio.create_task(gw.scraper.run(), name="engine-metrics"))
             if gw.kv_events is not None:
                 tasks += gw.kv_events.start()
+            policy = ConnectionPolicy(  # read by the HTTP protocol (gateway/exposure.py)
+                config.listen.header_timeout_s,
+                lambda part: gw.metrics.read_timeouts.labels(part).inc(),
+            )
             try:
-                yield
+                yield {POLICY_STATE_KEY: policy}
             finally:
                 if stop_sighup is not None:
                     stop_sighup()
@@ -117,12 +133,31 @@ def create_app(
                 await gw.close()
 
     logs.quiet_http_clients()
-    app = _App(title="cachelane", version=__version__, lifespan=lifespan)
+    docs = config.exposure.docs  # the OpenAPI schema and its pages: off unless enabled
+    app = _App(
+        title="cachelane",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.openapi = schema_of(app)  # type: ignore[method-assign]
     _install_error_handlers(app)
+    app.add_middleware(
+        ReadDeadline,
+        body_timeout_s=config.listen.body_timeout_s,
+        on_timeout=lambda part: app.state.gw.metrics.read_timeouts.labels(part).inc(),
+    )
     if config.tracing.enabled:  # inside RequestContext: the span reads its access record
         app.add_middleware(
             tracing.TracingMiddleware, tracer=tracing.tracer_from(config.tracing, span_exporter)
         )
+    app.add_middleware(  # inside RequestContext: its 429s are logged
+        FailedAuthLimit,
+        failures=AuthFailures(config.rate_limits.failed_auth_per_min),
+        on_refused=lambda: _count_auth_throttled(app),
+    )
     app.add_middleware(logs.RequestContext)  # outside _Unexpected: its 500s are logged too
     app.include_router(admin_router)
     app.include_router(costs_router)  # GET /debug/costs, with the admin key
@@ -169,6 +204,8 @@ def create_app(
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         gw: Gateway = request.app.state.gw
+        if config.exposure.ready_auth:
+            require_monitoring(request, gw)
         replicas = {
             r.name: {
                 "healthy": r.healthy,
@@ -196,6 +233,8 @@ def create_app(
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         gw: Gateway = request.app.state.gw
+        if config.exposure.metrics_auth:
+            require_monitoring(request, gw)
         text = gw.exposition()
         if gw.siblings is not None:  # --workers N: every worker's, merged
             text = await gw.siblings.merged_metrics(text)
@@ -203,8 +242,11 @@ def create_app(
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> dict[str, Any]:
+        """How many of a prompt's tokens are cached, without running it: the admin key's view
+        (a tenant's key would make it a prompt-guessing oracle); `x-cachelane-tenant: NAME`
+        explains it as that tenant. In auth.mode open, as the anonymous tenant."""
         gw: Gateway = request.app.state.gw
-        tenant = gw.authenticate(request)
+        tenant = debug_tenant(gw, request)
         body = await _read_json(request, gw.config.max_body_bytes)
         endpoint = "chat" if "messages" in body else "completions"
         endpoint = "responses" if "input" in body and "prompt" not in body else endpoint
@@ -212,6 +254,35 @@ def create_app(
         return explain(plan) | {"load": gw.loads(), "costs": gw.learner.describe()}
 
     return app
+
+
+DEBUG_TENANT_HEADER = "x-cachelane-tenant"
+
+
+def debug_tenant(gw: Gateway, request: Request) -> Tenant:
+    """/debug/route's tenant: the admin key is required unless auth is open; the tenant named
+    in DEBUG_TENANT_HEADER (404 if there is none of that name), else the anonymous one."""
+    if gw.tenants.open_mode:
+        return gw.authenticate(request)
+    _require_admin(request)
+    name = request.headers.get(DEBUG_TENANT_HEADER)
+    if name is None:
+        tenant = ANONYMOUS
+    else:
+        found = next((t for t in gw.tenants.list() if t.name == name), None)
+        if found is None:
+            raise ApiError(404, f"{DEBUG_TENANT_HEADER}: no tenant {name!r}", code="not_found")
+        tenant = found
+    asked = request.headers.get(CLASS_HEADER)
+    if asked is None:
+        return tenant
+    try:
+        lowered = tenant.lowered_to(TenantClass(asked))
+    except ValueError:
+        lowered = None
+    if lowered is None:
+        raise ApiError(403, f"{CLASS_HEADER}: {asked!r} is not allowed", code="class_not_allowed")
+    return lowered
 
 
 def explain(plan: Plan) -> dict[str, Any]:
@@ -306,9 +377,13 @@ async def _serve(request: Request, endpoint: str) -> Response:
     try:
         tenant = gw.authenticate(request)
         logs.note_tenant(tenant)
+        await gw.limits.admit_request(tenant)
         body = await _read_json(request, gw.config.max_body_bytes)
+        check_fields(body, gw.denied_fields[tenant.tenant_class])
         model = body.get("model")
-        plan = await _hold(gw, request, await gw.planner.plan(endpoint, body, tenant))
+        plan = await gw.planner.plan(endpoint, body, tenant)
+        await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
+        plan = await _hold(gw, request, plan)
         logs.note_plan(plan)
         tracing.note_plan(plan)
         _count_decision(gw, plan)
@@ -363,6 +438,13 @@ def _count_decision(gw: Gateway, plan: Plan) -> None:
         d.est_ttft_s * 1000,
         d.expected_cached_tokens,
     )
+
+
+def _count_auth_throttled(app: FastAPI) -> None:
+    gw = getattr(app.state, "gw", None)
+    if gw is not None:
+        gw.metrics.auth_throttled.inc()
+        gw.metrics.errors.labels("too_many_failed_auth").inc()
 
 
 def _install_error_handlers(app: FastAPI) -> None:

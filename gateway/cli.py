@@ -35,6 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.exposure import HTTP_PROTOCOL
     from gateway.logs import configure_logging
     from gateway.siblings import WORKERS_DIR_ENV
 
@@ -50,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
         "log_config": None,  # uvicorn's lines go through the root handler, in --log-format
         "access_log": False,  # cachelane.access writes one line per request instead
+        "http": HTTP_PROTOCOL,  # uvicorn's, with a deadline on a request's headers
     }
     if args.workers == 1:
         uvicorn.run(create_app(config, config_path=_config_path(args)), **common)  # SIGHUP reloads
@@ -201,13 +203,18 @@ def _route_explain(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    debug_headers = {"authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    if args.tenant:
+        debug_headers["x-cachelane-tenant"] = args.tenant
     try:
         if args.file:
             body = json.loads(Path(args.file).read_text())
         else:
             model = args.model or _first_model(args.gateway, headers)
             body = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
-        resp = httpx.post(f"{args.gateway}/debug/route", json=body, headers=headers, timeout=10)
+        resp = httpx.post(
+            f"{args.gateway}/debug/route", json=body, headers=debug_headers, timeout=10
+        )
     except httpx.HTTPError as err:
         print(f"cachelane: cannot reach the gateway at {args.gateway}: {err}", file=sys.stderr)
         return 1
@@ -347,7 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--model", help="model, when no --file (default: the first the gateway lists)"
     )
-    explain.add_argument("--api-key", help="API key, if the gateway requires one")
+    explain.add_argument("--api-key", help="a tenant's key, to list the models without --model")
+    explain.add_argument(
+        "--admin-key", help="the admin key: /debug/route needs it unless auth.mode is open"
+    )
+    explain.add_argument("--tenant", help="explain the route as this tenant (with --admin-key)")
     explain.set_defaults(func=_route_explain)
     report.add_parser(sub)
     return parser

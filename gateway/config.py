@@ -27,6 +27,8 @@ from pydantic import (
 
 from gateway import config_env
 from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
+from gateway.body_fields import ENGINE_CONTROL_FIELDS
+from gateway.example_keys import example_keys_in
 from gateway.extras import OTEL_MODULES, PRECISE_MODULES, missing_message, missing_modules
 from gateway.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS, sha256_hex
 from routing.cost import (
@@ -279,7 +281,13 @@ class PoolConfig(Strict):
         "its pool have no prefill pending, so the next critical request finds one it can start "
         "on at once. 0: no such reserve.",
     )
-    cache_salt: bool = False  # add a per-tenant "cache_salt" to request bodies (vLLM >= 0.9)
+    cache_salt: bool = Field(
+        default=True,
+        description="Add a per-tenant (per share group) `cache_salt` to chat, completions and "
+        "responses bodies, so the engine never shares KV across tenants (vLLM >= 0.9 and the "
+        "simulator take it). Set false only for an engine that rejects the field; its tenants "
+        "then share the engine's prefix cache.",
+    )
     engine_priority: bool = Field(
         default=False,
         description="Send each request's class as vLLM's `priority` (critical -1, standard 0, "
@@ -390,9 +398,29 @@ class UpstreamConfig(Strict):
     retries: Annotated[int, Field(ge=0, le=5)] = 2  # other replicas tried before the first byte
 
 
+DEFAULT_HEADER_TIMEOUT_S = 20.0
+# Apache httpd's mod_reqtimeout default (RequestReadTimeout header=20-40): a client that has not
+# sent its whole request line and headers by then is cut off.
+DEFAULT_BODY_TIMEOUT_S = 60.0
+# nginx's client_body_timeout default (60 s), here for the whole body: the default 8 MiB body
+# then needs ~140 KB/s, a client slower than that is treated as one holding a connection open.
+
+
 class ListenConfig(Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    header_timeout_s: PositiveFloat = Field(
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        description="A connection that has not sent a whole request line and headers this long "
+        "after it opened (or after its previous answer) is closed. 20: Apache mod_reqtimeout's "
+        "default. Applies under `cachelane serve` (its HTTP protocol, gateway/exposure.py).",
+    )
+    body_timeout_s: PositiveFloat = Field(
+        default=DEFAULT_BODY_TIMEOUT_S,
+        description="Longest time to receive a request's whole body once its headers are in; "
+        "past it the gateway answers 408 and closes the connection. 60: nginx's "
+        "client_body_timeout, here for the whole body.",
+    )
 
 
 def _long_enough(key: str | None) -> str | None:
@@ -434,6 +462,14 @@ class AdminConfig(Strict):
 
 class AuthConfig(Strict):
     """How requests are authenticated (gateway/tenant_store.py) and what signs tenant records."""
+
+    allow_example_keys: bool = Field(
+        default=False,
+        description="Start even if a key or secret is one of the examples published in this "
+        "repository (deploy/: `change-me-*`, `*-not-for-production`, the digests in "
+        "deploy/examples). A development flag: the docker compose demo sets it; anywhere else "
+        "the gateway refuses to start with them.",
+    )
 
     mode: Literal["keys", "open"] = Field(
         default="keys",
@@ -517,6 +553,97 @@ class FlowControlConfig(Strict):
         "estimated TTFT is over the class's budget (classes.*), instead of piling them onto "
         "the engines' queues.",
     )
+
+
+DEFAULT_FAILED_AUTH_PER_MIN = 30
+# A client with a wrong key that retries as the openai SDK does (3 tries a request) has 10 requests
+# a minute answered 401 before 429. Guessing a 32-character key is hopeless at any rate: this
+# bounds the work a stream of bad keys makes, not the odds of a guess.
+
+
+class RateLimit(Strict):
+    requests_per_min: PositiveInt | None = Field(
+        default=None, description="Requests a minute. Unset: no request limit."
+    )
+    tokens_per_min: PositiveInt | None = Field(
+        default=None,
+        description="Tokens a minute: the prompt's estimate at admission, corrected by the "
+        "engine's usage.total_tokens (prompt and completion) when the answer reports it. "
+        "Unset: no token limit.",
+    )
+
+
+class RateLimitsConfig(Strict):
+    """Per-tenant rate limits (gateway/limits.py): each tenant has its own budget, shared by
+    every gateway through Redis when the index is there."""
+
+    classes: dict[TenantClass, RateLimit] = Field(
+        default_factory=dict,
+        description="Limits of every tenant of a class (the class the request is served at), "
+        "each {requests_per_min, tokens_per_min}, e.g. {standard: {requests_per_min: 600, "
+        "tokens_per_min: 1000000}}; unset: no limit of that kind. Each tenant has its own "
+        "budget. Tokens: the prompt's estimate at admission, corrected by the engine's "
+        "usage.total_tokens (prompt and completion) when the answer reports it.",
+    )
+    tenants: dict[str, RateLimit] = Field(
+        default_factory=dict,
+        description="Limits of one tenant by name; a limit given here replaces its class's.",
+    )
+    failed_auth_per_min: Annotated[int, Field(ge=0)] = Field(
+        default=DEFAULT_FAILED_AUTH_PER_MIN,
+        description="Failed authentications (401) a client address may make a minute; past "
+        "it, every request from that address gets 429 with Retry-After until the minute "
+        "allows more. Behind a load balancer every client shares its address: raise it there. "
+        "0: no limit.",
+    )
+
+
+class BodyFieldsConfig(Strict):
+    """Request body fields clients must not set (gateway/exposure.py)."""
+
+    deny: list[str] = Field(
+        default_factory=lambda: list(ENGINE_CONTROL_FIELDS),
+        description="Top-level body fields a request is refused for (400 field_not_allowed): "
+        "by default the engine-control fields of vLLM and SGLang (scheduling priority, "
+        "disaggregation and KV-transfer parameters, request ids, plugin arguments); the "
+        "gateway sets `priority` itself from the class (pools[].engine_priority).",
+    )
+    allow: dict[TenantClass, list[str]] = Field(
+        default_factory=dict,
+        description="Fields of `deny` a class may send after all, e.g. {critical: [priority]}.",
+    )
+
+
+class ExposureConfig(Strict):
+    """Who may read the gateway's own endpoints (gateway/exposure.py)."""
+
+    docs: bool = Field(
+        default=False,
+        description="Serve /docs, /redoc and /openapi.json (the OpenAPI schema of the "
+        "endpoints). Off: 404.",
+    )
+    metrics_auth: bool = Field(
+        default=False,
+        description="/metrics (tenant names, classes, replica names) needs `Authorization: "
+        "Bearer` with the monitoring key (api_key below) or the admin key.",
+    )
+    ready_auth: bool = Field(
+        default=False,
+        description="/ready (replicas, their errors, the index) needs the monitoring or admin "
+        "key. /health stays open for liveness probes.",
+    )
+    api_key_sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$", description="The monitoring key's SHA-256."
+    )
+    api_key: ApiKey | None = Field(
+        default=None,
+        description="The monitoring key: reads /metrics and /ready and nothing else (give it "
+        "as api_key_file or ${VAR}).",
+    )
+
+    @property
+    def key_configured(self) -> bool:
+        return self.api_key is not None or self.api_key_sha256 is not None
 
 
 class PrewarmConfig(Strict):
@@ -616,6 +743,9 @@ class GatewayConfig(Strict):
     prewarm: PrewarmConfig = PrewarmConfig()
     tracing: TracingConfig = TracingConfig()
     capture: CaptureConfig = CaptureConfig()
+    rate_limits: RateLimitsConfig = RateLimitsConfig()
+    body_fields: BodyFieldsConfig = BodyFieldsConfig()
+    exposure: ExposureConfig = ExposureConfig()
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
     max_json_depth: int = Field(DEFAULT_MAX_JSON_DEPTH, ge=2, le=MAX_JSON_DEPTH_LIMIT)
     max_number_chars: int = Field(DEFAULT_MAX_NUMBER_CHARS, ge=20)
@@ -638,6 +768,7 @@ class GatewayConfig(Strict):
         if len(set(tenant_names)) != len(tenant_names):
             raise ValueError(f"tenants: duplicate tenant name in {tenant_names}")
         _check_auth(self)
+        _check_exposure(self)
         urls = [str(u) for p in self.pools for u in p.replicas]
         if len(set(urls)) != len(urls):
             raise ValueError("pools: a replica URL appears twice")
@@ -669,6 +800,25 @@ def _check_auth(config: GatewayConfig) -> None:
         if digest in owners:
             raise ValueError(f"tenants: {t.name!r} has the same API key as {owners[digest]}")
         owners[digest] = f"tenant {t.name!r}"
+
+
+def _check_exposure(config: GatewayConfig) -> None:
+    exposure = config.exposure
+    if (exposure.metrics_auth or exposure.ready_auth) and not (
+        exposure.key_configured or config.admin.configured
+    ):
+        raise ValueError(
+            "exposure.metrics_auth and ready_auth need a key to check: set exposure.api_key "
+            "(the monitoring key) or admin.api_key"
+        )
+    if not config.auth.allow_example_keys:
+        found = example_keys_in(config)
+        if found:
+            raise ValueError(
+                f"{', '.join(found)}: an example value published in this repository (deploy/); "
+                "make your own (`openssl rand -hex 32`), or set auth.allow_example_keys: true "
+                "on a development machine"
+            )
 
 
 def _check_precise(pools: list[PoolConfig]) -> None:

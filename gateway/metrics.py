@@ -430,6 +430,26 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.rate_limited = Counter(
+            "cachelane_rate_limited",
+            "Requests refused with 429 by a tenant's rate limit (rate_limits), by tenant and "
+            "limit (requests, tokens)",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.auth_throttled = Counter(
+            "cachelane_auth_throttled",
+            "Requests refused with 429 because their client address failed authentication too "
+            "often (rate_limits.failed_auth_per_min)",
+            registry=r,
+        )
+        self.read_timeouts = Counter(
+            "cachelane_read_timeouts",
+            "Connections closed for sending their request too slowly, by part (headers: "
+            "listen.header_timeout_s; body: listen.body_timeout_s, answered 408)",
+            ["part"],
+            registry=r,
+        )
         self.capture_records = Counter(
             "cachelane_capture_records",
             "Requests for the traffic capture (capture.path), by outcome (written; dropped: the "

@@ -176,7 +176,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--redis", help="take the fitted cost terms the gateways share in this Redis (redis://)"
     )
-    p.add_argument("--api-key", help="a tenant's key for --gateway")
+    p.add_argument("--api-key", help="the admin key of --gateway (its /debug/route needs it)")
     p.add_argument("--json", type=Path, help="write the numbers here")
     p.add_argument("--png", type=Path, help="write a comparison plot here (the [sim] extra)")
     return p

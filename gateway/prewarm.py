@@ -133,7 +133,8 @@ class Prewarmer:
                     plan.model,
                     plan.namespace,
                     endpoint,
-                    body,
+                    # the request's salt, or the warm fills a namespace no tenant reads
+                    {**body, "cache_salt": plan.cache_salt} if replica.pool.cache_salt else body,
                     hashes,
                     approx_tokens(text),
                 )

@@ -167,6 +167,8 @@ class Proxy:
         self._learner = learner
         self._retries = retries
         self._costs = costs  # cost accounting (gateway/costs.py), when the gateway keeps it
+        # told every answer's usage (its last chunk that carried one, or None): rate limits
+        self.usage_hook: Callable[[Plan, bytes | None], None] | None = None
         self._capture = capture  # the traffic capture (gateway/capture.py), when configured
 
     async def forward(
@@ -352,6 +354,8 @@ class Proxy:
         """The engine's `usage` (the last one a stream sent): cachelane_prompt_tokens and
         cachelane_cached_tokens, whose ratio is the observed hit rate. An answer without usage
         (a stream without include_usage) counts nothing; one without cached_tokens counts 0."""
+        if self.usage_hook is not None:
+            self.usage_hook(plan, last)
         if prompt is None:
             return
         cached = (cached_tokens_in(last) if last is not None else None) or 0

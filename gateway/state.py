@@ -13,6 +13,7 @@ import httpx
 from fastapi import Request
 from prometheus_client import generate_latest
 
+from gateway.body_fields import denied_fields
 from gateway.calibration import CostLearner
 from gateway.capture import Capture
 from gateway.capture import header as capture_header
@@ -26,6 +27,7 @@ from gateway.fleet import Fleet
 from gateway.flow import ClassLimits, FlowControl, Shed
 from gateway.index.resilient import ErrorHook, ResilientIndex
 from gateway.keys import Keyring
+from gateway.limits import RateLimiter
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.prewarm import Prewarmer
@@ -195,6 +197,16 @@ class Gateway:
                 "auth.mode is keys but no tenant or admin key is configured: every request "
                 "will be refused (401). Set auth.mode: open to serve without keys."
             )
+        exposure = config.exposure
+        self.monitoring_digest = (  # reads /metrics and /ready when they need a key
+            self.keyring.digest_of_sha256(exposure.api_key_sha256)
+            if exposure.api_key_sha256
+            else self.keyring.digest(exposure.api_key)
+            if exposure.api_key
+            else None
+        )
+        self.limits = RateLimiter(config.rate_limits, self.metrics, redis=self.redis)
+        self.denied_fields = denied_fields(config.body_fields)
         self.reuse = ReuseCounter(self.metrics, redis=self.redis)
         self.planner = Planner(
             config, self.registry, routing_index, self.reuse, self.metrics, self.speculative
@@ -249,6 +261,10 @@ class Gateway:
             costs=self.costs,
             capture=self.capture,
         )
+        if self.limits.enabled:  # tokens per minute: corrected by the answer's usage
+            self.proxy.usage_hook = lambda plan, usage: self.limits.on_usage(
+                plan.tenant, plan.prompt_tokens, usage
+            )
         self.health = HealthChecker(
             self.registry,
             client,
@@ -409,6 +425,7 @@ class Gateway:
         }
 
     async def close(self) -> None:
+        await self.limits.close()
         if self.capture is not None:
             await asyncio.to_thread(self.capture.close)  # flushes the file off the event loop
         await self.discovery.aclose()

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser as cli_parser
-from gateway.config import GatewayConfig, load_config
+from gateway.config import ConfigError, GatewayConfig, load_config
 from tests.deploy import kustomize_check
 from tests.deploy.util import COMPOSE_DIR, K8S_DIR, load_docs, load_one, rel, yaml_files
 
@@ -131,26 +131,43 @@ def load_as_the_pod(deployment: dict[str, Any], files_of: Files, root: Path) -> 
     return load_config(root / "seen-by-the-gateway.yaml", env=env)
 
 
-def _generated_files(target: Path) -> Files:
+OPERATOR_VALUE = "0f3a9c2b7"  # what a deployer writes over `change-me` (same length)
+
+
+def _generated_files(target: Path, *, as_shipped: bool = False) -> Files:
+    """The files of each volume; the Secrets' `change-me` values replaced as a deployer must
+    (the gateway refuses to start with them), unless `as_shipped`."""
     generators = kustomize_check.check(target).generators
 
     def files_of(volume: dict[str, Any]) -> dict[str, str]:
         name = (
             volume["configMap"]["name"] if "configMap" in volume else volume["secret"]["secretName"]
         )
-        return {f.name: f.read_text() for f in generators[name]}
+        return {
+            f.name: f.read_text()
+            if as_shipped
+            else f.read_text().replace("change-me", OPERATOR_VALUE)
+            for f in generators[name]
+        }
 
     return files_of
 
 
-def _gateway_config(target: Path) -> GatewayConfig:
+def _gateway_config(target: Path, *, as_shipped: bool = False) -> GatewayConfig:
     with tempfile.TemporaryDirectory() as root:
-        return load_as_the_pod(_objects(target)[GATEWAY], _generated_files(target), Path(root))
+        files = _generated_files(target, as_shipped=as_shipped)
+        return load_as_the_pod(_objects(target)[GATEWAY], files, Path(root))
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=rel)
 def test_gateway_config_validates(target: Path) -> None:
     _gateway_config(target)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=rel)
+def test_the_shipped_example_secrets_are_refused(target: Path) -> None:
+    with pytest.raises(ConfigError, match="example value published in this repository"):
+        _gateway_config(target, as_shipped=True)
 
 
 def _objects(target: Path) -> dict[tuple[str, str], dict[str, Any]]:
@@ -255,7 +272,10 @@ def test_rendered_configs_validate(rendered: list[dict[str, Any]], tmp_path: Pat
         if "configMap" in volume:
             return dict(by_name[("ConfigMap", volume["configMap"]["name"])]["data"])
         secret = by_name[("Secret", volume["secret"]["secretName"])]["data"]
-        return {k: base64.b64decode(v).decode() for k, v in secret.items()}
+        return {
+            k: base64.b64decode(v).decode().replace("change-me", OPERATOR_VALUE)
+            for k, v in secret.items()
+        }
 
     (deployment,) = [o for o in rendered if (o["kind"], o["metadata"]["name"]) == GATEWAY]
     parsed = load_as_the_pod(deployment, files_of, tmp_path)
@@ -296,7 +316,7 @@ def test_redis_needs_the_password_keeps_its_state_and_admits_only_the_gateways(
     config = _gateway_config(target)
     generators = kustomize_check.check(target).generators
     (password_file,) = generators["cachelane-redis"]
-    password = password_file.read_text().strip()
+    password = password_file.read_text().strip().replace("change-me", OPERATOR_VALUE)
     assert f":{password}@" in config.index.redis_url
     assert "redis_url" not in load_one(generators[CONFIG][-1])["index"]
     objects = kustomize_check.check(target).objects

@@ -23,8 +23,11 @@ GRACEFUL_SHUTDOWN_S = 2  # open streams get this long before uvicorn cancels the
 
 
 @asynccontextmanager
-async def running_app(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
-    """Serve an ASGI app until the block exits; yields its base URL, e.g. http://127.0.0.1:41234."""
+async def running_app(
+    app: Any, *, host: str = "127.0.0.1", port: int = 0, http: str = "auto"
+) -> AsyncIterator[str]:
+    """Serve an ASGI app until the block exits; yields its base URL, e.g. http://127.0.0.1:41234.
+    `http`: uvicorn's HTTP protocol (gateway.exposure.HTTP_PROTOCOL: as `cachelane serve`)."""
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
@@ -34,6 +37,7 @@ async def running_app(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> As
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=http,
     )
     server = QuietServer(config)
     task = asyncio.create_task(serve_app(server, sock), name=f"uvicorn {host}:{bound_port}")

@@ -75,8 +75,16 @@ def prompt(tag: str, tokens: int) -> list[ChatCompletionMessageParam]:
     return [{"role": "user", "content": text}]
 
 
+ADMIN_KEY = "admin-key-12-0123456789abcdef0123456789"  # /debug/route needs it
+
+
 def auth(tenant: str) -> dict[str, str]:
     return {"authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def explain_as(tenant: str) -> dict[str, str]:
+    """Headers of a /debug/route call (the admin key's) explaining the route as `tenant`."""
+    return {"authorization": f"Bearer {ADMIN_KEY}", "x-cachelane-tenant": tenant}
 
 
 def body(
@@ -531,9 +539,11 @@ async def test_engine_priority_sent_only_to_pools_that_ask_for_it() -> None:
             plan_a = await gw_a.planner.plan("chat", json.loads(raw), who, dry_run=True)
             sent = json.loads(upstream_body(plan_a, gw_a.registry.replicas[prio_sims[0]], raw))
             assert sent["priority"] == ENGINE_PRIORITY[klass]
-            assert {k: v for k, v in sent.items() if k != "priority"} == json.loads(raw)
+            added = ("priority", "cache_salt")  # the class's, the tenant's (pool defaults)
+            assert {k: v for k, v in sent.items() if k not in added} == json.loads(raw)
             plan_b = await gw_b.planner.plan("chat", json.loads(raw), who, dry_run=True)
-            assert upstream_body(plan_b, gw_b.registry.replicas[fcfs_sims[0]], raw) == raw
+            sent = json.loads(upstream_body(plan_b, gw_b.registry.replicas[fcfs_sims[0]], raw))
+            assert "priority" not in sent and sent["cache_salt"] == plan_b.cache_salt
         assert ENGINE_PRIORITY[TenantClass.CRITICAL] < ENGINE_PRIORITY[TenantClass.STANDARD]
         assert ENGINE_PRIORITY[TenantClass.STANDARD] < ENGINE_PRIORITY[TenantClass.BATCH]
 
@@ -669,7 +679,9 @@ async def test_critical_spill_over_budget_goes_to_the_shared_replica_with_its_pr
         return [{"role": "system", "content": "".join(parts)}, {"role": "user", "content": "go"}]
 
     classes = {"critical": {"ttft_budget_ms": 10}}
-    async with sim_fleet([pinned, shared], tenants=TENANTS, classes=classes) as f:
+    async with sim_fleet(
+        [pinned, shared], tenants=TENANTS, classes=classes, admin={"api_key": ADMIN_KEY}
+    ) as f:
         (p,), s = f.pools["pinned"], f.pools["shared"]
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
             # the pinned replica at its cap: the document and the fillers spill
@@ -687,7 +699,7 @@ async def test_critical_spill_over_budget_goes_to_the_shared_replica_with_its_pr
 
             explained = (
                 await h.post(
-                    "/debug/route", json=body(voice(head, doc, "?")), headers=auth("voice")
+                    "/debug/route", json=body(voice(head, doc, "?")), headers=explain_as("voice")
                 )
             ).json()
             on_a = next(c for c in explained["candidates"] if c["replica"] == a)
@@ -922,7 +934,13 @@ async def test_standard_kept_off_a_replica_where_a_critical_request_is_loading_k
     ]
     critical = {"fallback": "spill", "clear_while_loading": clear}
     routing = {"calibration": "none"}
-    async with tiered_fleet([offload], tenants=TENANTS, critical=critical, routing=routing) as f:
+    async with tiered_fleet(
+        [offload],
+        tenants=TENANTS,
+        critical=critical,
+        routing=routing,
+        admin={"api_key": ADMIN_KEY},
+    ) as f:
         first, _ = await asyncio.wait_for(ask(f.gateway_url, "voice", messages), WAIT_S)
         a = first["x-cachelane-replica"]
         await f.kill(a)
@@ -937,7 +955,7 @@ async def test_standard_kept_off_a_replica_where_a_critical_request_is_loading_k
                 await h.post(
                     "/debug/route",
                     json=body(messages),
-                    headers={**auth("voice"), "x-cachelane-class": "standard"},
+                    headers={**explain_as("voice"), "x-cachelane-class": "standard"},
                 )
             ).json()
         assert explained["tenant_class"] == "standard"

@@ -227,7 +227,8 @@ async def test_cost_fit_learns_a_slower_replica() -> None:
         costs=PoolCosts(prefill_tokens_per_s=true_rate),
         config={"costs": {"prefill_tokens_per_s": 10 * true_rate}},
     )
-    async with tiered_fleet([slow], tenants=TENANTS) as f:
+    admin_key = "admin-key-1-0123456789abcdef0123456789"  # /debug/route needs it
+    async with tiered_fleet([slow], tenants=TENANTS, admin={"api_key": admin_key}) as f:
         replica = next(iter(f.gw.registry.replicas.values()))
         errors = []
         async with AsyncOpenAI(base_url=f"{f.gateway_url}/v1", api_key=KEYS["web"]) as c:
@@ -254,7 +255,7 @@ async def test_cost_fit_learns_a_slower_replica() -> None:
                 await h.post(
                     f"{f.gateway_url}/debug/route",
                     json={"model": MODEL, "messages": chat("y")},
-                    headers={"authorization": f"Bearer {KEYS['web']}"},
+                    headers={"authorization": f"Bearer {admin_key}", "x-cachelane-tenant": "web"},
                 )
             ).json()
         costs = explained["costs"]["replicas"][replica.name]

@@ -207,7 +207,7 @@ def metric(s: Setup, name: str, **labels: str) -> float:
 
 
 async def test_the_clients_bytes_go_upstream_unchanged_when_no_pool_option_applies() -> None:
-    s = await setup()
+    s = await setup(cache_salt=False)  # an engine that takes no cache_salt
     raw = raw_chat(temperature=0.25, priority=3)
     _, response = await s.forward(raw)
     assert response.status_code == 200
@@ -224,7 +224,7 @@ async def test_the_clients_bytes_go_upstream_unchanged_when_no_pool_option_appli
 async def test_a_priority_pool_receives_the_class_priority(
     klass: TenantClass, priority: int
 ) -> None:
-    s = await setup(engine_priority=True)
+    s = await setup(engine_priority=True, cache_salt=False)
     raw = raw_chat(temperature=0.25, priority=-100)  # a client cannot pick its own priority
     await s.forward(raw, Tenant("t", klass))
     [sent] = s.fleet.sent
@@ -237,7 +237,7 @@ async def test_a_priority_pool_receives_the_class_priority(
 
 
 async def test_a_salted_pool_receives_one_salt_per_tenant_cache_scope() -> None:
-    s = await setup(cache_salt=True)
+    s = await setup()  # salted by default
     raw = raw_chat()
     tenants = [
         Tenant("a", TenantClass.STANDARD),

@@ -1,0 +1,148 @@
+"""Per-tenant rate limits (issue 13, finding 9) on real servers: simulated replicas, the gateway
+under uvicorn, the official openai client, and real redis-servers for the shared budget."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from gateway.app import create_app
+from loadtest.sim.config import SimReplicaSpec
+from loadtest.sim.server import create_sim_app
+from tests.helpers.redis_server import RedisServer
+from tests.helpers.servers import running_app
+from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
+
+KEYS = {
+    "app": "app-key-ratelimit-0123456789abcdef01234",
+    "other": "other-key-ratelimit-0123456789abcdef012",
+    "bulk": "bulk-key-ratelimit-0123456789abcdef0123",
+}
+TENANTS = [
+    {"name": "app", "api_key": KEYS["app"]},
+    {"name": "other", "api_key": KEYS["other"]},
+    {"name": "bulk", "api_key": KEYS["bulk"], "class": "batch"},
+]
+
+
+@asynccontextmanager
+async def gateways(n: int, rate_limits: dict[str, Any], **extra: Any) -> AsyncIterator[list[Any]]:
+    """`n` gateways (yielded as (url, app) pairs) in front of one simulated replica."""
+    async with AsyncExitStack() as stack:
+        spec = SimReplicaSpec(name="sim-0", port=0, costs=FAST_COSTS, itl_s=0.0005)
+        replica = await stack.enter_async_context(running_app(create_sim_app(spec)))
+        out = []
+        for _ in range(n):
+            config = gateway_config([replica], tenants=TENANTS, rate_limits=rate_limits, **extra)
+            app = create_app(config)
+            out.append((await stack.enter_async_context(running_app(app)), app))
+        yield out
+
+
+async def ask(url: str, tenant: str, text: str = "hello", max_tokens: int = 1) -> Any:
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS[tenant], max_retries=0) as c:
+        return await c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=max_tokens
+        )
+
+
+async def refused(url: str, tenant: str, **kw: Any) -> openai.RateLimitError:
+    with pytest.raises(openai.RateLimitError) as err:
+        await ask(url, tenant, **kw)
+    return err.value
+
+
+def rate_limited(app: Any, tenant: str, limit: str) -> float:
+    sample = app.state.gw.metrics.registry.get_sample_value
+    return sample("cachelane_rate_limited_total", {"tenant": tenant, "limit": limit}) or 0.0
+
+
+async def test_requests_per_minute_answer_429_with_retry_after() -> None:
+    limits = {"classes": {"standard": {"requests_per_min": 3}}}
+    async with gateways(1, limits) as [(url, app)]:
+        for _ in range(3):
+            assert (await ask(url, "app")).http_response.status_code == 200
+        err = await refused(url, "app")
+        assert err.status_code == 429
+        assert err.response.headers["retry-after"] == "20"  # 60 s / 3
+        assert err.body == {  # OpenAI's envelope
+            "message": err.body["message"],  # type: ignore[index]
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+        assert (await ask(url, "other")).http_response.status_code == 200  # its own budget
+        assert (await ask(url, "bulk")).http_response.status_code == 200  # batch: no limit
+        assert rate_limited(app, "app", "requests") == 1
+
+
+async def test_a_tenant_entry_replaces_its_class_limit() -> None:
+    limits = {
+        "classes": {"standard": {"requests_per_min": 1}},
+        "tenants": {"other": {"requests_per_min": 2}},
+    }
+    async with gateways(1, limits) as [(url, _)]:
+        await ask(url, "app")
+        assert (await refused(url, "app")).response.headers["retry-after"] == "60"
+        await ask(url, "other")
+        await ask(url, "other")
+        assert (await refused(url, "other")).response.headers["retry-after"] == "30"
+
+
+async def test_tokens_per_minute_count_the_answers_usage() -> None:
+    """The sim's usage: prompt ~10 tokens, completion max_tokens. Admission charges the prompt's
+    estimate; the answer's total_tokens corrects it, so the completions count too."""
+    limits = {"tenants": {"app": {"tokens_per_min": 1000}}}
+    async with gateways(1, limits) as [(url, app)]:
+        first = await ask(url, "app", max_tokens=450)
+        usage = first.parse().usage
+        assert usage.total_tokens > 450
+        await ask(url, "app", max_tokens=450)  # ~910 of 1000 spent (~10 without usage)
+        err = await refused(url, "app", text="word " * 160, max_tokens=1)  # ~200 more
+        assert err.body["type"] == "tokens"  # type: ignore[index]
+        assert 1 <= int(err.response.headers["retry-after"]) <= 60
+        assert rate_limited(app, "app", "tokens") == 1
+
+
+async def test_two_gateways_share_one_budget_through_redis(own_redis: RedisServer) -> None:
+    limits = {"classes": {"standard": {"requests_per_min": 3}}}
+    redis = {"backend": "redis", "redis_url": own_redis.url}
+    async with gateways(2, limits, index=redis) as [(a, _), (b, app_b)]:
+        await ask(a, "app")
+        await ask(b, "app")
+        await ask(a, "app")
+        err = await refused(b, "app")  # the 4th of the minute, on the other gateway
+        assert err.response.headers["retry-after"] == "20"
+        await refused(a, "app")
+        assert (await ask(b, "other")).http_response.status_code == 200
+        assert rate_limited(app_b, "app", "requests") == 1
+
+
+async def test_tokens_are_corrected_in_redis_too(own_redis: RedisServer) -> None:
+    limits = {"tenants": {"app": {"tokens_per_min": 1000}}}
+    redis = {"backend": "redis", "redis_url": own_redis.url}
+    async with gateways(2, limits, index=redis) as [(a, _), (b, _)]:
+        await ask(a, "app", max_tokens=450)
+        await ask(b, "app", max_tokens=450)
+        await refused(a, "app", text="word " * 160, max_tokens=1)
+
+
+async def test_redis_down_falls_back_to_each_gateways_own_budget(own_redis: RedisServer) -> None:
+    """Requests are never failed because Redis is down: each gateway limits by itself."""
+    limits = {"classes": {"standard": {"requests_per_min": 2}}}
+    redis = {"backend": "redis", "redis_url": own_redis.url}
+    async with gateways(1, limits, index=redis) as [(url, app)]:
+        await ask(url, "app")
+        own_redis.stop()
+        await ask(url, "app")  # Redis gone: the local budget (empty so far) decides
+        await ask(url, "app")
+        await refused(url, "app")
+        errors = app.state.gw.metrics.registry.get_sample_value(
+            "cachelane_index_errors_total", {"op": "rate_limit"}
+        )
+        assert errors is not None and errors >= 1
