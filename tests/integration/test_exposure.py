@@ -6,6 +6,12 @@ published example keys refused at start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -35,6 +41,7 @@ TENANTS = [
     {"name": "voice", "api_key": VOICE_KEY, "class": "critical"},
 ]
 CLOSE_WAIT_S = 10.0  # bound on waiting for the gateway to close a connection
+START_BOUND_S = 30.0  # bound on `cachelane serve` starting: a broken start, not a timing
 
 
 @asynccontextmanager
@@ -227,3 +234,44 @@ def test_serve_refuses_to_start_with_an_example_key(
     err = capsys.readouterr().err
     assert "an example value published in this repository" in err
     assert EXAMPLE_KEY not in err
+
+
+# --- as `cachelane serve` runs it -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_cachelane_serve_closes_half_sent_requests(tmp_path: Path, workers: int) -> None:
+    """The real command, one process or two workers (the protocol is named by import path)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}, header_timeout_s: 0.5}}\n"
+        "auth: {mode: open}\n"
+        "pools: [{name: p, replicas: ['http://127.0.0.1:1']}]\n"
+    )
+    cmd = [sys.executable, "-m", "gateway", "serve", "--config", str(config)]
+    cmd += ["--workers", str(workers), "--log-level", "warning"]
+    url = f"http://127.0.0.1:{port}"
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        async with asyncio.timeout(START_BOUND_S), httpx.AsyncClient() as h:
+            while True:
+                assert proc.returncode is None, "cachelane serve exited"
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await h.get(f"{url}/health")).status_code == 200:
+                        break
+                await asyncio.sleep(0.05)
+        for _ in range(workers):  # new connections: each worker may take one
+            reader, writer = await raw_connection(url)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            await writer.drain()
+            assert await read_until_closed(reader) == b""
+            writer.close()
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), timeout=30)
