@@ -197,6 +197,13 @@ class Gateway:
                 "auth.mode is keys but no tenant or admin key is configured: every request "
                 "will be refused (401). Set auth.mode: open to serve without keys."
             )
+        for pool in config.pools:
+            if not pool.cache_salt and not self.tenants.open_mode:
+                log.warning(
+                    "pool %s has cache_salt: false: its engines share cached prefixes across "
+                    "tenants (docs/security.md, Isolation between tenants)",
+                    pool.name,
+                )
         exposure = config.exposure
         self.monitoring_digest = (  # reads /metrics and /ready when they need a key
             self.keyring.digest_of_sha256(exposure.api_key_sha256)
