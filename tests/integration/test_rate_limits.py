@@ -3,6 +3,7 @@ under uvicorn, the official openai client, and real redis-servers for the shared
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -37,8 +38,9 @@ async def gateways(n: int, rate_limits: dict[str, Any], **extra: Any) -> AsyncIt
         spec = SimReplicaSpec(name="sim-0", port=0, costs=FAST_COSTS, itl_s=0.0005)
         replica = await stack.enter_async_context(running_app(create_sim_app(spec)))
         out = []
+        extra.setdefault("tenants", TENANTS)
         for _ in range(n):
-            config = gateway_config([replica], tenants=TENANTS, rate_limits=rate_limits, **extra)
+            config = gateway_config([replica], rate_limits=rate_limits, **extra)
             app = create_app(config)
             out.append((await stack.enter_async_context(running_app(app)), app))
         yield out
@@ -146,3 +148,17 @@ async def test_redis_down_falls_back_to_each_gateways_own_budget(own_redis: Redi
             "cachelane_index_errors_total", {"op": "rate_limit"}
         )
         assert errors is not None and errors >= 1
+
+
+async def test_two_gateways_share_one_budget_on_redis_cluster(redis_cluster_url: str) -> None:
+    """The budget is one key, so the script runs on its slot's master (the cluster is the
+    session's: the tenant's name is this test's own)."""
+    name = f"app-{uuid.uuid4().hex[:8]}"
+    tenants = [{"name": name, "api_key": KEYS["app"]}]
+    limits = {"tenants": {name: {"requests_per_min": 2}}}
+    redis = {"backend": "redis", "redis_url": redis_cluster_url, "redis_cluster": True}
+    async with gateways(2, limits, index=redis, tenants=tenants) as [(a, _), (b, app_b)]:
+        await ask(a, "app")
+        await ask(b, "app")
+        assert (await refused(a, "app")).response.headers["retry-after"] == "30"
+        assert rate_limited(app_b, name, "requests") == 0
