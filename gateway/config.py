@@ -593,7 +593,8 @@ class RateLimitsConfig(Strict):
         default=DEFAULT_FAILED_AUTH_PER_MIN,
         description="Failed authentications (401) a client address may make a minute; past "
         "it, every request from that address gets 429 with Retry-After until the minute "
-        "allows more. Behind a load balancer every client shares its address: raise it there. "
+        "allows more. Behind a load balancer set FORWARDED_ALLOW_IPS to its addresses (uvicorn "
+        "then takes the client's from X-Forwarded-For), or every client shares its address. "
         "0: no limit.",
     )
 

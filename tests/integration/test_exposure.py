@@ -200,6 +200,9 @@ async def test_an_address_that_fails_authentication_too_often_gets_429() -> None
             assert throttled.json()["error"]["code"] == "too_many_failed_auth"
             good = {"authorization": f"Bearer {KEY}"}  # the address, not the key, is held
             assert (await h.get("/v1/models", headers=good)).status_code == 429
+            # a client behind a trusted proxy (uvicorn trusts 127.0.0.1 by default) is its own
+            behind = {**good, "x-forwarded-for": "203.0.113.7"}
+            assert (await h.get("/v1/models", headers=behind)).status_code == 200
         assert metric(app, "cachelane_auth_throttled_total") == 2
 
 
