@@ -17,11 +17,13 @@ siblings' requests in them, the index).
 
 The channel is one Unix datagram socket per worker, `worker-<pid>.sock` in the directory the
 supervisor made (WORKERS_DIR_ENV); what one turn of the event loop published leaves as one
-datagram, one non-blocking sendto per sibling, off the decision path. The alternative, one
-process owning the index and the others asking it over a Unix socket, puts a round trip on
-every decision and one event loop in every request's path; publishing costs one send per loop
-turn and one receive per sibling. A datagram a sibling's full queue refuses is retried for a
-while, then dropped (counted); a sibling that is gone is forgotten with the load it held.
+datagram, one non-blocking sendto per sibling, in order, off the decision path. The
+alternative, one process owning the index and the others asking it over a Unix socket, puts a
+round trip on every decision and one event loop in every request's path; publishing costs one
+send per loop turn and one receive per sibling. A datagram a sibling's full queue refuses waits
+and is sent again, after nothing sent later; every second each worker also sends its live
+reservations, so a sibling's counts mend whatever was lost; a sibling that is gone is forgotten
+with the load it held.
 
 With the Redis index the workers share Redis instead, and only load is published.
 """
@@ -36,6 +38,7 @@ import os
 import socket
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,16 +59,18 @@ log = logging.getLogger("cachelane.siblings")
 
 WORKERS_DIR_ENV = "CACHELANE_WORKERS_DIR"
 METRICS_TIMEOUT_S = 2.0  # a sibling that cannot answer in this long is left out of /metrics
-SEND_RETRIES = 50
 SEND_RETRY_S = 0.002
+MAX_PENDING_DATAGRAMS = 1_000
 # A Unix datagram socket queues net.unix.max_dgram_qlen datagrams (10 by default); a sibling
-# that has not read them yet refuses more. Retried for up to 0.1 s, then dropped (counted).
+# that has not read them yet refuses more. What it refuses waits here, in order, and is sent
+# again every SEND_RETRY_S; past MAX_PENDING_DATAGRAMS (seconds of traffic) the oldest go, and
+# the next snapshot of live reservations (every REFRESH_S) puts the sibling's counts right.
 REFRESH_S = 1.0  # how often the sibling list is re-read (a worker that restarted is found again)
 RECV_BUFFER_BYTES = 4 * 1024 * 1024
 # Room for bursts: a record of a 32k-token prompt is ~16 KiB (2,048 hashes of 8 bytes).
 _FOREIGN_KEY_BIT = 1 << 62  # a sibling's reservation keys never meet this process's id()s
 
-_RECORD, _JOIN, _FIRST_BYTE, _END = b"R", b"J", b"F", b"E"
+_RECORD, _JOIN, _FIRST_BYTE, _END, _SNAPSHOT = b"R", b"J", b"F", b"E", b"S"
 
 
 class Siblings:
@@ -97,6 +102,8 @@ class Siblings:
         # (sibling pid, its reservation key) -> (replica name, still awaiting its first byte)
         self._shadows: dict[tuple[int, int], tuple[str, bool]] = {}
         self._outbox: list[bytes] = []
+        self._pending: dict[str, deque[bytes]] = {}  # per sibling, datagrams it has not taken
+        self._live: set[int] = set()  # this worker's reservations not yet ended (the snapshot)
         self.dropped = 0  # datagrams a sibling's full queue still refused after the retries
         self.received = 0
 
@@ -169,6 +176,7 @@ class Siblings:
         self._publish(_RECORD + head + b"\n" + array("Q", hashes).tobytes())
 
     def reserved(self, reservation: Reservation, at_s: float, tokens: int, swaps: bool) -> None:
+        self._live.add(id(reservation))
         replica = reservation.replica.name
         self._publish(_JOIN + orjson.dumps([replica, id(reservation), at_s, tokens, swaps]))
 
@@ -176,6 +184,7 @@ class Siblings:
         self._publish(_FIRST_BYTE + orjson.dumps([reservation.replica.name, id(reservation)]))
 
     def released(self, reservation: Reservation) -> None:
+        self._live.discard(id(reservation))
         self._publish(_END + orjson.dumps([reservation.replica.name, id(reservation)]))
 
     def _publish(self, message: bytes) -> None:
@@ -190,20 +199,30 @@ class Siblings:
         batch, self._outbox = self._outbox, []
         datagram = self._pid.to_bytes(4, "little") + b"".join(batch)
         for peer in self._peers:
-            self._send(datagram, peer, SEND_RETRIES)
-
-    def _send(self, datagram: bytes, peer: str, retries: int) -> None:
-        try:
-            self._sock.sendto(datagram, peer)
-        except BlockingIOError:  # the sibling's queue is full: it is busy, try again shortly
-            if retries:
-                loop = asyncio.get_running_loop()
-                loop.call_later(SEND_RETRY_S, self._send, datagram, peer, retries - 1)
-            else:
+            queue = self._pending.setdefault(peer, deque())
+            queue.append(datagram)
+            if len(queue) > MAX_PENDING_DATAGRAMS:
+                queue.popleft()  # the sibling has not read for long: the snapshot mends this
                 self.dropped += 1
-        except OSError as err:  # gone: found out at the next refresh
-            if err.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-                log.warning("cannot publish to sibling %s: %r", peer, err)
+            if len(queue) == 1:  # else a retry is already scheduled
+                self._drain(peer)
+
+    def _drain(self, peer: str) -> None:
+        """Send `peer` what waits for it, in order (a reservation's end never overtakes its
+        start); a full queue on its side is retried shortly."""
+        queue = self._pending.get(peer)
+        while queue:
+            try:
+                self._sock.sendto(queue[0], peer)
+            except BlockingIOError:  # the sibling is busy: its socket's queue is full
+                asyncio.get_running_loop().call_later(SEND_RETRY_S, self._drain, peer)
+                return
+            except OSError as err:  # gone: found out at the next refresh
+                if err.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                    log.warning("cannot publish to sibling %s: %r", peer, err)
+                queue.clear()
+                return
+            queue.popleft()
 
     # -- applying ------------------------------------------------------------------------------
 
@@ -234,6 +253,12 @@ class Siblings:
             hashes.frombytes(raw)
             if isinstance(self._index, MemoryIndex):
                 self._index.record_now(model, hashes.tolist(), Location.parse(key))
+            return
+        if kind == _SNAPSHOT:  # the sender's live reservations: any other shadow of it is stale
+            live = set(orjson.loads(body))
+            for key in [k for k in self._shadows if k[0] == pid and k[1] not in live]:
+                self._prefill_done(*key, self._shadows[key])
+                self._end(*key)
             return
         if kind == _JOIN:
             name, rid, at_s, tokens, swaps = orjson.loads(body)
@@ -281,6 +306,7 @@ class Siblings:
         while True:
             await asyncio.sleep(REFRESH_S)
             self._refresh()
+            self._publish(_SNAPSHOT + orjson.dumps(sorted(self._live)))
 
     def _refresh(self) -> None:
         peers, alive = [], {self._pid}

@@ -157,3 +157,38 @@ async def test_merged_metrics_ask_each_sibling(tmp_path: Path) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         one.siblings.close()
         two.siblings.close()
+
+
+async def test_a_lost_end_is_mended_by_the_next_snapshot(pair: tuple[Worker, Worker]) -> None:
+    one, two = pair
+    theirs = two.registry.replicas[A]
+    reservation = one.registry.reserve(one.registry.replicas[A], prefill_tokens=32, swaps=0)
+    await until(lambda: theirs.in_flight == 1)
+    one.registry.load_listener = None  # its end is never published, as if the datagram was lost
+    reservation.listener = None
+    reservation.release()
+    one.siblings._live.discard(id(reservation))
+    assert theirs.in_flight == 1
+    one.siblings._publish(b"S" + b"[]")  # what _keep_peers sends every REFRESH_S
+    await until(lambda: theirs.in_flight == 0)
+    assert not theirs.joining
+
+
+async def test_datagrams_a_busy_sibling_refuses_wait_and_keep_their_order(
+    pair: tuple[Worker, Worker],
+) -> None:
+    one, two = pair
+    theirs = two.registry.replicas[A]
+    loop = asyncio.get_running_loop()
+    loop.remove_reader(two.siblings._sock.fileno())  # the sibling stops reading for a while
+    for _ in range(40):  # far more datagrams than its socket queues (net.unix.max_dgram_qlen)
+        r = one.registry.reserve(one.registry.replicas[A], prefill_tokens=8, swaps=0)
+        await asyncio.sleep(0)
+        r.release()
+        await asyncio.sleep(0)
+    assert sum(len(q) for q in one.siblings._pending.values()) > 0
+    loop.add_reader(two.siblings._sock.fileno(), two.siblings._on_readable)
+    await until(lambda: not any(one.siblings._pending.values()))
+    await until(lambda: two.siblings.received >= 80)
+    assert (theirs.in_flight, theirs.joining) == (0, {})  # every end came after its start
+    assert one.siblings.dropped == 0
