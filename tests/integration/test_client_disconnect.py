@@ -59,7 +59,13 @@ async def test_a_client_leaving_mid_body_is_a_499_not_a_500(
                 assert asyncio.get_running_loop().time() < deadline, seen
                 await asyncio.sleep(0.05)
         assert "internal_error" not in seen, seen
-        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        # the gateway's own records: a garbage-collected task of an earlier test may log too
+        gateway_errors = [
+            r
+            for r in caplog.records
+            if r.levelno >= logging.ERROR and r.name.startswith("cachelane.")
+        ]
+        assert not gateway_errors, [r.getMessage() for r in gateway_errors]
         await until(lambda: all(r.in_flight == 0 for r in f.gw.registry.replicas.values()))
         ok = await h.post(
             "/v1/chat/completions",
