@@ -66,6 +66,12 @@ async def traced_fleet(
         yield await stack.enter_async_context(running_app(app)), captures, exporter
 
 
+@asynccontextmanager
+async def openai_client(url: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
 def traceparents(captures: list[HeaderCapture]) -> list[str | None]:
     return [h.get("traceparent") for c in captures for h in c.seen]
 
@@ -96,89 +102,92 @@ async def test_each_request_is_a_span_with_its_route_and_outcome_and_the_replica
     None
 ):
     async with traced_fleet(service_name="gw-under-test") as (url, captures, exporter):
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        whole = await client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=MESSAGES, max_tokens=4
-        )
-        stream = await client.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            max_tokens=4,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        usage = None
-        async for chunk in stream:
-            usage = chunk.usage or usage
-        assert usage is not None and usage.prompt_tokens_details is not None
-        observed_cached = usage.prompt_tokens_details.cached_tokens
-        assert observed_cached is not None and observed_cached > 0  # the same prompt again
-
-        # a span ends when its response has ended, a moment after the client read the last byte
-        await until(lambda: len(exporter.get_finished_spans()) == 2)
-        spans = exporter.get_finished_spans()
-        sent = traceparents(captures)
-        assert len(sent) == 2
-        for span, traceparent in zip(spans, sent, strict=True):
-            assert span.kind is SpanKind.SERVER
-            assert span.name == "POST /v1/chat/completions"
-            assert span.resource.attributes["service.name"] == "gw-under-test"
-            assert span.parent is None  # the client sent no traceparent: a new trace
-            trace_id, parent_id, flags = parts(traceparent)
-            assert (trace_id, parent_id) == ids(span)  # the replica's parent is this span
-            assert sampled(flags)  # sample_ratio 1.0
-            a = span.attributes
-            assert a is not None
-            assert a["http.response.status_code"] == 200
-            assert a["cachelane.tenant"] == "anonymous"
-            assert a["cachelane.tenant_class"] == "standard"
-            assert a["gen_ai.request.model"] == MODEL
-            assert a["cachelane.replica"] in {c.seen[0]["host"] for c in captures if c.seen}
-            assert a["cachelane.reason"]
-            assert a["cachelane.policy"] == "cache_aware"
-            assert isinstance(a["cachelane.est_ttft_ms"], float) and a["cachelane.est_ttft_ms"] > 0
-            assert isinstance(a["cachelane.est_queue_ms"], float)
-            assert isinstance(a["cachelane.expected_cached_tokens"], int)
-            assert (
-                isinstance(a["cachelane.prompt_tokens"], int) and a["cachelane.prompt_tokens"] > 0
+        async with openai_client(url) as client:
+            whole = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=4
             )
-            assert isinstance(a["cachelane.queue_wait_ms"], float)  # flow control's (0: none)
-            assert len(str(a["cachelane.request_id"])) == 32
-        first, second = (s.attributes for s in spans)
-        assert first is not None and second is not None
-        assert first["cachelane.request_id"] == whole.headers["x-request-id"]
-        assert first["cachelane.cached_tokens"] == 0  # observed: the engine's usage
-        assert second["cachelane.cached_tokens"] == observed_cached
-        assert number(second, "cachelane.expected_cached_tokens") > 0  # routed to the prefix
-        assert "cachelane.ttft_ms" not in first and number(second, "cachelane.ttft_ms") > 0
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage = None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            observed_cached = usage.prompt_tokens_details.cached_tokens
+            assert observed_cached is not None and observed_cached > 0  # the same prompt again
+
+            # a span ends when its response has ended, a moment after the client read the last byte
+            await until(lambda: len(exporter.get_finished_spans()) == 2)
+            spans = exporter.get_finished_spans()
+            sent = traceparents(captures)
+            assert len(sent) == 2
+            for span, traceparent in zip(spans, sent, strict=True):
+                assert span.kind is SpanKind.SERVER
+                assert span.name == "POST /v1/chat/completions"
+                assert span.resource.attributes["service.name"] == "gw-under-test"
+                assert span.parent is None  # the client sent no traceparent: a new trace
+                trace_id, parent_id, flags = parts(traceparent)
+                assert (trace_id, parent_id) == ids(span)  # the replica's parent is this span
+                assert sampled(flags)  # sample_ratio 1.0
+                a = span.attributes
+                assert a is not None
+                assert a["http.response.status_code"] == 200
+                assert a["cachelane.tenant"] == "anonymous"
+                assert a["cachelane.tenant_class"] == "standard"
+                assert a["gen_ai.request.model"] == MODEL
+                assert a["cachelane.replica"] in {c.seen[0]["host"] for c in captures if c.seen}
+                assert a["cachelane.reason"]
+                assert a["cachelane.policy"] == "cache_aware"
+                assert (
+                    isinstance(a["cachelane.est_ttft_ms"], float) and a["cachelane.est_ttft_ms"] > 0
+                )
+                assert isinstance(a["cachelane.est_queue_ms"], float)
+                assert isinstance(a["cachelane.expected_cached_tokens"], int)
+                assert (
+                    isinstance(a["cachelane.prompt_tokens"], int)
+                    and a["cachelane.prompt_tokens"] > 0
+                )
+                assert isinstance(a["cachelane.queue_wait_ms"], float)  # flow control's (0: none)
+                assert len(str(a["cachelane.request_id"])) == 32
+            first, second = (s.attributes for s in spans)
+            assert first is not None and second is not None
+            assert first["cachelane.request_id"] == whole.headers["x-request-id"]
+            assert first["cachelane.cached_tokens"] == 0  # observed: the engine's usage
+            assert second["cachelane.cached_tokens"] == observed_cached
+            assert number(second, "cachelane.expected_cached_tokens") > 0  # routed to the prefix
+            assert "cachelane.ttft_ms" not in first and number(second, "cachelane.ttft_ms") > 0
 
 
 async def test_a_client_traceparent_is_continued_and_its_sampling_kept() -> None:
     # sample_ratio 0: the gateway starts no sampled trace of its own, yet keeps the client's
     async with traced_fleet(1, sample_ratio=0.0) as (url, captures, exporter):
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        await client.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            max_tokens=2,
-            extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
-        )
-        await until(lambda: len(exporter.get_finished_spans()) == 1)
-        [span] = exporter.get_finished_spans()
-        trace_id, span_id = ids(span)
-        assert trace_id == CLIENT_TRACE_ID
-        assert span.parent is not None and span.parent.is_remote
-        assert f"{span.parent.span_id:016x}" == CLIENT_SPAN_ID
-        trace_id, parent_id, flags = parts(traceparents(captures)[0])
-        assert (trace_id, parent_id) == (CLIENT_TRACE_ID, span_id) and sampled(flags)
+        async with openai_client(url) as client:
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=2,
+                extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
+            )
+            await until(lambda: len(exporter.get_finished_spans()) == 1)
+            [span] = exporter.get_finished_spans()
+            trace_id, span_id = ids(span)
+            assert trace_id == CLIENT_TRACE_ID
+            assert span.parent is not None and span.parent.is_remote
+            assert f"{span.parent.span_id:016x}" == CLIENT_SPAN_ID
+            trace_id, parent_id, flags = parts(traceparents(captures)[0])
+            assert (trace_id, parent_id) == (CLIENT_TRACE_ID, span_id) and sampled(flags)
 
-        # without one: not sampled, no span exported, the replica told so (not sampled)
-        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-        await until(lambda: len(captures[0].seen) == 2)
-        await asyncio.sleep(0.2)  # time for a span to end, if one were recorded
-        assert len(exporter.get_finished_spans()) == 1
-        trace_id, _, flags = parts(traceparents(captures)[1])
-        assert trace_id != CLIENT_TRACE_ID and not sampled(flags)
+            # without one: not sampled, no span exported, the replica told so (not sampled)
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+            await until(lambda: len(captures[0].seen) == 2)
+            await asyncio.sleep(0.2)  # time for a span to end, if one were recorded
+            assert len(exporter.get_finished_spans()) == 1
+            trace_id, _, flags = parts(traceparents(captures)[1])
+            assert trace_id != CLIENT_TRACE_ID and not sampled(flags)
 
 
 def otlp_receiver(received: list[ExportTraceServiceRequest]) -> Starlette:
@@ -207,14 +216,14 @@ async def test_spans_go_over_otlp_http_and_the_last_ones_are_flushed_at_shutdown
         tracing = {"enabled": True, "endpoint": f"{collector}/v1/traces", "service_name": "gw"}
         app = create_app(gateway_config([replica], tracing=tracing))  # the OTLP exporter
         async with running_app(app) as url:
-            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            for stream in (False, True):
-                answer = await client.chat.completions.create(
-                    model=MODEL, messages=MESSAGES, max_tokens=2, stream=stream
-                )
-                if stream:
-                    async for _ in answer:  # type: ignore[union-attr]
-                        pass
+            async with openai_client(url) as client:
+                for stream in (False, True):
+                    answer = await client.chat.completions.create(
+                        model=MODEL, messages=MESSAGES, max_tokens=2, stream=stream
+                    )
+                    if stream:
+                        async for _ in answer:  # type: ignore[union-attr]
+                            pass
         # the gateway has shut down; the batch processor's 5 s delay had not passed: the spans
         # arrived because the shutdown flushed them
         resources = [rs for r in received for rs in r.resource_spans]
@@ -262,14 +271,14 @@ async def test_tracing_is_off_by_default_and_sends_no_traceparent() -> None:
         config = gateway_config([replica])
         assert not config.tracing.enabled
         url = await stack.enter_async_context(running_app(create_app(config)))
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        await client.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            max_tokens=2,
-            extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
-        )
-        assert traceparents([capture]) == [None]  # neither made nor passed on
+        async with openai_client(url) as client:
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=2,
+                extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
+            )
+            assert traceparents([capture]) == [None]  # neither made nor passed on
 
 
 def test_the_sdk_is_not_imported_when_tracing_is_off() -> None:
