@@ -18,10 +18,10 @@ from gateway.planner import namespace_of
 from gateway.tenants import ANONYMOUS
 from routing.hashing import block_hashes
 from routing.prompt import chat_text
-from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 from routing.whatif.capture import hex_hashes, parse_capture
 from routing.whatif.replay import replay
 from routing.whatif.setup import Setup
+from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 
 pytestmark = pytest.mark.timeout(60)
 

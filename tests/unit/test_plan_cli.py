@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from gateway.plan_cli import _targets, read_capture
-from tests.unit.test_whatif import _header_obj, _request_obj
 from routing.whatif.capture import CaptureError
+from tests.unit.test_whatif import _header_obj, _request_obj
 
 
 def _write(path: Path, lines: list[str]) -> Path:
