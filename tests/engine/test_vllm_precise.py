@@ -16,7 +16,10 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.engines.events import precise_namespace
 from gateway.engines.tokenizer import PromptTokenizer
+from gateway.planner import engine_salt
+from gateway.tenants import ANONYMOUS
 from loadtest.sim.tiny_tokenizer import BOS, EOS
 from routing.hashing import token_block_hashes
 from routing.types import Location, Tier
@@ -89,7 +92,10 @@ async def test_index_follows_real_vllm_events_and_routes_on_them(
 
     def keys_of(messages: list[ChatCompletionMessageParam]) -> list[int]:
         ids = tok.chat_ids({"messages": messages})
-        return token_block_hashes(ids, block_size_tokens=BLOCK_SIZE_TOKENS, namespace=MODEL)
+        # the gateway sends the tenant scope's cache_salt (pool cache_salt: true, the default);
+        # vLLM folds it into the first block and publishes it, so the keys carry it too
+        namespace = precise_namespace(MODEL, engine_salt(ANONYMOUS, None))
+        return token_block_hashes(ids, block_size_tokens=BLOCK_SIZE_TOKENS, namespace=namespace)
 
     async with precise_gateway(vllm_replicas, tiny_model) as app:
         gw = app.state.gw
@@ -134,7 +140,12 @@ async def test_index_follows_real_vllm_events_and_routes_on_them(
 
             # 3. Blocks the other replica prefilled (sent to it directly) draw their prefix there.
             other_system = "Answer the question using only the context given above. " * 12
-            direct = {"model": MODEL, "messages": chat("q", other_system), "max_tokens": 1}
+            direct = {
+                "model": MODEL,
+                "messages": chat("q", other_system),
+                "max_tokens": 1,
+                "cache_salt": engine_salt(ANONYMOUS, None),  # as the gateway sends it
+            }
             assert (
                 await h.post(
                     f"{vllm_replicas[names.index(y)].url}/v1/chat/completions", json=direct
