@@ -41,10 +41,9 @@ from gateway.openapi import schema_of
 from gateway.planner import Plan
 from gateway.proxy import RelayResponse
 from gateway.reload import install_sighup
-from gateway.state import Gateway
-from gateway.tenants import ANONYMOUS, CLASS_HEADER, Tenant
+from gateway.state import Gateway, served_at_asked_class
+from gateway.tenants import ANONYMOUS, Tenant
 from gateway.upstream import AiohttpUpstream
-from routing.types import TenantClass
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -273,16 +272,7 @@ def debug_tenant(gw: Gateway, request: Request) -> Tenant:
         if found is None:
             raise ApiError(404, f"{DEBUG_TENANT_HEADER}: no tenant {name!r}", code="not_found")
         tenant = found
-    asked = request.headers.get(CLASS_HEADER)
-    if asked is None:
-        return tenant
-    try:
-        lowered = tenant.lowered_to(TenantClass(asked))
-    except ValueError:
-        lowered = None
-    if lowered is None:
-        raise ApiError(403, f"{CLASS_HEADER}: {asked!r} is not allowed", code="class_not_allowed")
-    return lowered
+    return served_at_asked_class(tenant, request)
 
 
 def explain(plan: Plan) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.costs import CostAccounting
+from gateway.siblings import pid_alive
 from routing.accounting import WINDOWS_S
 
 log = logging.getLogger("cachelane.cost_store")
@@ -136,7 +137,7 @@ class WorkerCosts:
         for path in self.directory.glob("worker-*.sock"):
             with contextlib.suppress(ValueError):
                 pid = int(path.stem.removeprefix("worker-"))
-                if _alive(pid):
+                if pid_alive(pid):
                     pids.add(pid)
         return pids
 
@@ -168,13 +169,3 @@ class WorkerCosts:
                 continue
             out += [w for w in value.get("windows", []) if w.get("window_s") == window_s]
         return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -314,7 +314,7 @@ class Siblings:
             pid = int(path.stem.removeprefix("worker-"))
             if pid == self._pid:
                 continue
-            if not _running(pid):
+            if not pid_alive(pid):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 continue
@@ -326,7 +326,8 @@ class Siblings:
             self._end(pid, rid)
 
 
-def _running(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a sibling worker that has not died)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -407,21 +407,7 @@ class Gateway:
                 "invalid or missing API key; send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
-        asked = request.headers.get(CLASS_HEADER)
-        if asked is None:
-            return tenant
-        try:
-            lowered = tenant.lowered_to(TenantClass(asked))
-        except ValueError:
-            lowered = None
-        if lowered is None:
-            raise ApiError(
-                403,
-                f"{CLASS_HEADER}: {asked!r} is not a class this tenant may use; a request may "
-                f"ask for a lower class than {tenant.tenant_class.value!r}, never a higher one",
-                code="class_not_allowed",
-            )
-        return lowered
+        return served_at_asked_class(tenant, request)
 
     def _terms_in_use(self) -> dict[str, tuple[str, CostTerms]]:
         """Replica -> (its pool, the cost terms routing uses for it): the traffic capture's
@@ -444,3 +430,22 @@ class Gateway:
             self.siblings.close()
         if self.redis is not None:
             await self.redis.aclose()
+
+
+def served_at_asked_class(tenant: Tenant, request: Request) -> Tenant:
+    """The tenant served at the class the request asks for (x-cachelane-class: lower only)."""
+    asked = request.headers.get(CLASS_HEADER)
+    if asked is None:
+        return tenant
+    try:
+        lowered = tenant.lowered_to(TenantClass(asked))
+    except ValueError:
+        lowered = None
+    if lowered is None:
+        raise ApiError(
+            403,
+            f"{CLASS_HEADER}: {asked!r} is not a class this tenant may use; a request may "
+            f"ask for a lower class than {tenant.tenant_class.value!r}, never a higher one",
+            code="class_not_allowed",
+        )
+    return lowered
