@@ -7,25 +7,34 @@ The cost model (routing/cost.py) is linear in four terms:
            + swap_s_per_token    * swapped_tokens    # CPU-tier tokens x (1 + swap-ins on PCIe)
            + fetch_s_per_token   * fetched_tokens    # remote-tier tokens fetched, not recomputed
 
-so every streamed request is one observation of a linear regression. `OnlineFit` solves it by
-recursive least squares with exponential forgetting (Ljung & Soderstrom, "Theory and Practice of
-Recursive Identification", 1983, ch. 2), made robust and safe for a router:
+so every streamed request is one observation of a linear regression. `OnlineFit` solves it over
+a sliding window of the last WINDOW observations, weighted by exponential forgetting (the memory
+of recursive least squares with forgetting: Ljung & Soderstrom, "Theory and Practice of Recursive
+Identification", 1983, ch. 2), by iteratively reweighted least squares with Huber weights, one
+reweighting per observation (Holland & Welsch, "Robust regression using iteratively reweighted
+least-squares", 1977). Unlike a recursive update, which folds each sample in once with the weight
+it got then, the window re-judges every sample against the current fit: the slow first requests
+of a fresh engine (warm-up, seen at 3-8x the steady TTFT on vLLM's CPU build) are outliers once
+a handful of steady ones have arrived, instead of steering the fit for the next ~50. Made
+robust and safe for a router:
 
 - relative errors: each sample is divided by sqrt(observed TTFT x the TTFT its work would take
   at the seed's rates), so a 50 ms and a 5 s request weigh about the same (the fit minimises
   relative error, the figure operators read), an unforeseen delay cannot weigh 100x, and the
   weights do not depend on the fit;
-- covariance resetting when nearly every recent estimate misses on the same side (the replica
-  changed): the fit then moves as fast as at its start instead of at its forgetting rate;
+- forgetting the window but its latest SCALE_WINDOW samples when nearly every recent estimate
+  missed on the same side (the replica changed): the fit then follows the new replica as fast as
+  it learnt the first one, instead of taking the new samples for outliers;
 - seeded: parameters are kept relative to a seed (the pool's configured costs or the defaults), so
   the prior is "1.0 x the seed" with a wide spread; terms that are never excited (a pool without
   swaps) stay at their seed instead of drifting;
 - Huber weights (Huber, "Robust Estimation of a Location Parameter", 1964) past K_HUBER robust
-  scales, after a warm-up: one stalled request does not drag the rates;
-- bounded covariance: forgetting inflates the covariance of unexcited directions without limit
-  ("windup"); each diagonal entry is capped at its prior, keeping the matrix positive definite;
+  scales, once MIN_ROBUST samples are in: a stalled request does not drag the rates;
+- a weak prior towards the seed (a ridge term): terms that are not excited stay put, and the
+  normal equations are never singular (no "windup" of unexcited directions either);
 - bounded parameters: rates stay within [seed / BOUND, seed x BOUND], the overhead within
-  [0, MAX_FIXED_S]; never negative, never absurd.
+  [0, MAX_FIXED_S], as a constrained solve (a term at its bound is held there and the others
+  are solved again), never negative, never absurd.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from routing.cost import CostTerms
 
 TERMS = ("fixed_s", "prefill_s_per_token", "swap_s_per_token", "fetch_s_per_token")
@@ -43,6 +54,8 @@ TERMS = ("fixed_s", "prefill_s_per_token", "swap_s_per_token", "fetch_s_per_toke
 FORGETTING = 0.98
 # Memory of ~1 / (1 - 0.98) = 50 observations: converges within the ~50 requests the fit is asked
 # to, and follows a replica that slows down within about as many.
+WINDOW = 100
+# Samples kept: the oldest weighs 0.98^99 = 0.13 of the newest; older ones would weigh less.
 
 PRIOR_SPREAD = 100.0
 # Prior standard deviation, in multiples of the seed: fleets differ from the defaults by 10-100x
@@ -62,15 +75,21 @@ SCALE_WINDOW = 21
 # follows drift instead of explaining it away as outliers.
 MAD_TO_SIGMA = 1.4826
 MIN_SCALE = 0.02  # relative: a 2% spread is the floor of what a TTFT is measured to
-WARMUP_SAMPLES = 5
-# No down-weighting for the first 5 samples: the scale needs a few residuals. While the seed is
-# far off every residual is large, so the scale is too, and nothing is down-weighted anyway.
+MIN_ROBUST = 4
+# Huber weights from the 4th sample: the median of 4 residuals of a 2-term fit (overhead, prefill)
+# ignores one outlier. While the seed is far off every residual is large, so is the scale, and
+# nothing is down-weighted. (More reweightings per observation, or Tukey's bisquare, which gives
+# far outliers no weight at all, were tried on the synthetic warm-up of tests/unit/test_learn.py:
+# no better, and the bisquare was unstable with 20 samples.)
 
 SHIFT_SHARE = 0.85
 SHIFT_MIN_RESIDUAL = 0.15
-# A shift: 18 of the last 21 estimates missed on the same side, by a median of more than 15% of
-# the observed TTFT. A fit that converges or lags has residuals of both signs; noise alone (even a
-# long-tailed one, whose median miss is small) does not put 85% on one side.
+SHIFT_SCALES = 2.0
+# A shift: 18 of the last 21 estimates (made before each sample was seen) missed on the same side,
+# by a median of more than 15% of the observed TTFT and of more than twice the robust scale of the
+# window's residuals. A fit that converges or lags has misses of both signs; a streak of long-tailed
+# noise can put 85% of them on one side, but then they are no larger than the usual residual,
+# while after a real change they are several times larger.
 
 RATE_BOUND = 1000.0  # a rate stays within 1/1000x .. 1000x of its seed
 MAX_FIXED_S = 30.0  # an overhead above 30 s is a broken replica, not a cost
@@ -100,24 +119,34 @@ class Sample:
 
 
 class OnlineFit:
-    """One replica's (or one pool's) fitted cost terms; `update()` per observation."""
+    """One replica's (or one pool's) fitted cost terms; `update()` per observation.
+
+    Parameters are kept relative to the seed (theta = 1: the seed's value), and each sample in
+    relative form: its equation divided by the geometric mean of the observed TTFT and what the
+    seed predicts for its work, so small and large requests weigh alike, and the weights do not
+    depend on the fit itself. The seed alone lets a fully cached request that met an unforeseen
+    delay (a queue the gateway did not see, KV that had left HBM) weigh 100x its share and drag
+    the overhead to hundreds of ms; the observation alone gives the slow requests that identify
+    the swap and fetch rates too little weight to learn them within 50 requests."""
 
     def __init__(self, seed: CostTerms) -> None:
         self.seed = seed
-        self._scale = _seed_vector(seed)  # parameter i = theta[i] * scale[i]
-        self._theta = [1.0, 1.0, 1.0, 1.0]
+        self._scale = np.array(_seed_vector(seed))  # parameter i = theta[i] * scale[i]
+        self._theta = np.ones(4)
         fixed_var = (FIXED_PRIOR_S / self._scale[0]) ** 2
-        self._prior = [fixed_var, PRIOR_SPREAD**2, PRIOR_SPREAD**2, PRIOR_SPREAD**2]
-        self._p = [[self._prior[i] if i == j else 0.0 for j in range(4)] for i in range(4)]
-        self._residuals: deque[float] = deque(maxlen=SCALE_WINDOW)  # |relative residual|
-        self._signs: deque[bool] = deque(maxlen=SCALE_WINDOW)  # residual > 0 (underestimate)
+        self._precision = 1.0 / np.array([fixed_var, *[PRIOR_SPREAD**2] * 3])  # the ridge
+        self._low = np.array([0.0, *[1 / RATE_BOUND] * 3])
+        self._high = np.array([MAX_FIXED_S / self._scale[0], *[RATE_BOUND] * 3])
+        self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
+        self._targets: deque[float] = deque(maxlen=WINDOW)
+        self._misses: deque[float] = deque(maxlen=SCALE_WINDOW)  # relative, before each update
         self.samples = 0
         self.rejected = 0
         self.resets = 0
 
     def terms(self) -> CostTerms:
-        t, s = self._theta, self._scale
-        return CostTerms(t[0] * s[0], t[1] * s[1], t[2] * s[2], t[3] * s[3], samples=self.samples)
+        fixed, prefill, swap, fetch = (float(v) for v in self._theta * self._scale)
+        return CostTerms(fixed, prefill, swap, fetch, samples=self.samples)
 
     def predict_s(self, sample: Sample) -> float:
         return sum(w * x for w, x in zip(self.terms().as_vector(), sample.features(), strict=True))
@@ -130,89 +159,71 @@ class OnlineFit:
         ):
             self.rejected += 1
             return False
-        # Relative form: the equation is divided by the geometric mean of the observed TTFT and
-        # what the seed predicts (the request's work at the seed's rates), so small and large
-        # requests weigh alike, and the weights do not depend on the fit itself. The seed alone
-        # lets a fully cached request that met an unforeseen delay (a queue the gateway did not
-        # see, KV that had left HBM) weigh 100x its share and drag the fixed overhead to
-        # hundreds of ms; the observation alone gives the slow requests that identify the swap
-        # and fetch rates too little weight to learn them within 50 requests.
         raw = [f * s for f, s in zip(sample.features(), self._scale, strict=True)]
-        predicted = sum(t * r for t, r in zip(self._theta, raw, strict=True))
         norm = math.sqrt(y * sum(raw))
-        x = [r / norm for r in raw]
-        residual = (y - predicted) / norm
-        self._residuals.append(abs(residual))
-        self._signs.append(residual > 0)
-        weight = 1.0
-        limit = K_HUBER * self.residual_scale()
-        if self.samples >= WARMUP_SAMPLES and abs(residual) > limit:
-            weight = limit / abs(residual)
-
-        p = self._p
-        px = [sum(p[i][j] * x[j] for j in range(4)) for i in range(4)]
-        denom = FORGETTING / weight + sum(x[i] * px[i] for i in range(4))
-        gain = [v / denom for v in px]
-        for i in range(4):
-            self._theta[i] += gain[i] * residual
-            for j in range(4):
-                p[i][j] = (p[i][j] - gain[i] * px[j]) / FORGETTING
-        self._cap_covariance()
-        self._clamp()
+        row = (raw[0] / norm, raw[1] / norm, raw[2] / norm, raw[3] / norm)
+        target = y / norm
+        self._misses.append(target - sum(t * x for t, x in zip(self._theta, row, strict=True)))
+        self._rows.append(row)
+        self._targets.append(target)
         self.samples += 1
         if self._shifted():
-            self._reset_covariance()
+            self._forget_before_shift()
+        self._refit()
         return True
+
+    def residual_scale(self) -> float:
+        """The robust scale of the window's residuals under the current fit (relative units)."""
+        if not self._rows:
+            return 1.0
+        x, y = np.array(self._rows), np.array(self._targets)
+        return _robust_scale(y - x @ self._theta)
+
+    def _refit(self) -> None:
+        """One reweighting: Huber weights from the residuals of the current fit, forgetting by
+        age, then the weighted, ridge-regularised, bounded least-squares solve."""
+        x, y = np.array(self._rows), np.array(self._targets)
+        n = len(y)
+        weights = FORGETTING ** np.arange(n - 1, -1, -1, dtype=float)
+        if n >= MIN_ROBUST:
+            residuals = np.abs(y - x @ self._theta)
+            limit = K_HUBER * _robust_scale(residuals)
+            weights *= np.minimum(1.0, limit / np.maximum(residuals, 1e-12))
+        xw = x * weights[:, None]
+        gram = xw.T @ x + np.diag(self._precision)
+        rhs = xw.T @ y + self._precision  # the prior's mean is theta = 1
+        self._theta = _bounded_solve(gram, rhs, self._low, self._high)
 
     def _shifted(self) -> bool:
         """The replica changed: nearly every recent estimate missed on the same side, by more
-        than noise. (A fit that only lags has residuals of both signs.)"""
-        if len(self._signs) < SCALE_WINDOW:
+        than noise. (A fit that only lags has misses of both signs.)"""
+        if len(self._misses) < SCALE_WINDOW:
             return False
-        under = sum(self._signs)
-        one_sided = max(under, len(self._signs) - under) >= SHIFT_SHARE * len(self._signs)
-        return one_sided and statistics.median(self._residuals) > SHIFT_MIN_RESIDUAL
+        under = sum(1 for m in self._misses if m > 0)
+        one_sided = max(under, len(self._misses) - under) >= SHIFT_SHARE * len(self._misses)
+        if not one_sided:
+            return False
+        miss = statistics.median(abs(m) for m in self._misses)
+        return miss > max(SHIFT_MIN_RESIDUAL, SHIFT_SCALES * self.residual_scale())
 
-    def _reset_covariance(self) -> None:
-        """Covariance resetting (Goodwin & Sin, "Adaptive Filtering Prediction and Control",
-        1984, sec. 3.3): the estimate stays, its uncertainty goes back to the prior, so new
-        observations move it as fast as the first ones did."""
-        self._p = [[self._prior[i] if i == j else 0.0 for j in range(4)] for i in range(4)]
-        self._signs.clear()
+    def _forget_before_shift(self) -> None:
+        """Keep only the samples of the last SCALE_WINDOW misses: the fit is then made of the
+        replica as it is now (the counterpart of covariance resetting, Goodwin & Sin, "Adaptive
+        Filtering Prediction and Control", 1984, sec. 3.3)."""
+        keep = len(self._misses)
+        for window in (self._rows, self._targets):
+            for _ in range(len(window) - keep):
+                window.popleft()
+        self._misses.clear()
         self.resets += 1
-
-    def residual_scale(self) -> float:
-        if not self._residuals:
-            return 1.0
-        return max(MIN_SCALE, MAD_TO_SIGMA * statistics.median(self._residuals))
-
-    def _cap_covariance(self) -> None:
-        """Scale row and column i by sqrt(cap / P_ii) where P_ii passed its prior: D P D stays
-        symmetric positive definite."""
-        p = self._p
-        d = [
-            math.sqrt(min(1.0, cap / p[i][i])) if p[i][i] > 0 else 1.0
-            for i, cap in enumerate(self._prior)
-        ]
-        if all(v == 1.0 for v in d):
-            return
-        for i in range(4):
-            for j in range(4):
-                p[i][j] *= d[i] * d[j]
-
-    def _clamp(self) -> None:
-        t = self._theta
-        t[0] = min(max(t[0], 0.0), MAX_FIXED_S / self._scale[0])
-        for i in range(1, 4):
-            t[i] = min(max(t[i], 1 / RATE_BOUND), RATE_BOUND)
 
     def to_dict(self) -> dict[str, object]:
         """State for sharing between gateways (a Redis hash); `from_dict` is its inverse."""
         return {
             "seed": list(self.seed.as_vector()),
-            "theta": list(self._theta),
-            "p": [list(row) for row in self._p],
-            "residuals": list(self._residuals),
+            "theta": [float(v) for v in self._theta],
+            "rows": [list(row) for row in self._rows],
+            "targets": list(self._targets),
             "samples": self.samples,
         }
 
@@ -225,20 +236,46 @@ class OnlineFit:
             if _floats(data["seed"]) != list(seed.as_vector()):
                 return fit
             theta = _floats(data["theta"])
-            p = [_floats(row) for row in _list(data["p"])]
-            residuals = _floats(data["residuals"])
+            rows = [_floats(row) for row in _list(data["rows"])]
+            targets = _floats(data["targets"])
             samples = int(data["samples"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError):
             return fit
-        if len(theta) != 4 or len(p) != 4 or any(len(row) != 4 for row in p):
+        if len(theta) != 4 or len(rows) != len(targets) or any(len(r) != 4 for r in rows):
             return fit
-        if not all(math.isfinite(v) for v in [*theta, *(v for row in p for v in row), *residuals]):
+        if not all(math.isfinite(v) for v in [*theta, *(v for r in rows for v in r), *targets]):
             return fit
-        fit._theta, fit._p, fit.samples = theta, p, max(samples, 0)
-        fit._residuals.extend(abs(v) for v in residuals)
-        fit._cap_covariance()
-        fit._clamp()
+        fit._theta = np.clip(np.array(theta), fit._low, fit._high)
+        fit._rows.extend((r[0], r[1], r[2], r[3]) for r in rows[-WINDOW:])
+        fit._targets.extend(targets[-WINDOW:])
+        fit.samples = max(samples, 0)
         return fit
+
+
+def _robust_scale(residuals: np.ndarray) -> float:
+    return max(MIN_SCALE, MAD_TO_SIGMA * float(np.median(np.abs(residuals))))
+
+
+def _bounded_solve(
+    gram: np.ndarray, rhs: np.ndarray, low: np.ndarray, high: np.ndarray
+) -> np.ndarray:
+    """argmin of the quadratic with this Gram matrix and right-hand side within [low, high]: solve,
+    hold each term that leaves its bounds at the bound, solve the others again (an active set;
+    at most one round per term)."""
+    theta = np.clip(np.ones(len(rhs)), low, high)
+    free = np.ones(len(rhs), dtype=bool)
+    for _ in range(len(rhs)):
+        held = ~free
+        b = rhs[free] - gram[np.ix_(free, held)] @ theta[held]
+        theta[free] = np.linalg.solve(gram[np.ix_(free, free)], b)
+        out = free & ((theta < low) | (theta > high))
+        if not out.any():
+            break
+        theta = np.clip(theta, low, high)
+        free &= ~out
+        if not free.any():
+            break
+    return np.clip(theta, low, high)
 
 
 def _list(value: object) -> list[object]:

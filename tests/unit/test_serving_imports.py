@@ -17,7 +17,7 @@ from loadtest.sim.tiny_tokenizer import write_tiny_tokenizer
 
 # Top-level packages the serving path must not import: the loadtest package, and what only the
 # simulator, the demo, the benchmarks or Locust need (the [sim] / [bench] extras).
-NOT_FOR_SERVING = ("loadtest", "matplotlib", "locust", "numpy")
+NOT_FOR_SERVING = ("loadtest", "matplotlib", "locust")  # numpy serves: the cost fit
 
 PROBE = """
 import json, sys
