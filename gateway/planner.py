@@ -48,7 +48,7 @@ from routing.prompt import (
     responses_messages,
 )
 from routing.speculative import SpeculativeIndex
-from routing.types import BlockHits, Location, TenantClass, Tier
+from routing.types import ENGINE_PRIORITY, BlockHits, Location, TenantClass, Tier
 
 if TYPE_CHECKING:  # precise mode only: jinja2 and tokenizers are the [precise] extra
     from gateway.engines.tokenizer import PromptTokenizer
@@ -293,6 +293,7 @@ class Planner:
         current load, is estimated to give the first token within `budget_s`, or has an empty
         prefill queue (a request whose own prefill is longer than the budget must still go)."""
         now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
+        priority_of = ENGINE_PRIORITY[plan.tenant.tenant_class]
         for score in plan.decision.scores:
             replica = plan.replicas[score.replica]  # one that left the fleet is unhealthy
             if not replica.healthy:
@@ -300,7 +301,9 @@ class Planner:
             load = replica.load(now_s, stale_s)
             if load.pending_prefill_tokens == 0:  # only decodes running: the prefill is free
                 return True
-            if estimate(score.overlap, load, replica.costs, replica.terms).ttft_s <= budget_s:
+            priority = priority_of if replica.pool.engine_priority else None
+            est = estimate(score.overlap, load, replica.costs, replica.terms, priority)
+            if est.ttft_s <= budget_s:
                 return True
         return False
 
@@ -340,7 +343,7 @@ class Planner:
             if not dry_run and allowed.fallback is not None:
                 self._metrics.critical_fallbacks.labels(allowed.fallback.value).inc()
             raise self._rejection(model, allowed.fallback)
-        request = RouteRequest(hashes, prompt_tokens, self._block_size)
+        request = RouteRequest(hashes, prompt_tokens, self._block_size, ENGINE_PRIORITY[klass])
         decision = decide(request, allowed.candidates, hits, policy, seq=self._seq, rng=self._rng)
         budget = self._config.classes.critical.ttft_budget_ms
         if allowed.overflow and budget is not None and decision.est_ttft_s * 1000 > budget:

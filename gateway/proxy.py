@@ -49,7 +49,7 @@ from gateway.upstream import (
     UpstreamTimeout,
 )
 from routing.cost import Estimate
-from routing.types import TenantClass
+from routing.types import ENGINE_PRIORITY
 
 log = logging.getLogger("cachelane.proxy")
 
@@ -118,11 +118,6 @@ def upstream_request_headers(plan: Plan) -> dict[str, str]:
     if plan.admission is not None:
         headers[REMOTE_WRITE_HEADER] = "1" if plan.admission.write else "0"
     return headers
-
-
-ENGINE_PRIORITY = {TenantClass.CRITICAL: -1, TenantClass.STANDARD: 0, TenantClass.BATCH: 1}
-# vLLM's `priority` (--scheduling-policy priority): lower runs first, requests without it are 0, so
-# standard traffic and clients that go direct rank alike, critical before them, batch after.
 
 
 def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
@@ -331,8 +326,14 @@ class Proxy:
         score = plan.decision.score(replica.name)
         prefill = score.overlap.prompt_tokens - score.expected_cached_tokens
         swaps = 1 if score.overlap.cpu_tokens else 0
+        klass = plan.tenant.tenant_class
+        priority = ENGINE_PRIORITY[klass] if replica.pool.engine_priority else None
         return self._registry.reserve(
-            replica, prefill_tokens=prefill, swaps=swaps, load_s=score.estimate.load_s
+            replica,
+            prefill_tokens=prefill,
+            swaps=swaps,
+            load_s=score.estimate.load_s,
+            priority=priority,
         )
 
     def _first_byte(self, reservation: Reservation, plan: Plan) -> float:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import httpx
 
@@ -25,6 +25,15 @@ from routing.decide import Candidate, PoolRules
 log = logging.getLogger("cachelane.registry")
 
 PREFILL_EWMA_WEIGHT = 0.1  # ~the last 10 requests: follows a workload shift within seconds
+
+
+class Joining(NamedTuple):
+    """A request sent to a replica and awaiting its first byte."""
+
+    at_s: float  # perf_counter when its KV is loaded (the decision's swap and remote estimate)
+    tokens: int  # uncached tokens it prefills
+    swaps: bool  # it swaps KV in from the CPU tier
+    priority: int | None = None  # the engine priority it was sent with; None: none
 
 
 @dataclass
@@ -51,10 +60,8 @@ class Replica:
     engine: EngineLoad | None = None  # last scrape of the engine's own metrics
     mean_prefill_tokens: float = 0.0  # moving average of uncached tokens per request sent
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
-    # Requests awaiting their first byte: perf_counter when their KV is loaded (from the
-    # decision's swap and remote estimate), uncached tokens, whether they swap in from the CPU
-    # tier. Keyed by id() of the reservation.
-    joining: dict[int, tuple[float, int, bool]] = field(default_factory=dict)
+    # Requests awaiting their first byte, keyed by id() of the reservation.
+    joining: dict[int, Joining] = field(default_factory=dict)
 
     @property
     def awaiting_first_byte(self) -> int:
@@ -64,7 +71,7 @@ class Replica:
     @property
     def pending_prefill_tokens(self) -> int:
         """Uncached prompt tokens of the requests awaiting their first byte."""
-        return sum(tokens for _, tokens, _ in self.joining.values())
+        return sum(j.tokens for j in self.joining.values())
 
     def load(self, now_s: float, stale_after_s: float) -> Load:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
@@ -82,10 +89,10 @@ class Replica:
         busy_s = 0.0
         if self.awaiting_first_byte:
             # the head started when the previous one finished, or when it was loaded, if later
-            loaded = min((j[0] for j in self.joining.values()), default=self.head_since_s)
+            loaded = min((j.at_s for j in self.joining.values()), default=self.head_since_s)
             busy_s = max(0.0, now - max(self.head_since_s, loaded))
-        queue = tuple(Queued(at - now, tokens) for at, tokens, _ in self.joining.values())
-        swapping = sum(1 for at, _, swaps in self.joining.values() if swaps and at > now)
+        queue = tuple(Queued(j.at_s - now, j.tokens, j.priority) for j in self.joining.values())
+        swapping = sum(1 for j in self.joining.values() if j.swaps and j.at_s > now)
         return Load(in_flight, pending, swapping, busy_s, queue)
 
     def hbm_capacity_tokens(self) -> int:
@@ -141,7 +148,7 @@ def _no_listener() -> None:
 class LoadListener(Protocol):
     """Hears of every reservation's steps (gateway/siblings.py: the other workers' view)."""
 
-    def reserved(self, reservation: Reservation, at_s: float, tokens: int, swaps: bool) -> None: ...
+    def reserved(self, reservation: Reservation, joining: Joining) -> None: ...
 
     def first_byte(self, reservation: Reservation) -> None: ...
 
@@ -197,6 +204,7 @@ def _rules_of(pool: PoolConfig) -> PoolRules:
         max_in_flight=pool.admission.max_in_flight,
         max_prefill_tokens=pool.admission.max_prefill_tokens,
         lend_below=pool.lend_below,
+        engine_priority=pool.engine_priority,
     )
 
 
@@ -259,10 +267,17 @@ class Registry:
             replica.models = frozenset(pool.models)
 
     def reserve(
-        self, replica: Replica, *, prefill_tokens: int, swaps: int, load_s: float = 0.0
+        self,
+        replica: Replica,
+        *,
+        prefill_tokens: int,
+        swaps: int,
+        load_s: float = 0.0,
+        priority: int | None = None,
     ) -> Reservation:
         """Count a request sent to `replica` until its first byte (and its end); `load_s` is
-        how long its KV takes to load (swap-in, remote fetch) before it waits for the prefill."""
+        how long its KV takes to load (swap-in, remote fetch) before it waits for the prefill;
+        `priority`: the engine priority it carries, if its pool schedules by it."""
         now = time.perf_counter()
         if not replica.awaiting_first_byte:
             replica.head_since_s = now
@@ -271,9 +286,10 @@ class Registry:
             prefill_tokens - replica.mean_prefill_tokens
         )
         reservation = Reservation(replica, on_drop=self.on_load_change, listener=self.load_listener)
-        replica.joining[id(reservation)] = (now + load_s, prefill_tokens, swaps > 0)
+        joining = Joining(now + load_s, prefill_tokens, swaps > 0, priority)
+        replica.joining[id(reservation)] = joining
         if self.load_listener is not None:
-            self.load_listener.reserved(reservation, now + load_s, prefill_tokens, swaps > 0)
+            self.load_listener.reserved(reservation, joining)
         self.on_load_change()  # after the reservation counts: flow control reads the load
         return reservation
 

@@ -49,6 +49,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from gateway.registry import Joining
 from routing.index import Index, MemoryIndex
 from routing.types import BlockHits, Location
 
@@ -175,10 +176,10 @@ class Siblings:
         head = orjson.dumps([model, location.key()])
         self._publish(_RECORD + head + b"\n" + array("Q", hashes).tobytes())
 
-    def reserved(self, reservation: Reservation, at_s: float, tokens: int, swaps: bool) -> None:
+    def reserved(self, reservation: Reservation, joining: Joining) -> None:
         self._live.add(id(reservation))
         replica = reservation.replica.name
-        self._publish(_JOIN + orjson.dumps([replica, id(reservation), at_s, tokens, swaps]))
+        self._publish(_JOIN + orjson.dumps([replica, id(reservation), *joining]))
 
     def first_byte(self, reservation: Reservation) -> None:
         self._publish(_FIRST_BYTE + orjson.dumps([reservation.replica.name, id(reservation)]))
@@ -261,14 +262,14 @@ class Siblings:
                 self._end(*key)
             return
         if kind == _JOIN:
-            name, rid, at_s, tokens, swaps = orjson.loads(body)
+            name, rid, at_s, tokens, swaps, priority = orjson.loads(body)
             replica = self._registry.replicas.get(name)
             if replica is None:
                 return
             if not replica.awaiting_first_byte:
                 replica.head_since_s = time.perf_counter()
             replica.in_flight += 1
-            replica.joining[self._key(pid, rid)] = (at_s, tokens, bool(swaps))
+            replica.joining[self._key(pid, rid)] = Joining(at_s, tokens, bool(swaps), priority)
             self._shadows[(pid, rid)] = (name, True)
             self._registry.on_load_change()
             return

@@ -121,6 +121,7 @@ class Queued:
 
     joins_in_s: float  # when its KV is loaded and it waits for the prefill, from now (<= 0: it is)
     tokens: int  # uncached tokens it prefills
+    priority: int | None = None  # the engine priority it was sent with (lower first); None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +186,15 @@ def seeded(costs: PoolCosts) -> CostTerms:
 
 
 def estimate(
-    overlap: Overlap, load: Load, costs: PoolCosts, terms: CostTerms | None = None
+    overlap: Overlap,
+    load: Load,
+    costs: PoolCosts,
+    terms: CostTerms | None = None,
+    priority: int | None = None,
 ) -> Estimate:
-    """Estimated TTFT terms on one replica; `terms` default to the seed of `costs`."""
+    """Estimated TTFT terms on one replica; `terms` default to the seed of `costs`. `priority`:
+    the engine priority the request is sent with, when the replica schedules by it (None: first
+    come, first served)."""
     t = terms if terms is not None else seeded(costs)
     per_token = t.prefill_s_per_token
     uncached = overlap.uncached_tokens
@@ -205,7 +212,7 @@ def estimate(
     chunks = -(-max(uncached, 1) // costs.prefill_chunk_tokens)
     decode_tokens = load.in_flight * chunks  # one per running request per step of our prefill
     load_s = swap_s + (remote_s if remote_fetch else 0.0)  # a recompute is prefill work
-    queue_s = queue_wait_s(load, load_s, per_token, decode_tokens)
+    queue_s = queue_wait_s(load, load_s, per_token, decode_tokens, priority)
     return Estimate(
         fixed_s=t.fixed_s,
         queue_s=queue_s,
@@ -218,11 +225,23 @@ def estimate(
     )
 
 
-def queue_wait_s(load: Load, joins_in_s: float, per_token_s: float, extra_tokens: int = 0) -> float:
+def queue_wait_s(
+    load: Load,
+    joins_in_s: float,
+    per_token_s: float,
+    extra_tokens: int = 0,
+    priority: int | None = None,
+) -> float:
     """How long a request that reaches the prefill `joins_in_s` from now waits for it: the
     replica's prefill replayed in arrival order (first come, first served, like vLLM's default
     scheduling policy), starting from what already waits (the queue's unknown part and
-    `extra_tokens`) less the progress on the head, then every known request joining first."""
+    `extra_tokens`) less the progress on the head, then every known request joining first.
+
+    With a `priority` (vLLM's --scheduling-policy priority, lower first), a known request sent
+    with a larger one is overtaken unless its prefill starts before this one joins: a prefill
+    that has started is not interrupted (vLLM schedules its RUNNING requests before any waiting
+    one, vllm/v1/core/sched/scheduler.py). Work of unknown priority (other gateways') is counted
+    as ahead."""
     if not load.queue:  # nothing known to join: the general replay below, in closed form
         work_s = (max(0, load.pending_prefill_tokens) + extra_tokens) * per_token_s
         return max(0.0, work_s - min(load.busy_s, work_s) - joins_in_s) if work_s else 0.0
@@ -243,5 +262,13 @@ def queue_wait_s(load: Load, joins_in_s: float, per_token_s: float, extra_tokens
     for q in sorted(load.queue, key=lambda q: q.joins_in_s):
         if q.joins_in_s > joins_in_s:
             break
-        free_at_s = run(max(free_at_s, q.joins_in_s), q.tokens)
+        start_s = max(free_at_s, q.joins_in_s)
+        overtaken = (
+            priority is not None
+            and (q.priority or 0) > priority
+            and start_s >= max(joins_in_s, 0.0)
+            and not (start_s <= 0 and progress_s > 0)  # the head, already prefilling
+        )
+        if not overtaken:
+            free_at_s = run(start_s, q.tokens)
     return max(0.0, free_at_s - joins_in_s)

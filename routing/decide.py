@@ -121,5 +121,6 @@ def decide(
     for c in candidates:
         ov = overlap_of(c, runs, request)
         terms = c.terms if c.terms is not None else seeded(c.costs)
-        scores.append(Score(c.name, ov, estimate(ov, c.load, c.costs, terms)))
+        priority = request.priority if c.pool.engine_priority else None
+        scores.append(Score(c.name, ov, estimate(ov, c.load, c.costs, terms, priority)))
     return POLICIES[policy].choose(request, candidates, tuple(scores), seq=seq, rng=rng)

@@ -20,6 +20,11 @@ class TenantClass(StrEnum):
     BATCH = "batch"
 
 
+ENGINE_PRIORITY = {TenantClass.CRITICAL: -1, TenantClass.STANDARD: 0, TenantClass.BATCH: 1}
+# vLLM's `priority` (--scheduling-policy priority): lower runs first, requests without it are 0, so
+# standard traffic and clients that go direct rank alike, critical before them, batch after.
+
+
 class Location(NamedTuple):
     """One place that can hold KV blocks: a replica's HBM or CPU tier, or a named remote tier.
 

@@ -48,6 +48,7 @@ class PoolRules:
     max_in_flight: int | None = None  # admission cap per replica
     max_prefill_tokens: int | None = None  # admission cap per replica
     lend_below: float | None = None  # standard traffic may use it below this fraction of the caps
+    engine_priority: bool = False  # its engines schedule the prefill by the request's priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ class RouteRequest:
     hashes: Sequence[int]
     prompt_tokens: int
     block_size_tokens: int
+    priority: int = 0  # the engine priority it carries where its pool schedules by priority
 
 
 class Score(NamedTuple):  # a tuple: one per candidate per request (see routing/cost.py Overlap)

@@ -33,13 +33,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, parse_config
-from gateway.proxy import ENGINE_PRIORITY, upstream_body
+from gateway.proxy import upstream_body
 from gateway.tenants import Tenant
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.prefill_queue import SchedulingPolicy
 from loadtest.sim.server import create_sim_app
 from routing.cost import HBM_CAPACITY_TOKENS, PoolCosts
-from routing.types import TenantClass
+from routing.types import ENGINE_PRIORITY, TenantClass
 from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL, PoolSpec, TieredFleet, tiered_fleet
 

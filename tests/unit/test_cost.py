@@ -130,3 +130,30 @@ def test_pending_tokens_of_unknown_requests_wait_now() -> None:
     load = Load(pending_prefill_tokens=6000, queue=(Queued(0.5, 3000),))
     assert queue_wait_s(load, 0.0, PER_TOKEN) == pytest.approx(0.1)
     assert queue_wait_s(load, 0.5, PER_TOKEN) == pytest.approx(0.1)  # a tie: the one sent first
+
+
+def test_an_urgent_request_overtakes_queued_work_that_has_not_started() -> None:
+    """Under engine priority (lower first) a critical request (-1) waits for the prefill in
+    progress and for work of its own priority, not for standard (0) work still queued."""
+    head = Queued(-0.2, 3000, priority=0)  # prefilling for 0.05 s: 0.05 s left
+    queued = (head, Queued(-0.1, 6000, priority=0), Queued(-0.05, 1500, priority=-1))
+    load = Load(pending_prefill_tokens=10_500, busy_s=0.05, queue=queued)
+    assert queue_wait_s(load, 0.0, PER_TOKEN, priority=-1) == pytest.approx(0.05 + 0.05)
+    assert queue_wait_s(load, 0.0, PER_TOKEN, priority=0) == pytest.approx(0.05 + 0.2 + 0.05)
+    # no priority: first come, first served, as before
+    assert queue_wait_s(load, 0.0, PER_TOKEN) == queue_wait_s(load, 0.0, PER_TOKEN, priority=0)
+
+
+def test_less_urgent_work_that_starts_before_the_request_joins_is_waited_for() -> None:
+    """A standard request that reaches the prefill while it is free starts before a critical one
+    that is still loading its KV: the critical one waits for the rest of it."""
+    load = Load(pending_prefill_tokens=3000, queue=(Queued(0.1, 3000, priority=0),))
+    assert queue_wait_s(load, 0.15, PER_TOKEN, priority=-1) == pytest.approx(0.05)
+    # joining before it: the critical one goes first
+    assert queue_wait_s(load, 0.05, PER_TOKEN, priority=-1) == 0
+
+
+def test_work_of_unknown_priority_counts_as_ahead() -> None:
+    """Tokens another gateway sent may carry any priority: counted as ahead."""
+    load = Load(pending_prefill_tokens=6000, queue=(Queued(-0.1, 3000, priority=0),))
+    assert queue_wait_s(load, 0.0, PER_TOKEN, priority=-1) == pytest.approx(0.1)

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from routing.cost import Load, Overlap
+from routing.cost import Load, Overlap, Queued
 from routing.decide import (
     Candidate,
     NoCandidates,
@@ -221,3 +221,22 @@ def test_every_configurable_policy_is_registered() -> None:
         )
         assert decision.policy is policy, impl
         assert sorted(decision.ranking) == ["a", "b"]
+
+
+def test_an_urgent_request_goes_to_its_cache_past_standard_work_it_will_overtake() -> None:
+    """Replica a holds the prompt and has 200k standard tokens queued behind a short prefill in
+    progress. Where the engines schedule by priority, a critical request (-1) overtakes that
+    queue and goes to its cache; a standard one (0), or any request where they do not, waits
+    for it and goes to b."""
+    queued = (Queued(-0.1, 1000, priority=0), Queued(-0.05, 200_000, priority=0))
+    busy = Load(2, 201_000, busy_s=0.01, queue=queued)
+    block_hits = hits(*[{hbm("a")}] * 100)
+    for engine_priority, priority, expected in [
+        (True, -1, "a"),
+        (True, 0, "b"),
+        (False, -1, "b"),
+    ]:
+        rules = PoolRules(engine_priority=engine_priority)
+        cands = [Candidate("a", busy, pool=rules), Candidate("b", pool=rules)]
+        req = RouteRequest(list(range(100)), 100 * B, B, priority=priority)
+        assert choose(Policy.CACHE_AWARE, cands, block_hits, req)[0] == expected

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from gateway.config import parse_config
-from gateway.registry import Registry, Replica
+from gateway.registry import Joining, Registry, Replica
 from gateway.scraper import EngineLoad, parse_engine_load
 from routing.cost import Load
 
@@ -61,7 +61,7 @@ def test_load_combines_own_and_engine(
     r = replica()
     r.mean_prefill_tokens = 1000
     r.in_flight = 1
-    r.joining[0] = (time.perf_counter(), 1000, False)  # one request of ours, waiting
+    r.joining[0] = Joining(time.perf_counter(), 1000, False)  # one request of ours, waiting
     r.engine = engine
     r.head_since_s = time.perf_counter()
     load = r.load(now_s, stale_after_s=5.0)

@@ -77,9 +77,10 @@ async def test_a_reservation_counts_on_the_sibling_until_it_ends(
 ) -> None:
     one, two = pair
     mine, theirs = one.registry.replicas[A], two.registry.replicas[A]
-    reservation = one.registry.reserve(mine, prefill_tokens=512, swaps=0)
+    reservation = one.registry.reserve(mine, prefill_tokens=512, swaps=0, priority=-1)
     await until(lambda: theirs.in_flight == 1)
     assert theirs.pending_prefill_tokens == 512
+    assert [q.priority for q in theirs.load(0.0, 1.0).queue] == [-1]  # the engine priority too
     assert two.registry.replicas[A].load(0.0, 1.0).in_flight == 1
     reservation.first_byte()
     await until(lambda: theirs.pending_prefill_tokens == 0)
