@@ -137,8 +137,10 @@ class OnlineFit:
         self._precision = 1.0 / np.array([fixed_var, *[PRIOR_SPREAD**2] * 3])  # the ridge
         self._low = np.array([0.0, *[1 / RATE_BOUND] * 3])
         self._high = np.array([MAX_FIXED_S / self._scale[0], *[RATE_BOUND] * 3])
-        self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
-        self._targets: deque[float] = deque(maxlen=WINDOW)
+        # the window, oldest first: rows x[:n] and targets y[:n] of the relative equations
+        self._x = np.zeros((WINDOW, 4))
+        self._y = np.zeros(WINDOW)
+        self._n = 0
         self._misses: deque[float] = deque(maxlen=SCALE_WINDOW)  # relative, before each update
         self.samples = 0
         self.rejected = 0
@@ -164,8 +166,13 @@ class OnlineFit:
         row = (raw[0] / norm, raw[1] / norm, raw[2] / norm, raw[3] / norm)
         target = y / norm
         self._misses.append(target - sum(t * x for t, x in zip(self._theta, row, strict=True)))
-        self._rows.append(row)
-        self._targets.append(target)
+        if self._n == WINDOW:  # the oldest leaves
+            self._x[:-1] = self._x[1:]
+            self._y[:-1] = self._y[1:]
+            self._n -= 1
+        self._x[self._n] = row
+        self._y[self._n] = target
+        self._n += 1
         self.samples += 1
         if self._shifted():
             self._forget_before_shift()
@@ -174,17 +181,17 @@ class OnlineFit:
 
     def residual_scale(self) -> float:
         """The robust scale of the window's residuals under the current fit (relative units)."""
-        if not self._rows:
+        if not self._n:
             return 1.0
-        x, y = np.array(self._rows), np.array(self._targets)
+        x, y = self._x[: self._n], self._y[: self._n]
         return _robust_scale(y - x @ self._theta)
 
     def _refit(self) -> None:
         """One reweighting: Huber weights from the residuals of the current fit, forgetting by
         age, then the weighted, ridge-regularised, bounded least-squares solve."""
-        x, y = np.array(self._rows), np.array(self._targets)
-        n = len(y)
-        weights = FORGETTING ** np.arange(n - 1, -1, -1, dtype=float)
+        n = self._n
+        x, y = self._x[:n], self._y[:n]
+        weights = _AGE_WEIGHTS[WINDOW - n :].copy()
         if n >= MIN_ROBUST:
             residuals = np.abs(y - x @ self._theta)
             limit = K_HUBER * _robust_scale(residuals)
@@ -210,10 +217,10 @@ class OnlineFit:
         """Keep only the samples of the last SCALE_WINDOW misses: the fit is then made of the
         replica as it is now (the counterpart of covariance resetting, Goodwin & Sin, "Adaptive
         Filtering Prediction and Control", 1984, sec. 3.3)."""
-        keep = len(self._misses)
-        for window in (self._rows, self._targets):
-            for _ in range(len(window) - keep):
-                window.popleft()
+        keep = min(len(self._misses), self._n)
+        self._x[:keep] = self._x[self._n - keep : self._n].copy()
+        self._y[:keep] = self._y[self._n - keep : self._n].copy()
+        self._n = keep
         self._misses.clear()
         self.resets += 1
 
@@ -222,8 +229,8 @@ class OnlineFit:
         return {
             "seed": list(self.seed.as_vector()),
             "theta": [float(v) for v in self._theta],
-            "rows": [list(row) for row in self._rows],
-            "targets": list(self._targets),
+            "rows": self._x[: self._n].tolist(),
+            "targets": self._y[: self._n].tolist(),
             "samples": self.samples,
         }
 
@@ -246,14 +253,24 @@ class OnlineFit:
         if not all(math.isfinite(v) for v in [*theta, *(v for r in rows for v in r), *targets]):
             return fit
         fit._theta = np.clip(np.array(theta), fit._low, fit._high)
-        fit._rows.extend((r[0], r[1], r[2], r[3]) for r in rows[-WINDOW:])
-        fit._targets.extend(targets[-WINDOW:])
+        kept = rows[-WINDOW:]
+        fit._n = len(kept)
+        if kept:
+            fit._x[: fit._n] = kept
+            fit._y[: fit._n] = targets[-WINDOW:]
         fit.samples = max(samples, 0)
         return fit
 
 
+_AGE_WEIGHTS = FORGETTING ** np.arange(WINDOW - 1, -1, -1, dtype=float)  # oldest first
+
+
 def _robust_scale(residuals: np.ndarray) -> float:
-    return max(MIN_SCALE, MAD_TO_SIGMA * float(np.median(np.abs(residuals))))
+    r = np.abs(residuals)
+    half = len(r) // 2
+    part = np.partition(r, half)  # the median without a full sort
+    median = part[half] if len(r) % 2 else (part[half] + part[:half].max()) / 2
+    return max(MIN_SCALE, MAD_TO_SIGMA * float(median))
 
 
 def _bounded_solve(
@@ -262,6 +279,9 @@ def _bounded_solve(
     """argmin of the quadratic with this Gram matrix and right-hand side within [low, high]: solve,
     hold each term that leaves its bounds at the bound, solve the others again (an active set;
     at most one round per term)."""
+    theta = np.linalg.solve(gram, rhs)
+    if ((theta >= low) & (theta <= high)).all():
+        return theta
     theta = np.clip(np.ones(len(rhs)), low, high)
     free = np.ones(len(rhs), dtype=bool)
     for _ in range(len(rhs)):
@@ -275,7 +295,8 @@ def _bounded_solve(
         free &= ~out
         if not free.any():
             break
-    return np.clip(theta, low, high)
+    clipped: np.ndarray = np.clip(theta, low, high)
+    return clipped
 
 
 def _list(value: object) -> list[object]:
