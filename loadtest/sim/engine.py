@@ -277,6 +277,7 @@ class SimRequest:
     async def prefill(self, *, remote_write: bool = True) -> PrefillResult:
         """Load or compute the prompt's KV; returns when the first token could be sent."""
         eng, spec, prompt = self._engine, self._engine.spec, self.prompt
+        ticket = eng._prefill.ticket()  # its place in the queue: arrival, not end of its KV load
         bs = spec.block_size_tokens
         reusable = prompt.hashes[: (prompt.prompt_tokens - 1) // bs]
 
@@ -309,7 +310,7 @@ class SimRequest:
             )
 
         queued_at = time.monotonic()
-        async with eng._prefill.slot(self.priority):
+        async with eng._prefill.slot(self.priority, ticket):
             queue_wait_s = time.monotonic() - queued_at
             eng.stats.queue_wait_s_sum += queue_wait_s
             eng.stats.queue_wait_count += 1

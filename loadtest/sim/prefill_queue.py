@@ -1,8 +1,12 @@
 """The replica's one prefill slot and the queue in front of it, like vLLM's --scheduling-policy.
 
 "fcfs" grants the slot in arrival order; "priority" by (priority, arrival), the lower priority value
-first (vLLM's semantics: an int, default 0). Releasing hands the slot straight to the next waiter,
-so a request arriving meanwhile cannot take it out of turn. A waiter cancelled while queued leaves
+first (vLLM's semantics: an int, default 0). Arrival is when the request reached the engine, taken
+with `ticket()` before its KV loads, not when it asks for the slot: vLLM keeps a request whose KV
+is still loading at its place in the waiting queue (the scheduler skips it and puts it back at
+the head, vllm/v1/core/sched/scheduler.py, WAITING_FOR_REMOTE_KVS), so once loaded it goes before
+requests that arrived after it. Releasing hands the slot straight to the next waiter, so a request
+arriving meanwhile cannot take it out of turn. A waiter cancelled while queued leaves
 the queue; one cancelled after being granted but before it resumed passes the slot on.
 """
 
@@ -33,22 +37,27 @@ class PrefillQueue:
         """Waiters not yet granted the slot."""
         return len(self._waiters)
 
+    def ticket(self) -> int:
+        """The request's place in arrival order: take it when the request arrives."""
+        return next(self._seq)
+
     @asynccontextmanager
-    async def slot(self, priority: int = 0) -> AsyncIterator[None]:
-        """Hold the prefill slot for the block; waits for it in policy order."""
-        await self.acquire(priority)
+    async def slot(self, priority: int = 0, ticket: int | None = None) -> AsyncIterator[None]:
+        """Hold the prefill slot for the block; waits for it in policy order (`ticket`: the
+        request's arrival, from `ticket()`; now if not given)."""
+        await self.acquire(priority, ticket)
         try:
             yield
         finally:
             self.release()
 
-    async def acquire(self, priority: int = 0) -> None:
+    async def acquire(self, priority: int = 0, ticket: int | None = None) -> None:
         if not self._held:  # a free slot means nobody waits: release() hands it on otherwise
             self._held = True
             return
         key = priority if self.policy == "priority" else 0
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (key, next(self._seq), granted)
+        entry = (key, self.ticket() if ticket is None else ticket, granted)
         heapq.heappush(self._waiters, entry)
         try:
             await granted

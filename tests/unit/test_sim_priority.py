@@ -190,3 +190,26 @@ def test_config_passes_the_policy_to_the_simulated_replicas() -> None:
     assert chosen[0].scheduling_policy == "priority"
     with pytest.raises(ConfigError, match="scheduling_policy"):
         parse_config({"pools": [{**pool, "sim": {"scheduling_policy": "lifo"}}]})
+
+
+async def test_a_request_that_loaded_its_kv_keeps_its_place_in_arrival_order() -> None:
+    """A request that arrived first but asks for the slot last (its KV was loading) goes before
+    those that arrived after it, as vLLM's scheduler keeps a loading request at the head of its
+    waiting queue."""
+    queue = PrefillQueue("fcfs")
+    order: list[str] = []
+
+    async def waiter(name: str, ticket: int) -> None:
+        async with queue.slot(0, ticket):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    await queue.acquire()
+    loading = queue.ticket()  # arrived first, still loading its KV
+    later = asyncio.create_task(waiter("later", queue.ticket()))
+    await settle()
+    loaded = asyncio.create_task(waiter("loaded", loading))
+    await settle()
+    queue.release()
+    await asyncio.gather(later, loaded)
+    assert order == ["loaded", "later"]
