@@ -168,6 +168,7 @@ class Estimate(NamedTuple):
     remote_fetch: bool  # True when fetching from the remote tier beats recomputing those tokens
     queue_tokens: float = 0.0  # t_queue in prefill tokens: the work it waits for (the fit's input)
     swap_tokens: float = 0.0  # CPU-tier tokens x (1 + swap-ins sharing PCIe) (t_swap's input)
+    overtakes: int = 0  # queued requests of a less urgent engine priority it would go before
 
     @property
     def load_s(self) -> float:
@@ -212,7 +213,7 @@ def estimate(
     chunks = -(-max(uncached, 1) // costs.prefill_chunk_tokens)
     decode_tokens = load.in_flight * chunks  # one per running request per step of our prefill
     load_s = swap_s + (remote_s if remote_fetch else 0.0)  # a recompute is prefill work
-    queue_s = queue_wait_s(load, load_s, per_token, decode_tokens, priority)
+    queue_s, overtakes = _queue_wait(load, load_s, per_token, decode_tokens, priority)
     return Estimate(
         fixed_s=t.fixed_s,
         queue_s=queue_s,
@@ -222,6 +223,7 @@ def estimate(
         remote_fetch=remote_fetch,
         queue_tokens=queue_s / per_token,
         swap_tokens=swap_tokens,
+        overtakes=overtakes,
     )
 
 
@@ -242,9 +244,20 @@ def queue_wait_s(
     that has started is not interrupted (vLLM schedules its RUNNING requests before any waiting
     one, vllm/v1/core/sched/scheduler.py). Work of unknown priority (other gateways') is counted
     as ahead."""
+    return _queue_wait(load, joins_in_s, per_token_s, extra_tokens, priority)[0]
+
+
+def _queue_wait(
+    load: Load,
+    joins_in_s: float,
+    per_token_s: float,
+    extra_tokens: int,
+    priority: int | None,
+) -> tuple[float, int]:
+    """queue_wait_s, and how many known requests the request overtakes."""
     if not load.queue:  # nothing known to join: the general replay below, in closed form
         work_s = (max(0, load.pending_prefill_tokens) + extra_tokens) * per_token_s
-        return max(0.0, work_s - min(load.busy_s, work_s) - joins_in_s) if work_s else 0.0
+        return (max(0.0, work_s - min(load.busy_s, work_s) - joins_in_s) if work_s else 0.0), 0
     known = sum(q.tokens for q in load.queue)
     unknown = max(0, load.pending_prefill_tokens - known) + extra_tokens
     progress_s = load.busy_s
@@ -259,6 +272,7 @@ def queue_wait_s(
 
     if unknown:
         free_at_s = run(0.0, unknown)
+    overtakes = 0
     for q in sorted(load.queue, key=lambda q: q.joins_in_s):
         if q.joins_in_s > joins_in_s:
             break
@@ -269,6 +283,8 @@ def queue_wait_s(
             and start_s >= max(joins_in_s, 0.0)
             and not (start_s <= 0 and progress_s > 0)  # the head, already prefilling
         )
-        if not overtaken:
+        if overtaken:
+            overtakes += 1
+        else:
             free_at_s = run(start_s, q.tokens)
-    return max(0.0, free_at_s - joins_in_s)
+    return max(0.0, free_at_s - joins_in_s), overtakes

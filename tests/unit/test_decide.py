@@ -240,3 +240,19 @@ def test_an_urgent_request_goes_to_its_cache_past_standard_work_it_will_overtake
         cands = [Candidate("a", busy, pool=rules), Candidate("b", pool=rules)]
         req = RouteRequest(list(range(100)), 100 * B, B, priority=priority)
         assert choose(Policy.CACHE_AWARE, cands, block_hits, req)[0] == expected
+
+
+def test_an_urgent_request_does_not_jump_a_queue_to_save_less_than_it_costs_the_others() -> None:
+    """Replica a holds half the prompt and has five standard requests waiting; b is idle and
+    cold. Jumping a's queue would save the critical request 800 tokens of prefill and delay each
+    of the five by its own 800: it goes to b. Holding the whole prompt (no prefill to impose) it
+    goes to a."""
+    queued = tuple(Queued(-0.1 + i * 0.01, 3000, priority=0) for i in range(6))
+    busy = Load(6, 18_000, busy_s=0.099, queue=queued)  # the head is nearly done
+    rules = PoolRules(engine_priority=True)
+    cands = [Candidate("a", busy, pool=rules), Candidate("b", pool=rules)]
+    req = RouteRequest(list(range(100)), 100 * B, B, priority=-1)
+    half = hits(*[{hbm("a")}] * 50)
+    assert choose(Policy.CACHE_AWARE, cands, half, req)[0] == "b"
+    whole = hits(*[{hbm("a")}] * 100)
+    assert choose(Policy.CACHE_AWARE, cands, whole, req)[0] == "a"
