@@ -21,6 +21,11 @@ and the remote tier were emptied, through a fresh router:
                   request is loading its KV (critical.clear_while_loading), and lending that keeps
                   a pinned replica idle and bounds the lent prefill (lend_keep_idle,
                   lend_max_prefill_tokens).
+  priority        cachelane, tenants with classes, no pinned pool: the pools of no-tenants with
+                  engine priority, flow control at its defaults; the cost model counts, for a
+                  critical request, only the prefill in progress and critical work queued ahead
+                  (it overtakes the rest); standard kept off a replica where a critical request
+                  is loading its KV (critical.clear_while_loading).
   sglang, vllm    sglang-router and vllm-router, cache_aware, on the same 6 replicas (they ignore
                   the API keys).
 
@@ -140,7 +145,7 @@ SERVICE_BOUND = ServiceBound(prefill_tokens_per_s=PREFILL_TOKENS_PER_S / 2, itl_
 # The next turn of a session is never sent before its previous turn could have finished at half
 # the replica's speed (as bench_routing does with its fleet).
 
-CACHELANE_ARMS = ("no-tenants", "static-pinning", "flow-control")
+CACHELANE_ARMS = ("no-tenants", "static-pinning", "flow-control", "priority")
 EXTERNAL_ARMS = {
     "sglang": RouterSpec("sglang", "cache_aware"),
     "vllm": RouterSpec("vllm", "cache_aware"),
@@ -233,6 +238,17 @@ def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
             "pools": [
                 _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True),
                 _pool("offload", fleet.offload, offload=True),
+            ],
+        }
+    if arm == "priority":
+        priority_pool: dict[str, Any] = {"engine_priority": True}
+        return {
+            "tenants": tenants_config(),
+            "critical": {"clear_while_loading": True},
+            "remote_tiers": tiers,
+            "pools": [
+                _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True, **priority_pool),
+                _pool("offload", fleet.offload, offload=True, **priority_pool),
             ],
         }
     flow = arm == "flow-control"

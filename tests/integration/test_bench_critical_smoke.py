@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.critical --quick` end to end with two arms: a real sim fleet, real
+"""`python -m loadtest.bench.critical --quick` end to end with three arms: a real sim fleet, real
 gateways. Checks only that it runs and that the JSON has its shape; the numbers are the
 benchmark's job."""
 
@@ -12,13 +12,14 @@ import pytest
 from loadtest.bench.critical import main
 
 
-@pytest.mark.timeout(150)  # ~30 s here: one fleet, two gateways, two arms of 5 s plus draining
+@pytest.mark.timeout(180)  # ~40 s here: one fleet, three gateways, arms of 5 s plus draining
 def test_bench_critical_quick_runs_and_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "x.json"
-    assert main(["--quick", "--arms", "no-tenants,flow-control", "--out", str(out)]) == 0
+    arms = ["no-tenants", "flow-control", "priority"]
+    assert main(["--quick", "--arms", ",".join(arms), "--out", str(out)]) == 0
 
     data = json.loads(out.read_text())
-    assert list(data["arms"]) == ["no-tenants", "flow-control"]
+    assert list(data["arms"]) == arms
     assert data["not_run"] == {}
     requests = data["settings"]["measured_requests"]
     assert 0 < requests < data["settings"]["requests"]  # the warm-up is replayed, not counted
@@ -40,6 +41,9 @@ def test_bench_critical_quick_runs_and_writes_results(tmp_path: Path) -> None:
     assert flow["config"]["flow_control"] == {"enabled": True}
     assert all(p["engine_priority"] for p in flow["config"]["pools"])
     assert data["arms"]["no-tenants"]["config"]["flow_control"] == {"enabled": False}
+    priority = data["arms"]["priority"]["config"]
+    assert all(p["engine_priority"] and not p.get("pinned") for p in priority["pools"])
+    assert "flow_control" not in priority  # the default: on
     assert flow["critical_placement"]["hbm-only"]["requests"] >= 0
     assert data["wall_time_s"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
