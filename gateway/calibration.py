@@ -33,6 +33,9 @@ Mode = Literal["fit", "correction", "none"]
 
 MIN_OWN_SAMPLES = 20
 # Below 20 observations a replica's own 4-term fit is still mostly prior; its pool's is not.
+POOL_REFIT_EVERY = 8
+# Once every replica of a pool has its own fit, the pool's is read only by a replica that joins:
+# it takes every observation but is solved every 8th (~30 us each, routing/learn.py).
 
 MIN_ESTIMATE_S = 0.005
 # correction mode: below 5 ms the observation is dominated by the network round trip and the first
@@ -97,6 +100,8 @@ class CostLearner:
         pooled = self._pooled.get(r.pool.name)
         if pooled is None or pooled.seed != seed:
             self._pooled[r.pool.name] = OnlineFit(seed)
+        else:
+            pooled.refit()  # the newcomer reads it: solve what it took since its last refit
         r.terms = None if self.mode == "none" else self.terms_of(r.name)
         self._export(r)
 
@@ -119,8 +124,14 @@ class CostLearner:
         if self.mode == "fit":
             sample = sample_of(ob.score, ob.observed_s, ob.cached_tokens)
             if self._own[replica.name].update(sample):
-                self._pooled[replica.pool.name].update(sample)
-                self._refresh_pool(replica.pool.name)
+                pooled = self._pooled[replica.pool.name]
+                read = self._pool_fit_in_use(replica.pool.name)
+                pooled.update(sample, refit=read or pooled.samples % POOL_REFIT_EVERY == 0)
+                if read:
+                    self._refresh_pool(replica.pool.name)
+                else:  # only its own fit moved
+                    replica.terms = self.terms_of(replica.name)
+                    self._export(replica)
         elif self.mode == "correction":
             self._correct(replica, est_s, ob.observed_s)
 
@@ -135,6 +146,13 @@ class CostLearner:
         replica.terms = CostTerms.seed(replica.costs).scaled(replica.correction)
         self._metrics.correction.labels(replica.name).set(replica.correction)
         self._export(replica)
+
+    def _pool_fit_in_use(self, pool: str) -> bool:
+        """Does a replica of `pool` still use the pool's fit (too few observations of its own)?"""
+        return any(
+            r.pool.name == pool and self._own[name].samples < MIN_OWN_SAMPLES
+            for name, r in self._replicas.items()
+        )
 
     def _refresh_pool(self, pool: str) -> None:
         for r in self._replicas.values():

@@ -153,8 +153,10 @@ class OnlineFit:
     def predict_s(self, sample: Sample) -> float:
         return sum(w * x for w, x in zip(self.terms().as_vector(), sample.features(), strict=True))
 
-    def update(self, sample: Sample) -> bool:
-        """Fold one observation in; False (and nothing learned) if it is not a usable TTFT."""
+    def update(self, sample: Sample, *, refit: bool = True) -> bool:
+        """Fold one observation in; False (and nothing learned) if it is not a usable TTFT.
+        `refit=False` only adds it to the window: the terms change at the next refit (a fit
+        nobody reads right now need not be solved after every observation)."""
         y = sample.observed_s
         if not (MIN_OBSERVED_S <= y <= MAX_OBSERVED_S) or any(
             f < 0 or math.isnan(f) for f in sample.features()
@@ -176,8 +178,15 @@ class OnlineFit:
         self.samples += 1
         if self._shifted():
             self._forget_before_shift()
-        self._refit()
+            refit = True
+        if refit:
+            self._refit()
         return True
+
+    def refit(self) -> None:
+        """Solve the window now (after updates with `refit=False`)."""
+        if self._n:
+            self._refit()
 
     def residual_scale(self) -> float:
         """The robust scale of the window's residuals under the current fit (relative units)."""

@@ -96,6 +96,27 @@ def test_a_new_replica_uses_its_pools_fit_until_it_has_its_own() -> None:
     )
 
 
+def test_a_replica_that_joins_later_starts_from_the_pools_latest_fit() -> None:
+    """Once both replicas have their own fits the pool's is solved only every few observations
+    (gateway/calibration.py POOL_REFIT_EVERY); a replica joining after the fleet slowed down
+    starts from a pool fit that followed the slowdown."""
+    rs = replicas()
+    learner = CostLearner("fit", rs, Metrics())
+    rng = random.Random(3)
+    for i in range(2 * MIN_OWN_SAMPLES):
+        overlap = Overlap(rng.randrange(200, 4000))
+        observe(learner, rs[i % 2], overlap, slow_ttft(overlap, 3.0))
+    for i in range(30):  # the fleet slows down: only the pool's window knows it before a refit
+        overlap = Overlap(rng.randrange(200, 4000))
+        observe(learner, rs[i % 2], overlap, slow_ttft(overlap, 8.0))
+    config = parse_config({"pools": [{"name": "p", "replicas": [*URLS, "http://127.0.0.1:3"]}]})
+    newcomer = Registry(config).replicas["127.0.0.1:3"]
+    learner.add(newcomer)
+    assert learner.describe()["replicas"][newcomer.name]["source"] == "pool 'p' fit"
+    pooled = learner.terms_of(newcomer.name).prefill_s_per_token / SEED.prefill_s_per_token
+    assert pooled > 5.0  # it followed the slowdown
+
+
 def test_unusable_observations_teach_nothing() -> None:
     rs = replicas()
     learner = CostLearner("fit", rs, Metrics())

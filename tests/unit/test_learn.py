@@ -193,3 +193,14 @@ def test_a_fresh_engines_slow_first_requests_are_outliers_once_steady_ones_arriv
             errors.append(p90(rel_errors(fit, random.Random(99), real)))
     assert statistics.mean(warm) <= statistics.mean(steady) + 0.1
     assert max(warm) < 0.6
+
+
+def test_an_update_without_refit_waits_for_the_next_solve() -> None:
+    rng = random.Random(7)
+    fit = OnlineFit(SEED)
+    for _ in range(30):
+        fit.update(request(rng, truth(10.0)), refit=False)
+    assert fit.samples == 30
+    assert fit.terms().as_vector() == pytest.approx(SEED.as_vector())  # not solved yet
+    fit.refit()
+    assert fit.terms().prefill_s_per_token > 3 * SEED.prefill_s_per_token
