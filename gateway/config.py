@@ -292,7 +292,9 @@ class PoolConfig(Strict):
         default=False,
         description="Send each request's class as vLLM's `priority` (critical -1, standard 0, "
         "batch 1; lower runs first). Only for engines started with --scheduling-policy "
-        "priority: vLLM rejects the field otherwise.",
+        "priority: vLLM rejects the field otherwise. The cost model then counts, for a request, "
+        "the prefill under way and the work of its own or a more urgent class ahead of it, and "
+        "charges a placement the wait it adds to the less urgent requests it overtakes.",
     )
     # which prompts the replicas write to the remote tier: by expected reuse (routing/admission.py),
     # all of them, or none (the last two are baselines for comparison)

@@ -77,7 +77,6 @@ from loadtest.bench.replay import (
     Summary,
     at_offsets,
     has_text,
-    percentile,
     request_body,
     sse_chunks,
     summarize,
@@ -86,6 +85,7 @@ from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.workloads import critical_traces as ct
 from loadtest.workloads.traces import ServiceBound, TraceRecord
 from routing import cost
+from routing.whatif.summary import percentile
 
 # --- the fleet -------------------------------------------------------------------------------
 

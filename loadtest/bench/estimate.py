@@ -51,14 +51,7 @@ from loadtest.bench.processes import (
     sigterm_as_interrupt,
     sim_from_config,
 )
-from loadtest.bench.replay import (
-    PATHS,
-    REPLICA_HEADER,
-    at_offsets,
-    percentile,
-    request_body,
-    sse_chunks,
-)
+from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_body, sse_chunks
 from loadtest.bench.tier_experiment import scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
@@ -67,6 +60,7 @@ from loadtest.workloads import traces
 from loadtest.workloads.traces import TraceRecord
 from routing.cost import PCIE_GBPS, PREFILL_TOKENS_PER_S, REMOTE_GBPS
 from routing.prompt import approx_tokens
+from routing.whatif.summary import percentile
 
 EST_HEADER = "x-cachelane-est-ttft-ms"
 TERMS_HEADER = "x-cachelane-est-terms-ms"

@@ -49,7 +49,6 @@ from loadtest.bench.peer_routers import (
 )
 from loadtest.bench.processes import SimFleetSettings, sim_fleet
 from loadtest.bench.redis_servers import RedisMissing, RedisServer
-from loadtest.bench.replay import percentile
 from loadtest.sim.config import SIM_MODEL
 from loadtest.workloads import traces
 from routing.cost import HBM_CAPACITY_TOKENS, Load
@@ -58,6 +57,7 @@ from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
 from routing.index import Index, MemoryIndex
 from routing.prompt import approx_tokens, chat_text
 from routing.types import Location, Tier
+from routing.whatif.summary import percentile
 
 OUT_PATH = Path("results/bench_overhead.json")
 PLOT_PATH = Path("results/bench_overhead.png")

@@ -52,7 +52,7 @@ from loadtest.bench.processes import (
     sigterm_as_interrupt,
     sim_from_config,
 )
-from loadtest.bench.replay import RequestResult, percentile, replay
+from loadtest.bench.replay import RequestResult, replay
 from loadtest.sim.config import SIM_MODEL
 from loadtest.workloads import tier_traces
 from loadtest.workloads.traces import TraceRecord
@@ -60,7 +60,7 @@ from routing.whatif.capture import Capture, CapturedRequest, parse_capture
 from routing.whatif.replay import Replayed
 from routing.whatif.replay import replay as plan_replay
 from routing.whatif.setup import Setup, hbm_only, with_cpu, with_remote
-from routing.whatif.summary import ALL
+from routing.whatif.summary import ALL, percentile
 
 DURATION_S = 60.0
 QUICK_DURATION_S = 8.0

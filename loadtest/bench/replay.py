@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 
 from loadtest.workloads.traces import DEFAULT_MODEL, TraceRecord
+from routing.whatif.summary import percentile
 
 MAX_IN_FLIGHT = 512
 # Far above what the demo reaches (rate x latency ~ 15/s x 1 s); it only stops a runaway.
@@ -203,17 +203,6 @@ async def at_offsets(
 
 
 # --- summary ---------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True, slots=True)

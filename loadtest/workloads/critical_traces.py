@@ -31,6 +31,7 @@ from loadtest.sim.tiers import BlockLRU
 from loadtest.workloads.traces import ServiceBound, TraceRecord, prompt_text, words_text
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
 from routing.prompt import approx_tokens
+from routing.whatif.summary import percentile
 
 # --- tenants ---------------------------------------------------------------------------------
 
@@ -397,15 +398,7 @@ class Floor:
     ttft_ms: dict[str, list[float]]  # per class, and "all"
 
     def p(self, group: str, q: float) -> float:
-        values = sorted(self.ttft_ms.get(group, []))
-        if not values:
-            return math.nan
-        pos = (
-            (len(values) - 1) * q / 100
-        )  # linear interpolation, as loadtest.bench.replay.percentile
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(values) - 1)
-        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+        return percentile(self.ttft_ms.get(group, []), q)
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         return {g: {"p50_ms": self.p(g, 50), "p99_ms": self.p(g, 99)} for g in self.ttft_ms}
