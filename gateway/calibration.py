@@ -67,8 +67,16 @@ def sample_of(score: Score, observed_s: float, cached_tokens: int | None) -> Sam
             fetched -= from_fetch
             swapped -= from_swap
             uncached += missing
-        elif missing < 0:  # it held more than the index knew
-            uncached = max(0, uncached + missing)
+        elif missing < 0:  # it reused more than the estimate counted on
+            extra = -missing
+            if o.remote_tokens and not e.remote_fetch:
+                # the estimate would have recomputed what the remote tier held; the engine
+                # loaded it instead (a KV connector loads what it finds): that time is a fetch's
+                moved = min(extra, o.remote_tokens)
+                fetched += moved
+                uncached -= moved
+                extra -= moved
+            uncached = max(0, uncached - extra)  # the rest: HBM the index did not know of
     share = e.swap_tokens / o.cpu_tokens if o.cpu_tokens else 1.0  # 1 + swap-ins sharing PCIe
     return Sample(
         queued_tokens=e.queue_tokens,

@@ -63,6 +63,21 @@ def test_sample_moves_what_the_engine_did_not_reuse_to_prefilled() -> None:
     assert more.uncached_tokens == 500
 
 
+def test_remote_tokens_the_estimate_would_recompute_but_the_engine_reused_were_fetched() -> None:
+    """200 remote tokens: recomputing them beats the fetch's fixed cost, so the estimate counts
+    them as prefilled; the engine loaded them (cached 1,200 of 1,000 + 200 expected cached + 200
+    remote): the sample has them fetched, not free."""
+    r = replicas()[0]
+    overlap = Overlap(2000, hbm_tokens=1000, remote_tokens=200)
+    score = score_on(r, overlap)
+    assert not score.estimate.remote_fetch
+    s = sample_of(score, 0.1, cached_tokens=1200)
+    assert (s.uncached_tokens, s.fetched_tokens) == (800, 200)
+    # more than that reused: the rest was in HBM unknown to the index
+    s = sample_of(score, 0.1, cached_tokens=1500)
+    assert (s.uncached_tokens, s.fetched_tokens) == (500, 200)
+
+
 @pytest.mark.parametrize("mode", ["fit", "correction", "none"])
 def test_a_slow_fleet_is_learned_as_the_mode_says(mode: Mode) -> None:
     """A fleet 10x slower than the defaults: `fit` learns it, `correction` hits its 4x bound,
