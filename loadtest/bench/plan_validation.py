@@ -3,8 +3,11 @@ fleet, compared with the planner's prediction.
 
     python -m loadtest.bench.plan_validation            # ~4 minutes: 3 set-ups x 60 s
     python -m loadtest.bench.plan_validation --quick    # 8 s per set-up: checks the machinery
+    python -m loadtest.bench.plan_validation --slowdown 4   # a fleet 4x slower than an H200
 
-Set-ups (4 replicas, Llama-3.1-8B on H200 costs, routing/cost.py's defaults):
+Set-ups (4 replicas, Llama-3.1-8B on H200 costs, routing/cost.py's defaults; with --slowdown N,
+prefill, PCIe and network N times slower: the gateway is told the PCIe and network bandwidths, an
+operator's known figures, and learns the prefill rate):
   hbm      HBM only, 12k tokens per replica
   cpu      + a CPU tier of 8k tokens per replica
   remote   + one shared remote tier (remote_write: reuse)
@@ -56,6 +59,7 @@ from loadtest.bench.replay import RequestResult, replay
 from loadtest.sim.config import SIM_MODEL
 from loadtest.workloads import tier_traces
 from loadtest.workloads.traces import TraceRecord
+from routing.cost import PCIE_GBPS, PREFILL_TOKENS_PER_S, REMOTE_GBPS
 from routing.whatif.capture import Capture, CapturedRequest, parse_capture
 from routing.whatif.replay import Replayed
 from routing.whatif.replay import replay as plan_replay
@@ -102,7 +106,10 @@ LABELS = {
 OUT_JSON = Path("results/plan_validation.json")
 
 
-def fleet_config(setup: str, replicas: list[str], remote: str) -> dict[str, Any]:
+def fleet_config(
+    setup: str, replicas: list[str], remote: str, slowdown: float = 1.0
+) -> dict[str, Any]:
+    """The gateway's config (and the sim's, once `sim_costs` are added)."""
     pool: dict[str, Any] = {
         "name": "fleet",
         "replicas": replicas,
@@ -110,6 +117,8 @@ def fleet_config(setup: str, replicas: list[str], remote: str) -> dict[str, Any]
         "hbm_capacity_tokens": HBM_TOKENS,
         "cpu_capacity_tokens": 0 if setup == "hbm" else CPU_TOKENS,
     }
+    if slowdown != 1.0:
+        pool["costs"] = {"pcie_gbps": PCIE_GBPS / slowdown, "remote_gbps": REMOTE_GBPS / slowdown}
     config: dict[str, Any] = {
         "tenants": [
             {"name": "voice", "api_key": KEYS["voice"], "class": "critical"},
@@ -165,14 +174,22 @@ async def _both(
 
 
 def run_setup(
-    setup: str, voice: list[TraceRecord], web: list[TraceRecord], log_dir: Path
+    setup: str,
+    voice: list[TraceRecord],
+    web: list[TraceRecord],
+    log_dir: Path,
+    slowdown: float = 1.0,
 ) -> tuple[dict[str, list[RequestResult]], Path, float | None]:
     urls = loopback_urls(REPLICAS + 1)
-    config = fleet_config(setup, urls[1:], urls[0])
+    config = fleet_config(setup, urls[1:], urls[0], slowdown)
     capture = log_dir / f"capture-{setup}.jsonl"
-    sim_config = {**config, "pools": [dict(config["pools"][0], remote_tier=None)]}
-    if setup == "remote":
-        sim_config = config
+    sim_pool = dict(config["pools"][0])
+    if setup != "remote":
+        sim_pool["remote_tier"] = None
+    if slowdown != 1.0:
+        prefill = {"prefill_tokens_per_s": PREFILL_TOKENS_PER_S / slowdown}
+        sim_pool["costs"] = {**sim_pool["costs"], **prefill}
+    sim_config = {**config, "pools": [sim_pool]}
     with sim_from_config(sim_config, log_dir, setup):
         lookup_s = probe_lookup_s(urls[0]) if setup == "remote" else None
         gw_config = {**config, "capture": {"path": str(capture.resolve())}}
@@ -308,6 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=float, default=None, help=f"(default {DURATION_S:.0f})")
     p.add_argument("--out", type=Path, default=OUT_JSON, help="(default: %(default)s)")
     p.add_argument("--log-dir", type=Path, default=Path("results/plan_validation"))
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="the fleet's prefill, PCIe and network this many times slower than the defaults "
+        "(request rates unchanged; default 1: TTFTs of a few ms, which this machine's jitter "
+        "dominates)",
+    )
     return p
 
 
@@ -326,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hbm_tokens": HBM_TOKENS,
         "cpu_tokens": CPU_TOKENS,
         "remote_tokens": REMOTE_TOKENS,
+        "slowdown": args.slowdown,
         "setups": {},
     }
     captures: dict[str, Capture] = {}
@@ -333,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     with sigterm_as_interrupt():
         for setup in SETUPS:
-            results, path, probed = run_setup(setup, voice, web, args.log_dir)
+            results, path, probed = run_setup(setup, voice, web, args.log_dir, args.slowdown)
             lookup_s = probed if probed is not None else lookup_s
             captures[setup] = read_capture(path)
             payload["setups"][setup] = {
