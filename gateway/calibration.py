@@ -52,9 +52,14 @@ class Observation:
     cached_tokens: int | None  # what the engine reported, when the response carried usage
 
 
-def sample_of(score: Score, observed_s: float, cached_tokens: int | None) -> Sample:
+def sample_of(
+    score: Score, observed_s: float, cached_tokens: int | None, remote_fixed_s: float = 0.0
+) -> Sample:
     """The regression sample of one request: the tokens the decision expected in each tier,
-    moved to "prefilled" (or from it) by what the engine says it actually reused."""
+    moved to "prefilled" (or from it) by what the engine says it actually reused. A request that
+    fetched from the remote tier paid the tier's fixed cost per fetch (`remote_fixed_s`, a
+    configured constant the fit does not learn, routing/cost.py): it is taken out of the
+    observation, or the fit would spread it over the per-token rates."""
     o, e = score.overlap, score.estimate
     fetched = o.remote_tokens if e.remote_fetch else 0
     uncached = o.prompt_tokens - o.hbm_tokens - o.cpu_tokens - fetched
@@ -83,7 +88,7 @@ def sample_of(score: Score, observed_s: float, cached_tokens: int | None) -> Sam
         uncached_tokens=float(uncached),
         swapped_tokens=float(swapped * share),
         fetched_tokens=float(fetched),
-        observed_s=observed_s,
+        observed_s=observed_s - remote_fixed_s if fetched else observed_s,
     )
 
 
@@ -130,7 +135,8 @@ class CostLearner:
                 ob.observed_s / est_s if est_s > 0 else 0.0
             )
         if self.mode == "fit":
-            sample = sample_of(ob.score, ob.observed_s, ob.cached_tokens)
+            remote_fixed_s = replica.costs.remote_fixed_s
+            sample = sample_of(ob.score, ob.observed_s, ob.cached_tokens, remote_fixed_s)
             if self._own[replica.name].update(sample):
                 pooled = self._pooled[replica.pool.name]
                 read = self._pool_fit_in_use(replica.pool.name)

@@ -78,6 +78,15 @@ def test_remote_tokens_the_estimate_would_recompute_but_the_engine_reused_were_f
     assert (s.uncached_tokens, s.fetched_tokens) == (500, 200)
 
 
+def test_the_remote_tiers_fixed_cost_is_taken_out_of_a_fetching_requests_observation() -> None:
+    r = replicas()[0]
+    fetching = score_on(r, Overlap(40_000, remote_tokens=30_000))
+    assert fetching.estimate.remote_fetch
+    assert sample_of(fetching, 0.1, None, remote_fixed_s=0.026).observed_s == pytest.approx(0.074)
+    cold = score_on(r, Overlap(4000))
+    assert sample_of(cold, 0.1, None, remote_fixed_s=0.026).observed_s == 0.1
+
+
 @pytest.mark.parametrize("mode", ["fit", "correction", "none"])
 def test_a_slow_fleet_is_learned_as_the_mode_says(mode: Mode) -> None:
     """A fleet 10x slower than the defaults: `fit` learns it, `correction` hits its 4x bound,
