@@ -163,7 +163,7 @@ def test_unforeseen_delays_on_cached_requests_do_not_drag_the_overhead() -> None
     assert p90(rel_errors(fit, rng, real)) < 0.15
 
 
-def test_a_shift_resets_the_covariance_and_noise_does_not() -> None:
+def test_a_shift_forgets_the_window_before_it_and_noise_does_not() -> None:
     rng = random.Random(4)
     fit = OnlineFit(SEED)
     for _ in range(300):
