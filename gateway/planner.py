@@ -75,6 +75,13 @@ class Plan:
     hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
     endpoint: str = "chat"  # chat, completions, responses, embeddings
 
+    def engine_priority(self, replica: Replica) -> int | None:
+        """The `priority` the request carries to `replica`: its class's, where the replica's pool
+        schedules by priority (pools[].engine_priority); None elsewhere."""
+        if not replica.pool.engine_priority:
+            return None
+        return ENGINE_PRIORITY[self.tenant.tenant_class]
+
 
 PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "responses": "input"}
 
@@ -293,7 +300,6 @@ class Planner:
         current load, is estimated to give the first token within `budget_s`, or has an empty
         prefill queue (a request whose own prefill is longer than the budget must still go)."""
         now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
-        priority_of = ENGINE_PRIORITY[plan.tenant.tenant_class]
         for score in plan.decision.scores:
             replica = plan.replicas[score.replica]  # one that left the fleet is unhealthy
             if not replica.healthy:
@@ -301,7 +307,7 @@ class Planner:
             load = replica.load(now_s, stale_s)
             if load.pending_prefill_tokens == 0:  # only decodes running: the prefill is free
                 return True
-            priority = priority_of if replica.pool.engine_priority else None
+            priority = plan.engine_priority(replica)
             est = estimate(score.overlap, load, replica.costs, replica.terms, priority)
             if est.ttft_s <= budget_s:
                 return True

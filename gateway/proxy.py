@@ -49,7 +49,6 @@ from gateway.upstream import (
     UpstreamTimeout,
 )
 from routing.cost import Estimate
-from routing.types import ENGINE_PRIORITY
 
 log = logging.getLogger("cachelane.proxy")
 
@@ -126,8 +125,9 @@ def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
     extra: dict[str, Any] = {}
     if replica.pool.cache_salt and plan.endpoint != "embeddings":  # vLLM's pooling takes none
         extra["cache_salt"] = plan.cache_salt
-    if replica.pool.engine_priority:
-        extra["priority"] = ENGINE_PRIORITY[plan.tenant.tenant_class]
+    priority = plan.engine_priority(replica)
+    if priority is not None:
+        extra["priority"] = priority
     if not extra:
         return raw_body
     body = {**plan.body, **extra}
@@ -326,14 +326,12 @@ class Proxy:
         score = plan.decision.score(replica.name)
         prefill = score.overlap.prompt_tokens - score.expected_cached_tokens
         swaps = 1 if score.overlap.cpu_tokens else 0
-        klass = plan.tenant.tenant_class
-        priority = ENGINE_PRIORITY[klass] if replica.pool.engine_priority else None
         return self._registry.reserve(
             replica,
             prefill_tokens=prefill,
             swaps=swaps,
             load_s=score.estimate.load_s,
-            priority=priority,
+            priority=plan.engine_priority(replica),
         )
 
     def _first_byte(self, reservation: Reservation, plan: Plan) -> float:

@@ -288,24 +288,19 @@ def _bounded_solve(
     """argmin of the quadratic with this Gram matrix and right-hand side within [low, high]: solve,
     hold each term that leaves its bounds at the bound, solve the others again (an active set;
     at most one round per term)."""
-    theta = np.linalg.solve(gram, rhs)
-    if ((theta >= low) & (theta <= high)).all():
-        return theta
-    theta = np.clip(np.ones(len(rhs)), low, high)
+    theta: np.ndarray = np.linalg.solve(gram, rhs)
     free = np.ones(len(rhs), dtype=bool)
-    for _ in range(len(rhs)):
-        held = ~free
-        b = rhs[free] - gram[np.ix_(free, held)] @ theta[held]
-        theta[free] = np.linalg.solve(gram[np.ix_(free, free)], b)
+    while True:
         out = free & ((theta < low) | (theta > high))
         if not out.any():
-            break
+            return theta
         theta = np.clip(theta, low, high)
         free &= ~out
         if not free.any():
-            break
-    clipped: np.ndarray = np.clip(theta, low, high)
-    return clipped
+            return theta
+        held = ~free
+        b = rhs[free] - gram[np.ix_(free, held)] @ theta[held]
+        theta[free] = np.linalg.solve(gram[np.ix_(free, free)], b)
 
 
 def _list(value: object) -> list[object]:

@@ -231,25 +231,20 @@ def tenants_config() -> list[dict[str, str]]:
 def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
     """Each arm's cachelane config: the fleet's facts, tenants and pools; defaults otherwise."""
     tiers = [{"name": "kv", "url": fleet.remote}]
-    if arm == "no-tenants":
-        return {
-            "remote_tiers": tiers,
-            "flow_control": {"enabled": False},
-            "pools": [
-                _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True),
-                _pool("offload", fleet.offload, offload=True),
-            ],
-        }
-    if arm == "priority":
-        priority_pool: dict[str, Any] = {"engine_priority": True}
+    if arm in ("no-tenants", "priority"):  # the fleet's two kinds of replica, no pinned pool
+        by_class = arm == "priority"
+        extra: dict[str, Any] = {"engine_priority": True} if by_class else {}
+        pools = [
+            _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True, **extra),
+            _pool("offload", fleet.offload, offload=True, **extra),
+        ]
+        if not by_class:
+            return {"remote_tiers": tiers, "flow_control": {"enabled": False}, "pools": pools}
         return {
             "tenants": tenants_config(),
             "critical": {"clear_while_loading": True},
             "remote_tiers": tiers,
-            "pools": [
-                _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True, **priority_pool),
-                _pool("offload", fleet.offload, offload=True, **priority_pool),
-            ],
+            "pools": pools,
         }
     flow = arm == "flow-control"
     priority: dict[str, Any] = {"engine_priority": True} if flow else {}
