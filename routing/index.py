@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from itertools import islice, takewhile
+from itertools import takewhile
 from operator import truth
 from typing import Protocol, cast
 
@@ -27,6 +27,11 @@ from routing.types import BlockHits, Location, Tier
 DEFAULT_TTL_S = 600.0
 # Speculative entries expire after 10 minutes: the same order as vLLM's prefix-cache lifetime under
 # steady load; engines' KV events (precise mode) refresh or remove entries long before that.
+FREEZE_MARGIN = 0.05
+# A block's holders are kept built (frozen) only while all of them live 5% of the TTL longer (30 s
+# of the default 10 minutes), so a lookup checks one per-model floor instead of every block's
+# expiry, and the entries near their end are rebuilt at most once per margin (a scan of the
+# model's frozen entries).
 SWEEP_MIN_ENTRIES = 64
 # Expired entries the memory index removes per record, at least (and at least twice the blocks
 # recorded): removal outpaces insertion, so without a capacity memory stays bounded by what was
@@ -104,6 +109,7 @@ class MemoryIndex:
         "dropped" (drop_location / drop_replica). It is called synchronously; it must not
         touch the index."""
         self._ttl_s = ttl_s
+        self._freeze_margin_s = FREEZE_MARGIN * ttl_s
         self._capacity = capacity_blocks
         self._spill_to = spill_to
         self._clock = clock
@@ -116,6 +122,9 @@ class MemoryIndex:
         # with the same holders share one object (what decide() groups into runs)
         self._frozen: dict[str, dict[int, frozenset[Location]]] = {}
         self._frozen_expiry: dict[str, dict[int, float]] = {}
+        # model -> the earliest expiry of its frozen entries (a lower bound: an entry unfrozen
+        # since does not raise it); while it is in the future, every frozen entry is alive
+        self._frozen_floor: dict[str, float] = {}
         # location -> LRU of (model, hash), oldest first; with one TTL this is also expiry order
         self._lru: dict[Location, OrderedDict[BlockKey, None]] = {}
 
@@ -126,40 +135,54 @@ class MemoryIndex:
         now = self._clock()
         frozen = self._frozen.get(model)
         if frozen is not None:
-            # the common case, at C speed: every block up to the first miss built and unexpired
+            if self._frozen_floor[model] <= now:
+                self._thaw(model, now)
+            # the common case, at C speed: every block up to the first miss built (and so alive)
             built = cast(Callable[[int], frozenset[Location] | None], frozen.get)
             hits = cast(BlockHits, list(takewhile(truth, map(built, hashes))))
             if len(hits) == len(hashes) or (model, hashes[len(hits)]) not in self._blocks:
-                expiry = self._frozen_expiry[model]
-                if not hits or min(map(expiry.__getitem__, islice(hashes, len(hits)))) > now:
-                    return hits
+                return hits
         return self._lookup_building(model, hashes, now)
+
+    def _thaw(self, model: str, now: float) -> None:
+        """Unfreeze the model's entries that end within the freeze margin (lookups rebuild them
+        with their refreshed expiries), and raise the floor to the earliest left."""
+        expiry = self._frozen_expiry[model]
+        frozen = self._frozen[model]
+        horizon = now + self._freeze_margin_s
+        for h in [h for h, e in expiry.items() if e <= horizon]:
+            del expiry[h], frozen[h]
+        self._frozen_floor[model] = min(expiry.values(), default=float("inf"))
 
     def _lookup_building(self, model: str, hashes: Sequence[int], now: float) -> BlockHits:
         """lookup_now block by block, building (and keeping) each block's frozenset."""
         frozen = self._frozen.setdefault(model, {})
         frozen_expiry = self._frozen_expiry.setdefault(model, {})
+        floor = self._frozen_floor.setdefault(model, float("inf"))
+        horizon = now + self._freeze_margin_s
         hits: BlockHits = []
         previous: frozenset[Location] = frozenset()
         for h in hashes:
             holders = self._blocks.get((model, h))
             if not holders:
                 break
-            earliest = min(holders.values())
-            if earliest > now:
-                alive = frozen.get(h)
-                if alive is None or frozen_expiry[h] <= now:
+            alive = frozen.get(h)
+            if alive is None:
+                earliest = min(holders.values())
+                if earliest > horizon:
                     alive = frozenset(holders)
                     if alive == previous:
                         alive = previous
                     frozen[h] = alive
                     frozen_expiry[h] = earliest
-            else:
-                alive = frozenset(loc for loc, expiry in holders.items() if expiry > now)
+                    floor = min(floor, earliest)
+                else:
+                    alive = frozenset(loc for loc, expiry in holders.items() if expiry > now)
             if not alive:
                 break
             hits.append(alive)
             previous = alive
+        self._frozen_floor[model] = floor
         return hits
 
     async def record(self, model: str, hashes: Sequence[int], location: Location) -> None:
