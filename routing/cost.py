@@ -198,32 +198,43 @@ def estimate(
     come, first served)."""
     t = terms if terms is not None else seeded(costs)
     per_token = t.prefill_s_per_token
-    uncached = overlap.uncached_tokens
-    swap_tokens = overlap.cpu_tokens * (1 + load.swaps_in_flight)
+    n, hbm_tokens, cpu_tokens, remote_tokens = overlap
+    # conditionals rather than min() / max() here and below: this runs per candidate per
+    # request, and a builtin call costs more than the arithmetic it guards
+    uncached = n - hbm_tokens - cpu_tokens - remote_tokens
+    if uncached < 0:
+        uncached = 0
+    swap_tokens = cpu_tokens * (1 + load.swaps_in_flight)
     swap_s = swap_tokens * t.swap_s_per_token
 
     remote_s = 0.0
     remote_fetch = False
-    if overlap.remote_tokens:
-        fetch_s = costs.remote_fixed_s + overlap.remote_tokens * t.fetch_s_per_token
-        recompute_s = overlap.remote_tokens * per_token
+    if remote_tokens:
+        fetch_s = costs.remote_fixed_s + remote_tokens * t.fetch_s_per_token
+        recompute_s = remote_tokens * per_token
         remote_fetch = fetch_s < recompute_s
-        remote_s = min(fetch_s, recompute_s)
+        remote_s = fetch_s if remote_fetch else recompute_s
 
-    chunks = -(-max(uncached, 1) // costs.prefill_chunk_tokens)
+    chunks = -(-(uncached or 1) // costs.prefill_chunk_tokens)
     decode_tokens = load.in_flight * chunks  # one per running request per step of our prefill
-    load_s = swap_s + (remote_s if remote_fetch else 0.0)  # a recompute is prefill work
-    queue_s, overtakes = _queue_wait(load, load_s, per_token, decode_tokens, priority)
+    load_s = swap_s + remote_s if remote_fetch else swap_s  # a recompute is prefill work
+    if load.queue:
+        queue_s, overtakes = _queue_wait(load, load_s, per_token, decode_tokens, priority)
+    else:  # _queue_wait's closed form, inline: most candidates have nothing known queued
+        queue_s = _closed_form_wait(load, load_s, per_token, decode_tokens)
+        overtakes = 0
+    # positional: Estimate(fixed, queue, swap, remote, prefill, remote_fetch, queue_tokens,
+    # swap_tokens, overtakes), built once per candidate per request
     return Estimate(
-        fixed_s=t.fixed_s,
-        queue_s=queue_s,
-        swap_s=swap_s,
-        remote_s=remote_s,
-        prefill_s=uncached * per_token,
-        remote_fetch=remote_fetch,
-        queue_tokens=queue_s / per_token,
-        swap_tokens=swap_tokens,
-        overtakes=overtakes,
+        t.fixed_s,
+        queue_s,
+        swap_s,
+        remote_s,
+        uncached * per_token,
+        remote_fetch,
+        queue_s / per_token,
+        swap_tokens,
+        overtakes,
     )
 
 
@@ -247,6 +258,20 @@ def queue_wait_s(
     return _queue_wait(load, joins_in_s, per_token_s, extra_tokens, priority)[0]
 
 
+def _closed_form_wait(
+    load: Load, joins_in_s: float, per_token_s: float, extra_tokens: int
+) -> float:
+    """The wait when no known request joins the queue: what is queued (less the progress on the
+    head) drains first."""
+    pending = load.pending_prefill_tokens
+    work_s = ((pending if pending > 0 else 0) + extra_tokens) * per_token_s
+    if not work_s:
+        return 0.0
+    busy_s = load.busy_s
+    wait_s = work_s - (busy_s if busy_s < work_s else work_s) - joins_in_s
+    return wait_s if wait_s > 0.0 else 0.0
+
+
 def _queue_wait(
     load: Load,
     joins_in_s: float,
@@ -256,8 +281,7 @@ def _queue_wait(
 ) -> tuple[float, int]:
     """queue_wait_s, and how many known requests the request overtakes."""
     if not load.queue:  # nothing known to join: the general replay below, in closed form
-        work_s = (max(0, load.pending_prefill_tokens) + extra_tokens) * per_token_s
-        return (max(0.0, work_s - min(load.busy_s, work_s) - joins_in_s) if work_s else 0.0), 0
+        return _closed_form_wait(load, joins_in_s, per_token_s, extra_tokens), 0
     known = sum(q.tokens for q in load.queue)
     unknown = max(0, load.pending_prefill_tokens - known) + extra_tokens
     progress_s = load.busy_s

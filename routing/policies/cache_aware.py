@@ -36,21 +36,17 @@ class CacheAware:
         seq: int,
         rng: random.Random,
     ) -> Decision:
-        in_flight = {c.name: c.load.in_flight for c in candidates}
-        cost = {s.replica: cost_s(s) for s in scores}
-        best_s = min(cost.values())
-        tie_s = max(NEAR_TIE_S, NEAR_TIE_FRACTION * best_s)
-        tiebreak = {s.replica: rng.random() for s in scores}
-
-        def rank(s: Score) -> tuple[float, int, float]:
-            c = cost[s.replica]
-            return (
-                best_s if c <= best_s + tie_s else c,
-                in_flight[s.replica],
-                tiebreak[s.replica],
-            )
-
-        ordered = sorted(scores, key=rank)
+        costs = [cost_s(s) for s in scores]  # scores are in the candidates' order
+        best_s = min(costs)
+        tie_s = best_s + max(NEAR_TIE_S, NEAR_TIE_FRACTION * best_s)
+        rand = rng.random
+        # rank: the cost, where near-ties count as the best, then fewer in flight, then rng
+        keys = [
+            (best_s if cost <= tie_s else cost, c.load.in_flight, rand(), i)
+            for i, (cost, c) in enumerate(zip(costs, candidates, strict=True))
+        ]
+        keys.sort()
+        ordered = [scores[k[3]] for k in keys]
         chosen = ordered[0]
         reason = _reason(chosen, scores)
         ranking = tuple(s.replica for s in ordered)
