@@ -37,7 +37,7 @@ from routing.admission import AdmissionVerdict, family_key, should_write
 from routing.cost import estimate
 from routing.decide import Candidate, Decision, Policy, RouteRequest, decide
 from routing.filters import Eligibility, Fallback, admitted, eligible, lendable, should_shed
-from routing.hashing import block_hashes, token_block_hashes
+from routing.hashing import PrefixHasher, token_block_hashes
 from routing.index import Index, record_prompt
 from routing.prompt import (
     PromptError,
@@ -151,6 +151,7 @@ class Planner:
         self._metrics = metrics
         self._policy: Policy = config.routing.policy
         self._block_size = config.routing.block_size_tokens
+        self._hasher = PrefixHasher()  # approximate mode: prompt text -> block hashes
         self._rng = random.Random(config.routing.seed)
         self._seq = 0
         self._precise = config.routing.mode == "precise"
@@ -234,7 +235,9 @@ class Planner:
             text = prompt_of(endpoint, body)
             prompt_tokens = approx_tokens(text)
             namespace = namespace_of(model, tenant, client_salt)
-            hashes = block_hashes(text, block_size_tokens=self._block_size, namespace=namespace)
+            hashes = self._hasher.block_hashes(
+                text, block_size_tokens=self._block_size, namespace=namespace
+            )
         self._check_length(model, prompt_tokens, endpoint)
         if not self._registry.healthy_for(model):
             raise no_replica(model)

@@ -1,6 +1,14 @@
+import random
+
 import pytest
 
-from routing.hashing import block_hashes, root_seed, token_block_hashes
+from routing.hashing import (
+    SPAN_BLOCKS,
+    PrefixHasher,
+    block_hashes,
+    root_seed,
+    token_block_hashes,
+)
 from routing.prompt import CHARS_PER_TOKEN
 
 FOX = "The quick brown fox jumps over the lazy dog. " * 4  # 180 characters
@@ -66,3 +74,36 @@ def test_token_block_hashes_chain() -> None:
     h = token_block_hashes(ids, block_size_tokens=32)
     assert len(h) == 3
     assert token_block_hashes(ids[:64], block_size_tokens=32) == h[:2]
+
+
+def _texts(seed: int) -> list[str]:
+    """Prompts that share prefixes of every length (span-aligned and not), ASCII or not."""
+    rng = random.Random(seed)
+    alphabet = "abcdefgh ijklmnop\n" + ("é中😀" if seed % 2 else "")
+    base = "".join(rng.choice(alphabet) for _ in range(3 * SPAN_BLOCKS * 64 + 100))
+    texts = [base[: rng.randrange(len(base))] for _ in range(30)]
+    texts += [t + "".join(rng.choice(alphabet) for _ in range(rng.randrange(300))) for t in texts]
+    return [*texts, base, base, "", "x" * 63, "\ud800" * 200]  # a lone surrogate, as JSON allows
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("max_spans", [1, 3, 4096])
+def test_prefix_hasher_gives_block_hashes_exactly(seed: int, max_spans: int) -> None:
+    """Whatever it remembers (or had to forget), the hashes are block_hashes()'s."""
+    hasher = PrefixHasher(max_spans=max_spans)
+    for text in _texts(seed):
+        for block_tokens, namespace in [(16, "m"), (16, "other"), (4, "m")]:
+            expected = block_hashes(text, block_size_tokens=block_tokens, namespace=namespace)
+            got = hasher.block_hashes(text, block_size_tokens=block_tokens, namespace=namespace)
+            assert got == expected
+    assert len(hasher) <= max_spans
+
+
+def test_prefix_hasher_remembers_shared_spans_only() -> None:
+    hasher = PrefixHasher()
+    span_chars = SPAN_BLOCKS * 16 * CHARS_PER_TOKEN
+    shared = "s" * (2 * span_chars)
+    hasher.block_hashes(shared + "a" * span_chars)
+    assert len(hasher) == 3
+    hasher.block_hashes(shared + "b" * span_chars + "tail")  # the shared two spans are reused
+    assert len(hasher) == 4
