@@ -51,9 +51,9 @@ from loadtest.bench.processes import SimFleetSettings, sim_fleet
 from loadtest.bench.redis_servers import RedisMissing, RedisServer
 from loadtest.sim.config import SIM_MODEL
 from loadtest.workloads import traces
-from routing.cost import HBM_CAPACITY_TOKENS, Load
+from routing.cost import HBM_CAPACITY_TOKENS, Load, PoolCosts
 from routing.decide import Candidate, Policy, RouteRequest, decide
-from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
+from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, PrefixHasher
 from routing.index import Index, MemoryIndex
 from routing.prompt import approx_tokens, chat_text
 from routing.types import Location, Tier
@@ -351,49 +351,66 @@ async def _fill(index: Index, hashes: list[int], replicas: int) -> None:
         await index.record(SIM_MODEL, hashes[:blocks], Location(f"r{i}", Tier.HBM))
 
 
+QUESTION_TOKENS = 64  # each decision's prompt: a prefix sent before, then a new question
+
+
 async def bench_decision(backends: dict[str, Index], budget_s: float) -> list[dict[str, Any]]:
+    """The gateway's decision path on a prompt whose first tokens - QUESTION_TOKENS were sent
+    before (a document, a system prompt, earlier turns) and whose question is new, as most
+    requests are; `hash_unique` hashes a prompt of the same length that shares nothing."""
     rows: list[dict[str, Any]] = []
     rng = random.Random(SEED)
     for tokens in DECISION_TOKENS:
-        text = traces.words_text(rng, tokens)
-        messages = [{"role": "user", "content": text}]
+        prefix = traces.words_text(rng, tokens - QUESTION_TOKENS)
+        questions = [traces.words_text(rng, QUESTION_TOKENS) for _ in range(50)]
         for replicas in DECISION_REPLICAS:
-            # every replica holds a different share of this prompt; half are busy
+            # every replica holds a different share of the prefix; half are busy
             loads = [
                 Load(in_flight=i % 8, pending_prefill_tokens=(i % 4) * 2048)
                 for i in range(replicas)
             ]
-            candidates = [Candidate(f"r{i}", load=loads[i]) for i in range(replicas)]
+            # one pool: its replicas share one PoolCosts, as the gateway's do
+            costs = PoolCosts()
+            candidates = [Candidate(f"r{i}", load=loads[i], costs=costs) for i in range(replicas)]
             for name, index in backends.items():
                 namespace = f"{SIM_MODEL}|{name}-{tokens}-{replicas}"
-                hashes = block_hashes(chat_text(messages), namespace=namespace)
-                await _fill(index, hashes, replicas)
+                hasher = PrefixHasher()  # the gateway's (gateway/planner.py)
+                strangers = PrefixHasher()  # unique prompts only, so they evict none of hasher's
+                sent = [{"role": "user", "content": prefix}]
+                await _fill(
+                    index, hasher.block_hashes(chat_text(sent), namespace=namespace), replicas
+                )
                 parts: dict[str, list[float]] = {
                     "hash": [],
                     "lookup": [],
                     "decide": [],
                     "total": [],
+                    "hash_unique": [],
                 }
                 decide_rng = random.Random(SEED)
                 deadline = time.monotonic() + budget_s
                 for i in range(DECISION_ITERATIONS + 10):
                     if time.monotonic() > deadline:
                         break
+                    messages = [{"role": "user", "content": prefix + questions[i % 50]}]
                     t0 = time.perf_counter()
                     prompt = chat_text(messages)
-                    hs = block_hashes(prompt, namespace=namespace)
+                    hs = hasher.block_hashes(prompt, namespace=namespace)
                     t1 = time.perf_counter()
                     hits = await index.lookup(SIM_MODEL, hs)
                     t2 = time.perf_counter()
                     request = RouteRequest(hs, approx_tokens(prompt), DEFAULT_BLOCK_SIZE_TOKENS)
                     decide(request, candidates, hits, Policy.CACHE_AWARE, seq=i, rng=decide_rng)
                     t3 = time.perf_counter()
+                    strangers.block_hashes(prompt, namespace=f"{namespace}-unique-{i}")
+                    t4 = time.perf_counter()
                     if i < 10:
                         continue  # warm-up
                     parts["hash"].append((t1 - t0) * 1e3)
                     parts["lookup"].append((t2 - t1) * 1e3)
                     parts["decide"].append((t3 - t2) * 1e3)
                     parts["total"].append((t3 - t0) * 1e3)
+                    parts["hash_unique"].append((t4 - t3) * 1e3)
                 row: dict[str, Any] = {
                     "backend": name,
                     "prompt_tokens": tokens,
@@ -474,13 +491,14 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
         "decide p50",
         "total p50",
         "total p99",
+        "unique prompt: hash p50",
     ):
         t.add_column(c, justify="left" if c == "index" else "right")
     for r in payload["decision"]:
         t.add_row(
             r["backend"], str(r["prompt_tokens"]), str(r["replicas"]), str(r["iterations"]),
             _f(r["hash_p50_ms"], 3), _f(r["lookup_p50_ms"], 3), _f(r["decide_p50_ms"], 3),
-            _f(r["total_p50_ms"], 3), _f(r["total_p99_ms"], 3),
+            _f(r["total_p50_ms"], 3), _f(r["total_p99_ms"], 3), _f(r.get("hash_unique_p50_ms"), 3),
         )  # fmt: skip
     console.print(t)
     for label, why in payload["http"]["not_run"].items():
