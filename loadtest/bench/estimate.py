@@ -426,6 +426,38 @@ def _errors(samples: Sequence[Sample]) -> list[float]:
     return [e for e in (s.rel_error for s in samples) if e is not None]
 
 
+FIXED_ONLY_TOKENS = 100  # computed tokens below which a request's prefill is a few ms at most
+FIXED_ONLY_WAIT_MS = 1.0
+
+
+def fixed_only(samples: Sequence[Sample]) -> list[float]:
+    """Observed TTFTs (s) of the requests whose cost, by the sim's own report, was the fixed
+    overhead alone: all of the prompt in HBM but under FIXED_ONLY_TOKENS, no swap-in, no fetch,
+    no wait for the prefill. Every cost model gives them one figure, its fixed term."""
+    return [
+        s.obs_s
+        for s in samples
+        if s.ok
+        and s.obs_s
+        and s.sim.get("computed_tokens", math.inf) < FIXED_ONLY_TOKENS
+        and not s.sim.get("cpu_tokens")
+        and not s.sim.get("remote_tokens")
+        and s.sim.get("queue_wait_ms", math.inf) < FIXED_ONLY_WAIT_MS
+    ]
+
+
+def error_floor(fixed_obs: Sequence[float], share: float) -> float:
+    """A floor under the p90 of |est - obs| / obs that a model with a fixed term can reach on
+    this run: the requests in `fixed_obs` (a `share` of all) get one estimate c, so at least
+    share x (1 - q) of all requests are off by more than their q-quantile error at the best c,
+    and the overall p90 is at least the quantile q = 1 - 0.1 / share. NaN when they are too
+    few to bound it (share <= 10%)."""
+    if share <= 0.1 or not fixed_obs:
+        return math.nan
+    q = 100 * (1 - 0.1 / share)
+    return min(percentile([abs(c - o) / o for o in fixed_obs], q) for c in fixed_obs)
+
+
 def arm_stats(arm: ArmResult) -> dict[str, Any]:
     ok = [s for s in arm.samples if s.ok]
     first, after = _errors(arm.samples[:FIRST_N]), _errors(arm.samples[FIRST_N:])
@@ -451,9 +483,17 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
         for s in arm.samples[FIRST_N:]
         if s.ok and s.obs_s and "queue" in s.est_terms_ms and "queue_wait_ms" in s.sim
     ]
+    after_ok = [s for s in arm.samples[FIRST_N:] if s.ok and s.rel_error is not None]
+    fixed_obs = fixed_only(after_ok)
+    fixed_share = len(fixed_obs) / len(after_ok) if after_ok else 0.0
     return {
         "requests": len(arm.samples),
         "ok": len(ok),
+        "fixed_only_share": fixed_share,
+        "fixed_only_ttft_p10_p50_p90_ms": [percentile(fixed_obs, q) * 1000 for q in (10, 50, 90)]
+        if fixed_obs
+        else [],
+        "err_p90_floor": error_floor(fixed_obs, fixed_share),
         "errors": len(arm.samples) - len(ok),
         "err_p50_first": percentile(first, 50),
         "err_p90_first": percentile(first, 90),
@@ -541,13 +581,15 @@ def table(results: Mapping[float, Mapping[str, ArmResult]]) -> Table:
         box=box.SIMPLE_HEAD,
         caption=f"first / after: the first {FIRST_N} requests of an arm / the rest; "
         "est/obs: median ratio (bias); queue est/sim: mean t_queue vs the sims' measured wait "
-        "(ms), queue err: p90 of |t_queue - wait| / obs after; util: prefill utilisation; tiers: "
-        "share of prompt tokens from HBM / CPU / remote",
+        "(ms), queue err: p90 of |t_queue - wait| / obs after; floor: the p90 after that no "
+        "model with a fixed term reaches, from the requests that cost only that term (their share "
+        "of the requests after); util: prefill utilisation; tiers: share of prompt tokens from "
+        "HBM / CPU / remote",
     )
     columns = (
         "speed", "mode", "err p50 first", "err p90 first", "err p50 after", "err p90 after",
-        "est/obs", "queue est/sim", "queue err", "hit rate", "TTFT p50", "TTFT p99", "util",
-        "tiers h/c/r", "errors",
+        "floor (share)", "est/obs", "queue est/sim", "queue err", "hit rate", "TTFT p50",
+        "TTFT p99", "util", "tiers h/c/r", "errors",
     )  # fmt: skip
     for c in columns:
         t.add_column(c, justify="left" if c == "mode" else "right")
@@ -562,6 +604,7 @@ def table(results: Mapping[float, Mapping[str, ArmResult]]) -> Table:
                 _pct(s["err_p90_first"]),
                 _pct(s["err_p50_after"]),
                 _pct(s["err_p90_after"]),
+                f"{_pct(s['err_p90_floor'])} ({s['fixed_only_share']:.0%})",
                 _num(s["est_over_obs_p50"], ".2f"),
                 f"{_num(s['queue_est_ms_mean'], '.0f')}/{_num(s['queue_sim_ms_mean'], '.0f')}",
                 _pct(s["queue_err_p90_after"]),
