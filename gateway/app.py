@@ -371,7 +371,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         body = await _read_json(request, gw.config.max_body_bytes)
         check_fields(body, gw.denied_fields[tenant.tenant_class])
         model = body.get("model")
-        plan = await gw.planner.plan(endpoint, body, tenant)
+        plan = await gw.planner.plan(endpoint, body, tenant, received_s=started)
         await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
         plan = await _hold(gw, request, plan)
         logs.note_plan(plan)

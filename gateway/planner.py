@@ -74,6 +74,12 @@ class Plan:
     stream: bool
     hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
     endpoint: str = "chat"  # chat, completions, responses, embeddings
+    received_s: float | None = None  # perf_counter when the request reached the gateway
+
+    def in_gateway_s(self, sent_s: float) -> float:
+        """How long the request was in the gateway before it was sent at `sent_s` (reading the
+        body, deciding, flow control, a failed attempt): part of the client's TTFT, measured."""
+        return max(0.0, sent_s - self.received_s) if self.received_s is not None else 0.0
 
     def engine_priority(self, replica: Replica) -> int | None:
         """The `priority` the request carries to `replica`: its class's, where the replica's pool
@@ -196,7 +202,13 @@ class Planner:
         return model
 
     async def plan(
-        self, endpoint: str, body: dict[str, Any], tenant: Tenant, *, dry_run: bool = False
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        tenant: Tenant,
+        *,
+        dry_run: bool = False,
+        received_s: float | None = None,
     ) -> Plan:
         """Decide where one request goes, and gather what sending it needs.
 
@@ -206,9 +218,10 @@ class Planner:
         settles remote-tier admission (counting the prompt's reuse when that matters).
 
         `endpoint`: "chat" or "completions"; `body`: the parsed request body; `tenant`: who sent
-        it. With `dry_run` (/debug/route) the decision is made the same way, but the request
-        counter, the reuse counts, the critical tenants' bookkeeping and the fallback and
-        admission metrics are left as they were. Nothing is written to the index here either way
+        it; `received_s`: when it reached the gateway (perf_counter), for the client's TTFT in the
+        estimate header. With `dry_run` (/debug/route) the decision is made the same way, but
+        the request counter, the reuse counts, the critical tenants' bookkeeping and the fallback
+        and admission metrics are left as they were. Nothing is written to the index here either way
         (record_sent does that once a replica accepted the request).
 
         Returns the Plan: the Decision (chosen replica and fallbacks), the hashes and namespace,
@@ -270,6 +283,7 @@ class Planner:
             stream=bool(body.get("stream")),
             hits=hits,
             endpoint=endpoint,
+            received_s=received_s,
         )
 
     def replan(self, plan: Plan) -> Plan:

@@ -85,13 +85,16 @@ def prompt_tokens_in(chunk: bytes) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def decision_headers(plan: Plan, replica: Replica) -> dict[str, str]:
+def decision_headers(plan: Plan, replica: Replica, sent_s: float) -> dict[str, str]:
+    """The decision, and the TTFT the client can expect: the time the request spent in the
+    gateway before it was sent at `sent_s` (measured), then the replica's estimate."""
     score = plan.decision.score(replica.name)
+    gateway_s = plan.in_gateway_s(sent_s)
     headers = {
         "x-cachelane-replica": replica.name,
         "x-cachelane-reason": plan.decision.reason.value,
-        "x-cachelane-est-ttft-ms": f"{score.estimate.ttft_s * 1000:.1f}",
-        "x-cachelane-est-terms-ms": estimate_terms(score.estimate),
+        "x-cachelane-est-ttft-ms": f"{(gateway_s + score.estimate.ttft_s) * 1000:.1f}",
+        "x-cachelane-est-terms-ms": estimate_terms(score.estimate, gateway_s),
         "x-cachelane-expected-cached-tokens": str(score.expected_cached_tokens),
         "x-cachelane-tenant-class": plan.tenant.tenant_class.value,
     }
@@ -102,11 +105,18 @@ def decision_headers(plan: Plan, replica: Replica) -> dict[str, str]:
     return headers
 
 
-def estimate_terms(e: Estimate) -> str:
-    """The estimate's terms, e.g. "fixed=3.0,load=0.0,queue=12.5,prefill=40.1" (ms): load is the
-    KV swap-in and fetch before the request waits for the prefill, queue that wait."""
+def estimate_terms(e: Estimate, gateway_s: float = 0.0) -> str:
+    """The estimate's terms, e.g. "gateway=0.8,fixed=3.0,load=0.0,queue=12.5,prefill=40.1" (ms):
+    gateway is the time the request spent in the gateway before it was sent (measured), load
+    the KV swap-in and fetch before it waits for the prefill, queue that wait."""
     prefill_s = e.prefill_s + (0.0 if e.remote_fetch else e.remote_s)
-    parts = (("fixed", e.fixed_s), ("load", e.load_s), ("queue", e.queue_s), ("prefill", prefill_s))
+    parts = (
+        ("gateway", gateway_s),
+        ("fixed", e.fixed_s),
+        ("load", e.load_s),
+        ("queue", e.queue_s),
+        ("prefill", prefill_s),
+    )
     return ",".join(f"{name}={value * 1000:.1f}" for name, value in parts)
 
 
@@ -276,7 +286,9 @@ class Proxy:
                     raise upstream_error(replica.name, err) from err
                 raise
             await self._registry.answered(replica, resp.status)
-            headers = _upstream_headers(resp) | decision_headers(plan, replica)
+            headers = _upstream_headers(resp) | decision_headers(
+                plan, replica, reservation.started_s
+            )
             if chunks is not None:
                 headers["cache-control"] = "no-cache"
                 headers["x-accel-buffering"] = "no"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,8 +146,10 @@ class Setup:
     async def plan(self, body: dict[str, Any], tenant: Tenant = STANDARD) -> Plan:
         return await self.planner.plan("chat", body, tenant)
 
-    async def forward(self, raw: bytes, tenant: Tenant = STANDARD) -> tuple[Plan, Response]:
-        plan = await self.plan(json.loads(raw), tenant)
+    async def forward(
+        self, raw: bytes, tenant: Tenant = STANDARD, *, received_s: float | None = None
+    ) -> tuple[Plan, Response]:
+        plan = await self.planner.plan("chat", json.loads(raw), tenant, received_s=received_s)
         return plan, await self.proxy.forward("chat", raw, plan)
 
     def replica(self, name: str) -> Replica:
@@ -428,19 +431,31 @@ async def test_a_stream_broken_upstream_ends_with_an_error_event_and_releases() 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_the_decision_headers_name_the_replica_and_its_estimate(stream: bool) -> None:
     s = await setup()
-    plan, response = await s.forward(raw_chat(stream=stream))
+    received_s = time.perf_counter() - 0.05  # the body took 50 ms to arrive
+    plan, response = await s.forward(raw_chat(stream=stream), received_s=received_s)
     if stream:
         await read_all(response)
     [sent] = s.fleet.sent
     h = response.headers
     assert h["x-cachelane-replica"] == sent.replica == plan.decision.replica
     est_ms = float(h["x-cachelane-est-ttft-ms"])
-    assert est_ms == pytest.approx(plan.decision.est_ttft_s * 1000, abs=0.05)
-    assert est_ms > 0
-    terms = dict(part.split("=") for part in h["x-cachelane-est-terms-ms"].split(","))
-    assert set(terms) == {"fixed", "load", "queue", "prefill"}
-    assert sum(float(v) for v in terms.values()) == pytest.approx(est_ms, abs=0.25)
+    terms = {
+        k: float(v) for k, v in (p.split("=") for p in h["x-cachelane-est-terms-ms"].split(","))
+    }
+    assert set(terms) == {"gateway", "fixed", "load", "queue", "prefill"}
+    # the client's TTFT: the time in the gateway before the request was sent, then the replica's
+    assert 50 <= terms["gateway"] < 50 + 1000
+    assert est_ms == pytest.approx(terms["gateway"] + plan.decision.est_ttft_s * 1000, abs=0.15)
+    assert sum(terms.values()) == pytest.approx(est_ms, abs=0.25)
     assert h["x-cachelane-tenant-class"] == "standard"
+
+
+async def test_without_an_arrival_time_the_estimate_is_the_replicas() -> None:
+    s = await setup()
+    plan, response = await s.forward(raw_chat())
+    assert float(response.headers["x-cachelane-est-ttft-ms"]) == pytest.approx(
+        plan.decision.est_ttft_s * 1000, abs=0.05
+    )
 
 
 async def test_a_streamed_request_teaches_its_replicas_cost_fit() -> None:
