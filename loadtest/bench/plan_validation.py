@@ -27,7 +27,9 @@ run (--remote-lookup-ms; the cost model has no term for it).
 Measured: the TTFT the gateway observed (first byte from the replica: cachelane_ttft_seconds,
 what the cost fit learns from) and the engines' cached tokens per prompt token, from each run's
 capture; the client's TTFT (through the gateway, to the first streamed token) is in the JSON.
-The first WARMUP_S of each run count in neither.
+The requests the trace sends in its first WARMUP_S count in neither: the first that many by
+arrival in each capture and each replay, so every row counts the same number of requests (a
+request near the cut arrives on either side of it from run to run).
 
 Writes results/plan_validation.json and prints the table docs/planning.md shows.
 """
@@ -228,11 +230,12 @@ def _stats(ttfts_ms: list[float], cached: int, prompt: int, hits: int) -> dict[s
     }
 
 
-def measured(capture: Capture) -> dict[str, dict[str, float]]:
-    """The gateway's view of a run (its capture): the TTFT it observed (first byte from the
-    replica, cachelane_ttft_seconds) and the engines' cached tokens."""
+def measured(capture: Capture, warm_n: int) -> dict[str, dict[str, float]]:
+    """The gateway's view of a run (its capture) after its first `warm_n` arrivals: the TTFT
+    it observed (first byte from the replica, cachelane_ttft_seconds) and the engines' cached
+    tokens."""
     out: dict[str, dict[str, float]] = {}
-    counted = [r for r in capture.requests if r.t_s >= capture.requests[0].t_s + WARMUP_S]
+    counted = sorted(capture.requests, key=lambda r: r.t_s)[warm_n:]
     groups: dict[str, list[CapturedRequest]] = {ALL: counted}
     for r in counted:
         groups.setdefault(r.tenant_class, []).append(r)
@@ -247,10 +250,9 @@ def measured(capture: Capture) -> dict[str, dict[str, float]]:
     return out
 
 
-def predicted(capture: Capture, setup: Setup) -> dict[str, dict[str, float]]:
+def predicted(capture: Capture, setup: Setup, warm_n: int) -> dict[str, dict[str, float]]:
     outcome = plan_replay(capture.requests, setup, seed=SEED)
-    start = capture.requests[0].t_s if capture.requests else 0.0
-    counted = [r for r in outcome.requests if r.arrived_s >= start + WARMUP_S]
+    counted = sorted(outcome.requests, key=lambda r: r.arrived_s)[warm_n:]
     groups: dict[str, list[Replayed]] = {ALL: counted}
     for r in counted:
         groups.setdefault(r.tenant_class, []).append(r)
@@ -354,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "slowdown": args.slowdown,
         "setups": {},
     }
+    warm_n = sum(1 for r in [*voice, *web] if r["t_s"] < WARMUP_S)
     captures: dict[str, Capture] = {}
     lookup_s = 0.0
     started = time.perf_counter()
@@ -364,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             captures[setup] = read_capture(path)
             payload["setups"][setup] = {
                 "captured_requests": len(captures[setup].requests),
-                "measured": measured(captures[setup]),
+                "measured": measured(captures[setup], warm_n),
                 "client": client_measured(results),
             }
             console.print(f"{setup}: ran, {len(captures[setup].requests)} requests captured")
@@ -374,13 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for setup in SETUPS:
         entry = payload["setups"][setup]
         entry["predicted_whatif"] = predicted(
-            captures["hbm"], predicted_setup(base, setup, lookup_s)
+            captures["hbm"], predicted_setup(base, setup, lookup_s), warm_n
         )
         entry["predicted_whatif_no_lookup"] = predicted(
-            captures["hbm"], predicted_setup(base, setup)
+            captures["hbm"], predicted_setup(base, setup), warm_n
         )
         own = Setup.from_capture(captures[setup])
-        entry["predicted_same"] = predicted(captures[setup], own)
+        entry["predicted_same"] = predicted(captures[setup], own, warm_n)
     payload["rows"] = rows_of(payload)
     payload["elapsed_s"] = time.perf_counter() - started
     console.print("\nPredicted from the HBM-only capture (what-if):\n")
