@@ -8,6 +8,7 @@ process dies without running its `finally` blocks (PR_SET_PDEATHSIG), so nothing
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
@@ -57,22 +58,31 @@ def _pdeathsig_hook() -> Callable[[], None] | None:
     return hook
 
 
+_RECENT_PORTS = 2_000  # ports this process handed out lately, not handed out again
+
+
+_recent: collections.deque[int] = collections.deque(maxlen=_RECENT_PORTS)
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback TCP port that was free a moment ago: below the ephemeral range, so no
+    outgoing connection takes it before its server binds it (the OS's own pick, binding port 0,
+    comes from that range, and a test's client connection once took a sim's port in between)."""
+    return free_port_run(1)
 
 
 def free_port_run(count: int) -> int:
-    """The first of `count` consecutive loopback ports that were all free a moment ago."""
-    if count == 1:
-        return free_port()
+    """The first of `count` consecutive loopback ports that were all free a moment ago and were
+    not handed out by this process lately (two servers started one after the other must not get
+    the same port before either binds it)."""
     rng = random.Random()
     for _ in range(PORT_SEARCH_TRIES):
         start = rng.randrange(PORT_RANGE[0], PORT_RANGE[1] - count)
-        if all(_port_free(p) for p in range(start, start + count)):
+        run = range(start, start + count)
+        if any(p in _recent for p in run):
+            continue
+        if all(_port_free(p) for p in run):
+            _recent.extend(run)
             return start
     raise RuntimeError(f"no run of {count} free ports found in {PORT_RANGE}")
 

@@ -67,7 +67,11 @@ async def captured_fleet(n: int = 2) -> AsyncIterator[tuple[str, list[HeaderCapt
             captures.append(capture)
             urls.append(await stack.enter_async_context(running_app(capture)))
         app = create_app(gateway_config(urls))
-        yield await stack.enter_async_context(running_app(app)), captures
+        url = await stack.enter_async_context(running_app(app))
+        # a start-up health check that timed out on a busy loop leaves its replica out until the
+        # next one (a CI run where a request here got 503)
+        await until(lambda: bool(app.state.gw.registry.healthy_for(MODEL)), timeout_s=10.0)
+        yield url, captures
 
 
 def upstream_ids(captures: list[HeaderCapture]) -> list[str | None]:
