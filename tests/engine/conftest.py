@@ -29,6 +29,16 @@ MAX_MODEL_LEN = 1024  # must fit the blocks above (vLLM keeps one block back)
 MEMORY_UTILIZATION = 0.15  # on CPU, the fraction of the NUMA node's RAM vLLM reserves at start
 STARTUP_TIMEOUT_S = 300.0  # measured here: ~40 s per replica; generous for a loaded CI machine
 STOP_TIMEOUT_S = 20.0
+ENGINE_TEST_TIMEOUT_S = 2 * STARTUP_TIMEOUT_S + 180.0
+# pytest-timeout's limit (pyproject: 120 s) covers a test's fixtures too, and the first engine test
+# starts both replicas: on a slow day that took 2 minutes here, and the timeout's SIGTERM to the
+# second replica mid-start looked like a vLLM crash. Each test's own work is ~1 minute.
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
 
 
 @dataclass
