@@ -468,6 +468,7 @@ def _errors(samples: Sequence[Sample]) -> list[float]:
 
 FIXED_ONLY_TOKENS = 100  # computed tokens below which a request's prefill is a few ms at most
 FIXED_ONLY_WAIT_MS = 1.0
+FLOOR_GRID = 400  # the best single estimate is searched over the observed values and this grid
 
 
 def fixed_only(samples: Sequence[Sample]) -> list[float]:
@@ -495,7 +496,9 @@ def error_floor(fixed_obs: Sequence[float], share: float) -> float:
     if share <= 0.1 or not fixed_obs:
         return math.nan
     q = 100 * (1 - 0.1 / share)
-    return min(percentile([abs(c - o) / o for o in fixed_obs], q) for c in fixed_obs)
+    lo, hi = min(fixed_obs), max(fixed_obs)
+    grid = [*fixed_obs, *(lo + (hi - lo) * k / FLOOR_GRID for k in range(FLOOR_GRID + 1))]
+    return min(percentile([abs(c - o) / o for o in fixed_obs], q) for c in grid)
 
 
 def arm_stats(arm: ArmResult) -> dict[str, Any]:
