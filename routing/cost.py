@@ -198,12 +198,8 @@ def estimate(
     come, first served)."""
     t = terms if terms is not None else seeded(costs)
     per_token = t.prefill_s_per_token
-    n, hbm_tokens, cpu_tokens, remote_tokens = overlap
-    # conditionals rather than min() / max() here and below: this runs per candidate per
-    # request, and a builtin call costs more than the arithmetic it guards
-    uncached = n - hbm_tokens - cpu_tokens - remote_tokens
-    if uncached < 0:
-        uncached = 0
+    uncached = overlap.uncached_tokens
+    cpu_tokens, remote_tokens = overlap.cpu_tokens, overlap.remote_tokens
     swap_tokens = cpu_tokens * (1 + load.swaps_in_flight)
     swap_s = swap_tokens * t.swap_s_per_token
 
@@ -218,11 +214,7 @@ def estimate(
     chunks = -(-(uncached or 1) // costs.prefill_chunk_tokens)
     decode_tokens = load.in_flight * chunks  # one per running request per step of our prefill
     load_s = swap_s + remote_s if remote_fetch else swap_s  # a recompute is prefill work
-    if load.queue:
-        queue_s, overtakes = _queue_wait(load, load_s, per_token, decode_tokens, priority)
-    else:  # _queue_wait's closed form, inline: most candidates have nothing known queued
-        queue_s = _closed_form_wait(load, load_s, per_token, decode_tokens)
-        overtakes = 0
+    queue_s, overtakes = _queue_wait(load, load_s, per_token, decode_tokens, priority)
     # positional: Estimate(fixed, queue, swap, remote, prefill, remote_fetch, queue_tokens,
     # swap_tokens, overtakes), built once per candidate per request
     return Estimate(
@@ -262,7 +254,8 @@ def _closed_form_wait(
     load: Load, joins_in_s: float, per_token_s: float, extra_tokens: int
 ) -> float:
     """The wait when no known request joins the queue: what is queued (less the progress on the
-    head) drains first."""
+    head) drains first. Conditionals rather than min() / max(): this runs per candidate per
+    request, and a builtin call costs more than the arithmetic it guards."""
     pending = load.pending_prefill_tokens
     work_s = ((pending if pending > 0 else 0) + extra_tokens) * per_token_s
     if not work_s:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from itertools import groupby
 from operator import countOf
 
-from routing.cost import CostTerms, Overlap, estimate, seeded
+from routing.cost import Overlap, estimate, seeded
 from routing.policies import POLICIES
 from routing.policies.base import (
     Candidate,
@@ -150,12 +150,9 @@ def decide(
     runs = runs_of(hits)
     leading = leading_runs(runs)
     scores = []
-    seeds: dict[int, CostTerms] = {}  # by id(PoolCosts): a pool's replicas share one object
     for c in candidates:
         ov = overlap_of(c, runs, request, leading)
-        terms = c.terms
-        if terms is None:
-            terms = seeds.get(id(c.costs)) or seeds.setdefault(id(c.costs), seeded(c.costs))
+        terms = c.terms if c.terms is not None else seeded(c.costs)
         priority = request.priority if c.pool.engine_priority else None
         scores.append(Score(c.name, ov, estimate(ov, c.load, c.costs, terms, priority)))
     return POLICIES[policy].choose(request, candidates, tuple(scores), seq=seq, rng=rng)

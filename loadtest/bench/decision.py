@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -39,8 +38,9 @@ ITERATIONS = 1_000
 MODEL = "m"
 
 
-def measure(tokens: int, replicas: int, iterations: int) -> dict[str, float]:
-    """The decision's p50 / p99 (us) with whatever routing/ is first on sys.path."""
+def measure(tokens: int, replicas: int, iterations: int) -> list[float]:
+    """Each decision's time (us) with whatever routing/ is first on sys.path (so nothing here
+    may need what a baseline's routing/ lacks)."""
     from loadtest.workloads import traces
     from routing import hashing
     from routing.cost import Load, PoolCosts
@@ -79,8 +79,7 @@ def measure(tokens: int, replicas: int, iterations: int) -> dict[str, float]:
         decide(request, candidates, hits, Policy.CACHE_AWARE, seq=i, rng=decide_rng)
         if i >= WARMUP:
             totals.append((time.perf_counter() - t0) * 1e6)
-    totals.sort()
-    return {"p50_us": statistics.median(totals), "p99_us": totals[int(0.99 * len(totals))]}
+    return totals
 
 
 def _run(tree: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -91,8 +90,10 @@ def _run(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     cmd += ["--tokens", str(args.tokens), "--replicas", str(args.replicas)]
     cmd += ["--iterations", str(args.iterations)]
     out = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
-    result: dict[str, float] = json.loads(out.stdout)
-    return result
+    from routing.whatif.summary import percentile  # here: the child's routing/ may be older
+
+    totals: list[float] = json.loads(out.stdout)
+    return {"p50_us": percentile(totals, 50), "p99_us": percentile(totals, 99)}
 
 
 def _extract(ref: str, into: Path) -> Path:
@@ -129,7 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             order = list(trees.items())
             for label, tree in order if round_ % 2 == 0 else order[::-1]:
                 runs[label].append(_run(tree, args))
-        shutil.rmtree(tmp, ignore_errors=True)
     table = Table(
         title=f"decision in-process, {args.tokens} tokens, {args.replicas} replicas, memory "
         f"index: {args.rounds} alternated rounds of {args.iterations} (us)"
