@@ -385,6 +385,73 @@ async def test_a_stream_the_client_closes_early_releases() -> None:
     s.assert_all_released()
 
 
+ASGI_23 = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}  # uvicorn's
+
+
+async def test_a_stream_sent_whole_ends_normally_and_releases() -> None:
+    """Under an ASGI 2.3 server the relay watches receive() for the disconnect, which uvicorn
+    also sends once the response is complete: that one must not cancel anything."""
+    s = await setup()
+    _, response = await s.forward(raw_chat(stream=True))
+    done = asyncio.Event()
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+        if not message.get("more_body", True):
+            done.set()
+
+    await response(ASGI_23, receive, send)
+    await asyncio.sleep(0)  # the watcher sees the disconnect after the end
+    assert [m["body"] for m in sent[1:-1]] == SSE
+    s.assert_all_released()
+
+
+async def test_a_stream_whose_client_leaves_mid_way_stops_and_releases() -> None:
+    s = await setup()
+    _, response = await s.forward(raw_chat(stream=True))
+    first = asyncio.Event()
+    sent: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        await first.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body" and message["body"]:
+            sent.append(message["body"])
+            first.set()
+            await asyncio.sleep(1)  # a slow client: the disconnect comes while this waits
+
+    await asyncio.wait_for(response(ASGI_23, receive, send), timeout=0.5)  # no exception
+    assert sent == SSE[:1]
+    s.assert_all_released()
+
+
+async def test_a_stream_cancelled_from_above_stays_cancelled() -> None:
+    """A cancellation that is not the client's (the server shutting down) propagates."""
+    s = await setup()
+    _, response = await s.forward(raw_chat(stream=True))
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: Any) -> None:
+        await asyncio.sleep(1)
+
+    task = asyncio.ensure_future(response(ASGI_23, receive, send))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    s.assert_all_released()
+
+
 async def test_a_stream_whose_client_left_before_the_first_chunk_releases() -> None:
     """The server may never iterate the body: the client is gone before the response starts
     (the send fails at once). The reservation is released and the upstream closed anyway."""
