@@ -169,6 +169,7 @@ class Estimate(NamedTuple):
     queue_tokens: float = 0.0  # t_queue in prefill tokens: the work it waits for (the fit's input)
     swap_tokens: float = 0.0  # CPU-tier tokens x (1 + swap-ins sharing PCIe) (t_swap's input)
     overtakes: int = 0  # queued requests of a less urgent engine priority it would go before
+    cuts_in_s: float = 0.0  # the wait its prefill adds to known requests joining during it
 
     @property
     def load_s(self) -> float:
@@ -215,18 +216,31 @@ def estimate(
     decode_tokens = load.in_flight * chunks  # one per running request per step of our prefill
     load_s = swap_s + remote_s if remote_fetch else swap_s  # a recompute is prefill work
     queue_s, overtakes = _queue_wait(load, load_s, per_token, decode_tokens, priority)
+    prefill_s = uncached * per_token
+    cuts_in_s = _cuts_in(load, load_s + queue_s, prefill_s) if load.queue else 0.0
     # positional: Estimate(fixed, queue, swap, remote, prefill, remote_fetch, queue_tokens,
-    # swap_tokens, overtakes), built once per candidate per request
+    # swap_tokens, overtakes, cuts_in_s), built once per candidate per request
     return Estimate(
         t.fixed_s,
         queue_s,
         swap_s,
         remote_s,
-        uncached * per_token,
+        prefill_s,
         remote_fetch,
         queue_s / per_token,
         swap_tokens,
         overtakes,
+        cuts_in_s,
+    )
+
+
+def _cuts_in(load: Load, starts_in_s: float, prefill_s: float) -> float:
+    """The wait a prefill from `starts_in_s` to its end adds to the known requests that join the
+    queue while it runs: each was still loading its KV (swap-in, remote fetch) when this one
+    took the free prefill, and waits for its end (a prefill under way is not interrupted)."""
+    ends_in_s = starts_in_s + prefill_s
+    return sum(
+        ends_in_s - q.joins_in_s for q in load.queue if starts_in_s < q.joins_in_s < ends_in_s
     )
 
 

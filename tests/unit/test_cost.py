@@ -157,3 +157,17 @@ def test_work_of_unknown_priority_counts_as_ahead() -> None:
     """Tokens another gateway sent may carry any priority: counted as ahead."""
     load = Load(pending_prefill_tokens=6000, queue=(Queued(-0.1, 3000, priority=0),))
     assert queue_wait_s(load, 0.0, PER_TOKEN, priority=-1) == pytest.approx(0.1)
+
+
+def test_a_prefill_that_starts_while_another_loads_charges_it_the_wait() -> None:
+    """A request still fetching its KV joins the queue in 0.1 s; a 3,000-token prefill taking
+    the free prefill now (0.1 s at the default rate) runs until 0.1 s: nothing to charge; a
+    6,000-token one until 0.2 s: the loading one waits 0.1 s for it."""
+    loading = Load(pending_prefill_tokens=3000, queue=(Queued(0.1, 3000),))
+    assert estimate(Overlap(3000), loading, COSTS).cuts_in_s == pytest.approx(0.0)
+    long = estimate(Overlap(6000), loading, COSTS)
+    assert long.queue_s == 0  # it goes first: the other is not there yet
+    assert long.cuts_in_s == pytest.approx(6000 * PER_TOKEN - 0.1)
+    # joined already (or ahead of it): waited for, not charged
+    joined = Load(pending_prefill_tokens=3000, queue=(Queued(-0.01, 3000),))
+    assert estimate(Overlap(6000), joined, COSTS).cuts_in_s == 0

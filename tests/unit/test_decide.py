@@ -256,3 +256,16 @@ def test_an_urgent_request_does_not_jump_a_queue_to_save_less_than_it_costs_the_
     assert choose(Policy.CACHE_AWARE, cands, half, req)[0] == "b"
     whole = hits(*[{hbm("a")}] * 100)
     assert choose(Policy.CACHE_AWARE, cands, whole, req)[0] == "a"
+
+
+def test_a_long_prefill_goes_where_it_does_not_make_a_loading_request_wait() -> None:
+    """Both replicas are idle and cold for this prompt; on "a" a request fetching its KV joins
+    the prefill in 20 ms. Its estimate is the same on both, but on "a" the other one would wait
+    for its whole prefill: it goes to "b"."""
+    fetching = Load(1, 600, queue=(Queued(0.02, 600),))
+    candidates = [Candidate("a", fetching), Candidate("b", Load(1))]
+    for seed in range(10):  # not a tie broken by chance
+        d = decide(
+            request(400), candidates, hits(), Policy.CACHE_AWARE, seq=0, rng=random.Random(seed)
+        )
+        assert d.replica == "b"
