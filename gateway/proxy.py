@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
@@ -40,6 +41,7 @@ from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.registry import Registry, Replica, Reservation
+from gateway.relay_time import RelayTime
 from gateway.upstream import (
     Upstream,
     UpstreamConnectError,
@@ -85,16 +87,20 @@ def prompt_tokens_in(chunk: bytes) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def decision_headers(plan: Plan, replica: Replica, sent_s: float) -> dict[str, str]:
+def decision_headers(
+    plan: Plan, replica: Replica, sent_s: float, relay_s: float = 0.0
+) -> dict[str, str]:
     """The decision, and the TTFT the client can expect: the time the request spent in the
-    gateway before it was sent at `sent_s` (measured), then the replica's estimate."""
+    gateway before it was sent at `sent_s` (measured), the replica's estimate, then `relay_s`,
+    the gateway's recent time to hand a first chunk on (gateway/relay_time.py)."""
     score = plan.decision.score(replica.name)
     gateway_s = plan.in_gateway_s(sent_s)
+    est_s = gateway_s + score.estimate.ttft_s + relay_s
     headers = {
         "x-cachelane-replica": replica.name,
         "x-cachelane-reason": plan.decision.reason.value,
-        "x-cachelane-est-ttft-ms": f"{(gateway_s + score.estimate.ttft_s) * 1000:.1f}",
-        "x-cachelane-est-terms-ms": estimate_terms(score.estimate, gateway_s),
+        "x-cachelane-est-ttft-ms": f"{est_s * 1000:.1f}",
+        "x-cachelane-est-terms-ms": estimate_terms(score.estimate, gateway_s, relay_s),
         "x-cachelane-expected-cached-tokens": str(score.expected_cached_tokens),
         "x-cachelane-tenant-class": plan.tenant.tenant_class.value,
     }
@@ -105,10 +111,11 @@ def decision_headers(plan: Plan, replica: Replica, sent_s: float) -> dict[str, s
     return headers
 
 
-def estimate_terms(e: Estimate, gateway_s: float = 0.0) -> str:
-    """The estimate's terms, e.g. "gateway=0.8,fixed=3.0,load=0.0,queue=12.5,prefill=40.1" (ms):
-    gateway is the time the request spent in the gateway before it was sent (measured), load
-    the KV swap-in and fetch before it waits for the prefill, queue that wait."""
+def estimate_terms(e: Estimate, gateway_s: float = 0.0, relay_s: float = 0.0) -> str:
+    """The estimate's terms, e.g. "gateway=0.8,fixed=3.0,load=0.0,queue=12.5,prefill=40.1,
+    relay=0.6" (ms): gateway is the time the request spent in the gateway before it was sent
+    (measured), load the KV swap-in and fetch before it waits for the prefill, queue that wait,
+    relay the gateway's recent time from a replica's first byte to the client's first chunk."""
     prefill_s = e.prefill_s + (0.0 if e.remote_fetch else e.remote_s)
     parts = (
         ("gateway", gateway_s),
@@ -116,6 +123,7 @@ def estimate_terms(e: Estimate, gateway_s: float = 0.0) -> str:
         ("load", e.load_s),
         ("queue", e.queue_s),
         ("prefill", prefill_s),
+        ("relay", relay_s),
     )
     return ",".join(f"{name}={value * 1000:.1f}" for name, value in parts)
 
@@ -175,6 +183,7 @@ class Proxy:
         # told every answer's usage (its last chunk that carried one, or None): rate limits
         self.usage_hook: Callable[[Plan, bytes | None], None] | None = None
         self._capture = capture  # the traffic capture (gateway/capture.py), when configured
+        self._relay_time = RelayTime()
 
     async def forward(
         self,
@@ -286,8 +295,9 @@ class Proxy:
                     raise upstream_error(replica.name, err) from err
                 raise
             await self._registry.answered(replica, resp.status)
+            relay_s = self._relay_time.seconds if chunks is not None else 0.0
             headers = _upstream_headers(resp) | decision_headers(
-                plan, replica, reservation.started_s
+                plan, replica, reservation.started_s, relay_s
             )
             if chunks is not None:
                 headers["cache-control"] = "no-cache"
@@ -402,6 +412,8 @@ class Proxy:
                 prompt = prompt_tokens_in(first)
                 usage = first if prompt is not None else None
                 yield first
+                if reservation.first_byte_s is not None:  # handed on: the way back is measured
+                    self._relay_time.observe(time.perf_counter() - reservation.first_byte_s)
                 async for chunk in chunks:
                     found = cached_tokens_in(chunk)
                     if found is not None:

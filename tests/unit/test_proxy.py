@@ -509,12 +509,31 @@ async def test_the_decision_headers_name_the_replica_and_its_estimate(stream: bo
     terms = {
         k: float(v) for k, v in (p.split("=") for p in h["x-cachelane-est-terms-ms"].split(","))
     }
-    assert set(terms) == {"gateway", "fixed", "load", "queue", "prefill"}
+    assert set(terms) == {"gateway", "fixed", "load", "queue", "prefill", "relay"}
     # the client's TTFT: the time in the gateway before the request was sent, then the replica's
     assert 50 <= terms["gateway"] < 50 + 1000
+    assert terms["relay"] == 0  # no stream was handed on before this one
     assert est_ms == pytest.approx(terms["gateway"] + plan.decision.est_ttft_s * 1000, abs=0.15)
     assert sum(terms.values()) == pytest.approx(est_ms, abs=0.25)
     assert h["x-cachelane-tenant-class"] == "standard"
+
+
+async def test_a_streamed_estimate_adds_the_measured_way_back() -> None:
+    """After streams were handed on, a streamed estimate ends with `relay`: the median time from
+    a replica's first byte to the first chunk given to the server; a whole answer's has none."""
+    s = await setup()
+    for _ in range(3):
+        _, response = await s.forward(raw_chat(stream=True))
+        await read_all(response)
+    _, response = await s.forward(raw_chat(stream=True))
+    await read_all(response)
+    terms = dict(p.split("=") for p in response.headers["x-cachelane-est-terms-ms"].split(","))
+    est_ms = float(response.headers["x-cachelane-est-ttft-ms"])
+    assert float(terms["relay"]) > 0
+    assert sum(float(v) for v in terms.values()) == pytest.approx(est_ms, abs=0.35)
+    _, whole = await s.forward(raw_chat(stream=False))
+    assert "relay=0.0" in whole.headers["x-cachelane-est-terms-ms"]
+    s.assert_all_released()
 
 
 async def test_without_an_arrival_time_the_estimate_is_the_replicas() -> None:
