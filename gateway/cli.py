@@ -36,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
     from gateway.exposure import HTTP_PROTOCOL
+    from gateway.heap import freeze_startup_heap
     from gateway.logs import configure_logging
     from gateway.siblings import WORKERS_DIR_ENV
 
@@ -54,7 +55,9 @@ def _serve(args: argparse.Namespace) -> int:
         "http": HTTP_PROTOCOL,  # uvicorn's, with a deadline on a request's headers
     }
     if args.workers == 1:
-        uvicorn.run(create_app(config, config_path=_config_path(args)), **common)  # SIGHUP reloads
+        app = create_app(config, config_path=_config_path(args))
+        freeze_startup_heap()
+        uvicorn.run(app, **common)  # SIGHUP reloads
         return 0
     # N processes on one socket (uvicorn's supervisor binds it, each worker accepts on it); each
     # builds its app from these same arguments and finds its siblings in the directory
@@ -71,11 +74,14 @@ SERVE_ARGV_ENV = "CACHELANE_SERVE_ARGV"  # a worker's `serve` arguments (--worke
 def worker_app() -> Any:
     """The app of one worker of `cachelane serve --workers N` (uvicorn calls this in each)."""
     from gateway.app import create_app
+    from gateway.heap import freeze_startup_heap
     from gateway.logs import configure_logging
 
     args = build_parser().parse_args(json.loads(os.environ[SERVE_ARGV_ENV]))
     configure_logging(args.log_level, args.log_format)
-    return create_app(_serve_config(args), config_path=_config_path(args))
+    app = create_app(_serve_config(args), config_path=_config_path(args))
+    freeze_startup_heap()
+    return app
 
 
 def _positive_int(text: str) -> int:

@@ -75,7 +75,9 @@ class PrefixHasher:
 
     def __init__(self, max_spans: int = SPAN_CACHE_SPANS) -> None:
         self._max_spans = max_spans
-        self._spans: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
+        # tuples of ints: the cyclic GC stops tracking them, so the cache does not add a tracked
+        # object per span to every full collection (and make them more frequent)
+        self._spans: OrderedDict[tuple[int, int], tuple[int, ...]] = OrderedDict()
 
     def block_hashes(
         self, text: str, *, block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS, namespace: str = ""
@@ -99,7 +101,7 @@ class PrefixHasher:
             key = (span_seed, step)
             hashes = spans.get(key)
             if hashes is None:
-                hashes = _chain_text(text, data, start, stop, step, block_seed)
+                hashes = tuple(_chain_text(text, data, start, stop, step, block_seed))
                 spans[key] = hashes
                 if len(spans) > self._max_spans:
                     spans.popitem(last=False)

@@ -32,6 +32,9 @@ FREEZE_MARGIN = 0.05
 # of the default 10 minutes), so a lookup checks one per-model floor instead of every block's
 # expiry, and the entries near their end are rebuilt at most once per margin (a scan of the
 # model's frozen entries).
+MAX_HOLDER_SETS = 65_536
+# Distinct sets of locations holding a block that are numbered and kept (a few per replica in
+# practice: the replicas and tiers a prefix reached); past it, new sets are not frozen.
 SWEEP_MIN_ENTRIES = 64
 # Expired entries the memory index removes per record, at least (and at least twice the blocks
 # recorded): removal outpaces insertion, so without a capacity memory stays bounded by what was
@@ -88,11 +91,18 @@ def spill_chain(location: Location, spill_to: SpillFn) -> list[Location]:
     return chain
 
 
-BlockKey = tuple[str, int]  # (model, hash)
+BlockKey = int  # model number << 64 | block hash: one int, which the cyclic GC does not track
+HASH_BITS = 64
+HASH_MASK = (1 << HASH_BITS) - 1
 
 
 class MemoryIndex:
-    """In-process index for one gateway (the embedded default)."""
+    """In-process index for one gateway (the embedded default).
+
+    Its tables hold only ints and floats (blocks are keyed by one int, locations and holder sets
+    are numbered): CPython's cyclic GC then tracks none of their entries, and a full collection
+    does not walk one object per block, a pause every request in flight would wait for (800k
+    blocks: ~150 ms per full collection before; docs/performance.md)."""
 
     def __init__(
         self,
@@ -114,18 +124,24 @@ class MemoryIndex:
         self._spill_to = spill_to
         self._clock = clock
         self._on_removed = on_removed
-        # (model, hash) -> {location: expiry}
-        self._blocks: dict[BlockKey, dict[Location, float]] = {}
-        # model -> hash -> its holders as a frozenset, while none was added or removed, and the
-        # earliest of their expiries when it was built (a refresh only makes that conservative):
-        # a lookup then builds nothing and allocates nothing per block, and consecutive blocks
-        # with the same holders share one object (what decide() groups into runs)
-        self._frozen: dict[str, dict[int, frozenset[Location]]] = {}
+        self._models: dict[str, int] = {}  # model -> its number, the high bits of its BlockKeys
+        self._model_names: list[str] = []
+        self._location_ids: dict[Location, int] = {}
+        self._locations: list[Location] = []
+        # block -> {location id: expiry}
+        self._blocks: dict[BlockKey, dict[int, float]] = {}
+        # model -> hash -> the number of its holders' frozenset (self._sets), while none was
+        # added or removed, and the earliest of their expiries when it was built (a refresh only
+        # makes that conservative): a lookup then builds nothing and allocates nothing per block,
+        # and blocks with the same holders share one set (what decide() groups into runs)
+        self._frozen: dict[str, dict[int, int]] = {}
         self._frozen_expiry: dict[str, dict[int, float]] = {}
         # model -> the earliest expiry of its frozen entries (a lower bound: an entry unfrozen
         # since does not raise it); while it is in the future, every frozen entry is alive
         self._frozen_floor: dict[str, float] = {}
-        # location -> LRU of (model, hash), oldest first; with one TTL this is also expiry order
+        self._sets: list[frozenset[Location]] = [frozenset()]  # number 0: never used (falsy)
+        self._set_ids: dict[frozenset[Location], int] = {}
+        # location -> LRU of its blocks, oldest first; with one TTL this is also expiry order
         self._lru: dict[Location, OrderedDict[BlockKey, None]] = {}
 
     async def lookup(self, model: str, hashes: Sequence[int]) -> BlockHits:
@@ -138,9 +154,9 @@ class MemoryIndex:
             if self._frozen_floor[model] <= now:
                 self._thaw(model, now)
             # the common case, at C speed: every block up to the first miss built (and so alive)
-            built = cast(Callable[[int], frozenset[Location] | None], frozen.get)
-            hits = cast(BlockHits, list(takewhile(truth, map(built, hashes))))
-            if len(hits) == len(hashes) or (model, hashes[len(hits)]) not in self._blocks:
+            built = cast(list[int], list(takewhile(truth, map(frozen.get, hashes))))
+            hits: BlockHits = list(map(self._sets.__getitem__, built))
+            if len(hits) == len(hashes) or self._key(model, hashes[len(hits)]) not in self._blocks:
                 return hits
         return self._lookup_building(model, hashes, now)
 
@@ -160,30 +176,58 @@ class MemoryIndex:
         frozen_expiry = self._frozen_expiry.setdefault(model, {})
         floor = self._frozen_floor.setdefault(model, float("inf"))
         horizon = now + self._freeze_margin_s
+        base = self._model_base(model)
+        locations = self._locations
         hits: BlockHits = []
-        previous: frozenset[Location] = frozenset()
         for h in hashes:
-            holders = self._blocks.get((model, h))
+            holders = self._blocks.get(base | h)
             if not holders:
                 break
-            alive = frozen.get(h)
-            if alive is None:
-                earliest = min(holders.values())
-                if earliest > horizon:
-                    alive = frozenset(holders)
-                    if alive == previous:
-                        alive = previous
-                    frozen[h] = alive
+            number = frozen.get(h)
+            if number is not None:
+                alive = self._sets[number]
+            elif (earliest := min(holders.values())) > horizon:
+                alive = frozenset(map(locations.__getitem__, holders))
+                number = self._set_number(alive)
+                if number is not None:
+                    alive = self._sets[number]
+                    frozen[h] = number
                     frozen_expiry[h] = earliest
                     floor = min(floor, earliest)
-                else:
-                    alive = frozenset(loc for loc, expiry in holders.items() if expiry > now)
+            else:
+                alive = frozenset(locations[i] for i, expiry in holders.items() if expiry > now)
             if not alive:
                 break
             hits.append(alive)
-            previous = alive
         self._frozen_floor[model] = floor
         return hits
+
+    def _set_number(self, holders: frozenset[Location]) -> int | None:
+        """The number of this holder set (one object per distinct set, shared by every block
+        and prompt held by the same locations); None once MAX_HOLDER_SETS are numbered (the
+        block is then looked up unfrozen)."""
+        number = self._set_ids.get(holders)
+        if number is None and len(self._sets) <= MAX_HOLDER_SETS:
+            number = self._set_ids[holders] = len(self._sets)
+            self._sets.append(holders)
+        return number
+
+    def _model_base(self, model: str) -> int:
+        number = self._models.get(model)
+        if number is None:
+            number = self._models[model] = len(self._model_names)
+            self._model_names.append(model)
+        return number << HASH_BITS
+
+    def _key(self, model: str, h: int) -> BlockKey:
+        return self._model_base(model) | h
+
+    def _location_id(self, location: Location) -> int:
+        found = self._location_ids.get(location)
+        if found is None:
+            found = self._location_ids[location] = len(self._locations)
+            self._locations.append(location)
+        return found
 
     async def record(self, model: str, hashes: Sequence[int], location: Location) -> None:
         self.record_now(model, hashes, location)
@@ -192,7 +236,8 @@ class MemoryIndex:
         chain = spill_chain(location, self._spill_to)
         self.sweep(max(SWEEP_MIN_ENTRIES, 2 * len(hashes)))
         now = self._clock()
-        moving = [(model, h) for h in hashes]
+        base = self._model_base(model)
+        moving = [base | h for h in hashes]
         for here in chain:
             moving = self._add(moving, here, now + self._ttl_s, now)
             if not moving:
@@ -203,11 +248,12 @@ class MemoryIndex:
     ) -> list[BlockKey]:
         """Record `keys` at `location`; return the live entries its capacity pushed out."""
         lru = self._lru.setdefault(location, OrderedDict())
+        here = self._location_id(location)
         for key in keys:
             holders = self._blocks.setdefault(key, {})
-            if location not in holders:
+            if here not in holders:
                 self._unfreeze(key)
-            holders[location] = expiry
+            holders[here] = expiry
             lru[key] = None
             lru.move_to_end(key)
         capacity = self._capacity(location)
@@ -227,10 +273,10 @@ class MemoryIndex:
         now = self._clock()
         removed = 0
         for location, lru in list(self._lru.items()):
-            here = removed
+            here, at = removed, self._location_id(location)
             while lru and removed < max_entries:
                 key = next(iter(lru))
-                if self._blocks.get(key, {}).get(location, now) > now:
+                if self._blocks.get(key, {}).get(at, now) > now:
                     break
                 del lru[key]
                 self._forget(key, location)
@@ -246,26 +292,31 @@ class MemoryIndex:
     def _forget(self, key: BlockKey, location: Location) -> float:
         """Remove one entry; return its expiry (0 if there was none)."""
         holders = self._blocks.get(key)
-        if holders is None:
+        at = self._location_ids.get(location)
+        if holders is None or at is None:
             return 0.0
-        expiry = holders.pop(location, 0.0)
+        expiry = holders.pop(at, 0.0)
         self._unfreeze(key)
         if not holders:
             del self._blocks[key]
         return expiry
 
     def _unfreeze(self, key: BlockKey) -> None:
-        frozen = self._frozen.get(key[0])
-        if frozen is not None and frozen.pop(key[1], None) is not None:
-            del self._frozen_expiry[key[0]][key[1]]
+        model = self._model_names[key >> HASH_BITS]
+        frozen = self._frozen.get(model)
+        h = key & HASH_MASK
+        if frozen is not None and frozen.pop(h, None) is not None:
+            del self._frozen_expiry[model][h]
 
     async def evict(self, model: str, hashes: Sequence[int], location: Location) -> None:
         lru = self._lru.get(location)
+        base = self._model_base(model)
         gone = 0
         for h in hashes:
-            held = self._forget((model, h), location) > 0
+            key = base | h
+            held = self._forget(key, location) > 0
             if lru is not None:
-                lru.pop((model, h), None)
+                lru.pop(key, None)
             gone += held
         if gone:
             self._on_removed(location, gone, "evicted")
