@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT_PATH)
     args = parser.parse_args(argv)
     duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-gc-"))
     specs = [RouterSpec("cachelane", "cache_aware")]
     if args.baseline:
