@@ -88,6 +88,8 @@ def create_app(
             stack.push_async_callback(upstream.aclose)
             gw = Gateway(config, client, upstream, config_path=config_path)
             app.state.gw = gw
+            gw.metrics.gc_pauses.install()
+            stack.callback(gw.metrics.gc_pauses.uninstall)
             if gw.capture is not None:
                 await asyncio.to_thread(gw.capture.start)  # opens (and rotates) the file
             for replica in gw.registry.replicas.values():

@@ -15,6 +15,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.metrics_core import Metric
 
+from gateway.heap import CollectionTimer
+
 OTHER_MODEL = "other"  # the `model` label of a request for a model no replica serves (or none)
 
 
@@ -93,6 +95,8 @@ class Metrics:
         r = self.registry
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
+        self.gc_pauses = CollectionTimer()  # installed by the app's lifespan (gc.callbacks)
+        r.register(self.gc_pauses)
         self.requests = Counter(
             "cachelane_requests",
             "Requests by endpoint, model and final status",

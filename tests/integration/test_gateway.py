@@ -287,5 +287,6 @@ async def test_ready_and_metrics() -> None:
                 "cachelane_expected_cached_tokens_total",
                 "cachelane_replica_healthy",
                 "cachelane_decision_seconds_bucket",
+                'cachelane_gc_pause_seconds_bucket{generation="2",le="+Inf"}',
             ):
                 assert name in metrics
