@@ -233,6 +233,8 @@ class MemoryIndex:
         self.record_now(model, hashes, location)
 
     def record_now(self, model: str, hashes: Sequence[int], location: Location) -> None:
+        if hashes and (min(hashes) < 0 or max(hashes) > HASH_MASK):
+            raise ValueError("block hashes must be unsigned 64-bit integers (xxh3_64)")
         chain = spill_chain(location, self._spill_to)
         self.sweep(max(SWEEP_MIN_ENTRIES, 2 * len(hashes)))
         now = self._clock()

@@ -55,3 +55,16 @@ def test_past_the_numbered_sets_blocks_are_looked_up_unfrozen(
             assert [Location(f"r{replica}", Tier.HBM) in h for h in hits] == [True] * 16
             cpu = Location(f"r{(replica + 1) % 4}", Tier.CPU)
             assert [cpu in h for h in hits] == [True] * 8 + [False] * 8
+
+
+def test_a_hash_outside_64_bits_is_refused_and_looked_up_as_a_miss() -> None:
+    index = MemoryIndex()
+    where = Location("r0", Tier.HBM)
+    for bad in (-1, 1 << 64):
+        with pytest.raises(ValueError, match="64-bit"):
+            index.record_now(MODEL, [1, bad], where)
+    assert index.entries() == 0
+    index.record_now(MODEL, [1, (1 << 64) - 1], where)
+    assert index.lookup_now(MODEL, [1, (1 << 64) - 1]) == [frozenset({where})] * 2
+    assert index.lookup_now(MODEL, [-1]) == []
+    assert index.lookup_now("other-model", [1]) == []  # the model is part of the key
