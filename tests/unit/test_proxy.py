@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -388,6 +388,16 @@ async def test_a_stream_the_client_closes_early_releases() -> None:
 ASGI_23 = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}  # uvicorn's
 
 
+def disconnect_once(event: asyncio.Event) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI receive() whose next message, once `event` is set, is the disconnect."""
+
+    async def receive() -> dict[str, Any]:
+        await event.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
 async def test_a_stream_sent_whole_ends_normally_and_releases() -> None:
     """Under an ASGI 2.3 server the relay watches receive() for the disconnect, which uvicorn
     also sends once the response is complete: that one must not cancel anything."""
@@ -396,16 +406,12 @@ async def test_a_stream_sent_whole_ends_normally_and_releases() -> None:
     done = asyncio.Event()
     sent: list[Any] = []
 
-    async def receive() -> dict[str, Any]:
-        await done.wait()
-        return {"type": "http.disconnect"}
-
     async def send(message: Any) -> None:
         sent.append(message)
         if not message.get("more_body", True):
             done.set()
 
-    await response(ASGI_23, receive, send)
+    await response(ASGI_23, disconnect_once(done), send)
     await asyncio.sleep(0)  # the watcher sees the disconnect after the end
     assert [m["body"] for m in sent[1:-1]] == SSE
     s.assert_all_released()
@@ -417,16 +423,13 @@ async def test_a_stream_whose_client_leaves_mid_way_stops_and_releases() -> None
     first = asyncio.Event()
     sent: list[bytes] = []
 
-    async def receive() -> dict[str, Any]:
-        await first.wait()
-        return {"type": "http.disconnect"}
-
     async def send(message: Any) -> None:
         if message["type"] == "http.response.body" and message["body"]:
             sent.append(message["body"])
             first.set()
             await asyncio.sleep(1)  # a slow client: the disconnect comes while this waits
 
+    receive = disconnect_once(first)
     await asyncio.wait_for(response(ASGI_23, receive, send), timeout=0.5)  # no exception
     assert sent == SSE[:1]
     s.assert_all_released()
