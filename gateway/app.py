@@ -317,6 +317,9 @@ def explain(plan: Plan) -> dict[str, Any]:
                     "prefill_s": ms(s.estimate.prefill_s),
                     "ttft": ms(s.estimate.ttft_s),
                 },
+                # the wait it would add to known requests it goes before (what cache_aware adds
+                # to the TTFT to rank the candidates: routing/policies/cache_aware.py)
+                "others_wait_ms": ms(s.estimate.others_wait_s),
                 "queue_tokens": round(s.estimate.queue_tokens),
                 "remote_fetch": s.estimate.remote_fetch,
                 "expected_cached_tokens": s.expected_cached_tokens,

@@ -238,13 +238,16 @@ def _route_explain(args: argparse.Namespace) -> int:
         f"est. TTFT {data['est_ttft_ms']} ms, {data['expected_cached_tokens']} cached tokens "
         f"expected (decided in {data['decision_ms']} ms)"
     )
+    # "others": the wait a candidate would add to requests it goes before (shown when any would)
+    others = any(c.get("others_wait_ms", 0.0) > 0 for c in data["candidates"])
     table = Table(title="cached tokens per tier, estimated TTFT terms in ms", box=box.SIMPLE)
     table.add_column("replica", no_wrap=True, min_width=15)
-    for name in ("hbm", "cpu", "remote", "fixed", "queue", "swap", "fetch", "prefill", "TTFT"):
+    names = ("hbm", "cpu", "remote", "fixed", "queue", "swap", "fetch", "prefill", "TTFT")
+    for name in (*names, "others") if others else names:
         table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
     for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
         o, e = c["overlap"], c["estimate_ms"]
-        table.add_row(
+        cells = [
             c["replica"],
             str(o["hbm_tokens"]),
             str(o["cpu_tokens"]),
@@ -255,7 +258,10 @@ def _route_explain(args: argparse.Namespace) -> int:
             f"{e['remote_s']:.2f}",
             f"{e['prefill_s']:.2f}",
             f"{e['ttft']:.2f}",
-        )
+        ]
+        if others:
+            cells.append(f"{c['others_wait_ms']:.2f}")
+        table.add_row(*cells)
     console.print(table)
     costs = data.get("costs")
     if costs:

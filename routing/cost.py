@@ -180,6 +180,12 @@ class Estimate(NamedTuple):
     def ttft_s(self) -> float:
         return self.fixed_s + self.queue_s + self.swap_s + self.remote_s + self.prefill_s
 
+    @property
+    def others_wait_s(self) -> float:
+        """The wait it adds to known requests it goes before: its prefill for each less urgent
+        one it overtakes, and the rest of it for each still loading its KV that joins meanwhile."""
+        return self.overtakes * self.prefill_s + self.cuts_in_s
+
 
 @lru_cache(maxsize=256)  # a pool's costs are few and constant: one seed each, not one per call
 def seeded(costs: PoolCosts) -> CostTerms:

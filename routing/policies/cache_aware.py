@@ -62,7 +62,7 @@ def cost_s(s: Score) -> float:
     requests it would go before: the less urgent ones it overtakes, and those still loading
     their KV that would join the queue while it prefills."""
     e = s.estimate
-    return e.ttft_s + OVERTAKE_WEIGHT * (e.overtakes * e.prefill_s + e.cuts_in_s)
+    return e.ttft_s + OVERTAKE_WEIGHT * e.others_wait_s
 
 
 def _reason(chosen: Score, scores: tuple[Score, ...]) -> Reason:

@@ -248,6 +248,7 @@ async def test_debug_route_explains_without_sending() -> None:
             assert {"queue_s", "swap_s", "remote_s", "prefill_s", "ttft"} <= set(
                 explained["candidates"][0]["estimate_ms"]
             )
+            assert all(c["others_wait_ms"] == 0 for c in explained["candidates"])  # idle fleet
             assert all(r.in_flight == 0 for r in f.gw.registry.replicas.values())
             metrics = (await h.get("/metrics")).text
             assert "cachelane_decisions_total{" not in metrics, "nothing was routed"

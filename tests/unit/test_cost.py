@@ -171,3 +171,16 @@ def test_a_prefill_that_starts_while_another_loads_charges_it_the_wait() -> None
     # joined already (or ahead of it): waited for, not charged
     joined = Load(pending_prefill_tokens=3000, queue=(Queued(-0.01, 3000),))
     assert estimate(Overlap(6000), joined, COSTS).cuts_in_s == 0
+
+
+def test_the_wait_added_to_others_counts_overtaken_and_cut_in_requests() -> None:
+    """others_wait_s: the prefill for each request overtaken, plus the cut-in waits."""
+    e = estimate(
+        Overlap(6000), Load(pending_prefill_tokens=3000, queue=(Queued(0.1, 3000),)), COSTS
+    )
+    assert e.others_wait_s == pytest.approx(e.cuts_in_s) and e.cuts_in_s > 0
+    head = Queued(-0.2, 3000, priority=0)
+    queued = Load(pending_prefill_tokens=9000, busy_s=0.05, queue=(head, Queued(-0.1, 6000)))
+    urgent = estimate(Overlap(3000), queued, COSTS, priority=-1)
+    assert urgent.overtakes == 1
+    assert urgent.others_wait_s == pytest.approx(urgent.prefill_s)
