@@ -68,10 +68,9 @@ class CollectionTimer:
             "per generation",
             labels=["generation"],
         )
+        bounds = [*map(str, GC_PAUSE_BUCKETS_S), "+Inf"]
         for generation in GENERATIONS:
-            counts = self._buckets[generation]
-            cumulative = list(itertools.accumulate(counts))
-            bounds = [*map(str, GC_PAUSE_BUCKETS_S), "+Inf"]
+            cumulative = itertools.accumulate(self._buckets[generation])
             family.add_metric(
                 [str(generation)],
                 list(zip(bounds, cumulative, strict=True)),

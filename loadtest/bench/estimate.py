@@ -32,7 +32,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from loadtest.bench.processes import (
     sigterm_as_interrupt,
     sim_from_config,
 )
-from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_body
+from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_body, sse_data
 from loadtest.bench.tier_experiment import scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
@@ -321,17 +321,6 @@ def _terms(header: str) -> dict[str, float]:
     return out
 
 
-async def _sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of an OpenAI server-sent event stream, one line as it arrives."""
-    async for line in resp.content:
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        yield json.loads(data)
-
-
 async def _send(client: aiohttp.ClientSession, record: TraceRecord, s: Sample) -> None:
     body = json.dumps(request_body(record, SIM_MODEL)).encode()
     started = time.perf_counter()
@@ -347,7 +336,7 @@ async def _send(client: aiohttp.ClientSession, record: TraceRecord, s: Sample) -
             text = (await resp.read()).decode(errors="replace")
             s.error = f"HTTP {resp.status}: {text[:300]}"
             return
-        async for chunk in _sse_chunks(resp):
+        async for chunk in sse_data(resp.content):
             if s.obs_s is None:
                 s.obs_s = time.perf_counter() - started
             if "error" in chunk:

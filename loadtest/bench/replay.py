@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -91,9 +91,16 @@ def has_text(chunk: dict[str, Any], endpoint: str) -> bool:
     return False
 
 
-async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of an OpenAI server-sent event stream, up to `data: [DONE]`."""
-    async for line in resp.aiter_lines():
+def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an httpx response's OpenAI server-sent event stream."""
+    return sse_data(resp.aiter_lines())
+
+
+async def sse_data(lines: AsyncIterable[str | bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI server-sent event stream, line by line as they arrive (str
+    from httpx's aiter_lines, bytes from aiohttp's content), up to `data: [DONE]`."""
+    async for raw in lines:
+        line = raw.decode() if isinstance(raw, bytes) else raw
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
