@@ -28,16 +28,15 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from rich.console import Console
 from rich.table import Table
 
 from loadtest.bench import report
-from loadtest.bench.overhead import baseline_tree
+from loadtest.bench.overhead import baseline_tree, closed_loop
 from loadtest.bench.peer_routers import RouterSpec, running_router
 from loadtest.bench.processes import SimFleetSettings, sim_fleet
 from loadtest.sim.config import SIM_MODEL
@@ -53,7 +52,6 @@ DOCUMENTS = 40
 DOCUMENT_TOKENS = 6_000
 OWN_TOKENS = 1_500
 REPLICAS = 4
-REQUEST_TIMEOUT_S = 30.0
 LOG_ENV = "CACHELANE_BENCH_GC_LOG"
 
 HOOK = f'''
@@ -94,40 +92,22 @@ def gc_hook(log_path: Path) -> Iterator[None]:
                     os.environ[key] = value
 
 
-async def closed_loop(base_url: str, duration_s: float) -> tuple[int, int, float]:
-    """(ok, errors, elapsed_s): CLIENTS senders, each prompt a shared document and its own text."""
+def prompt_bodies() -> Callable[[int, int], dict[str, Any]]:
+    """Each request: one of the shared documents and OWN_TOKENS of its own."""
     rng = random.Random(3)
     documents = [traces.words_text(rng, DOCUMENT_TOKENS) for _ in range(DOCUMENTS)]
-    counts = {"ok": 0, "err": 0}
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=CLIENTS)
-    async with aiohttp.ClientSession(
-        base_url=base_url, timeout=timeout, connector=connector, trust_env=False
-    ) as client:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + duration_s
 
-        async def sender(w: int) -> None:
-            i = 0
-            while loop.time() < deadline:
-                own = traces.words_text(random.Random(w * 1_000_003 + i), OWN_TOKENS)
-                text = f"{w}-{i} {own} {documents[(w + i) % DOCUMENTS]}"
-                body = {
-                    "model": SIM_MODEL,
-                    "messages": [{"role": "user", "content": text}],
-                    "max_tokens": 2,
-                }
-                try:
-                    async with client.post("/v1/chat/completions", json=body) as resp:
-                        await resp.read()
-                        counts["ok" if resp.status == 200 else "err"] += 1
-                except (aiohttp.ClientError, TimeoutError):
-                    counts["err"] += 1
-                i += 1
+    def body(w: int, i: int) -> dict[str, Any]:
+        own = traces.words_text(random.Random(w * 1_000_003 + i), OWN_TOKENS)
+        text = f"{w}-{i} {own} {documents[(w + i) % DOCUMENTS]}"
+        return {
+            "model": SIM_MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 2,
+            "stream": False,
+        }
 
-        started = loop.time()
-        await asyncio.gather(*(sender(w) for w in range(CLIENTS)))
-        return counts["ok"], counts["err"], loop.time() - started
+    return body
 
 
 def run_one(
@@ -136,7 +116,8 @@ def run_one(
     log_path = log_dir / f"gc-{spec.label.replace(':', '-')}.log"
     log_path.unlink(missing_ok=True)
     with gc_hook(log_path), running_router(spec, urls, log_dir) as router:
-        ok, errors, elapsed_s = asyncio.run(closed_loop(router.url, duration_s))
+        loop = closed_loop(router.url, duration_s, body=prompt_bodies(), concurrency=CLIENTS)
+        ok, errors, elapsed_s = asyncio.run(loop)
     time.sleep(0.2)  # the gateway has stopped; its last line is written
     pauses_ms = (
         [1000 * float(line) for line in log_path.read_text().split() if line]

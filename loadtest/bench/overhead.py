@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -222,8 +222,19 @@ async def open_loop(
     }
 
 
-async def closed_loop(base_url: str, duration_s: float) -> tuple[int, int, float]:
-    """(ok, errors, elapsed_s) with CONCURRENCY workers sending non-streaming requests."""
+def _plain_body(worker: int, i: int) -> dict[str, Any]:
+    return _body(worker * 100_000 + i, False)
+
+
+async def closed_loop(
+    base_url: str,
+    duration_s: float,
+    *,
+    body: Callable[[int, int], dict[str, Any]] = _plain_body,
+    concurrency: int = CONCURRENCY,
+) -> tuple[int, int, float]:
+    """(ok, errors, elapsed_s) with `concurrency` workers each sending, one after the other,
+    non-streaming requests `body(worker, i)` for its i-th request."""
     counts = {"ok": 0, "err": 0}
     async with _client(base_url) as client:
         loop = asyncio.get_running_loop()
@@ -233,12 +244,12 @@ async def closed_loop(base_url: str, duration_s: float) -> tuple[int, int, float
             i = 0
             while loop.time() < deadline:
                 sample = Sample()
-                await _one(client, _body(w * 100_000 + i, False), sample)
+                await _one(client, body(w, i), sample)
                 counts["ok" if sample.error is None else "err"] += 1
                 i += 1
 
         started = loop.time()
-        await asyncio.gather(*(worker(w) for w in range(CONCURRENCY)))
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
         return counts["ok"], counts["err"], loop.time() - started
 
 
