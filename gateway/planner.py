@@ -556,9 +556,14 @@ class Planner:
 
     async def record_sent(self, plan: Plan, replica: Replica) -> None:
         """Approximate mode: after this request the replica holds the prompt's blocks in HBM,
-        and the remote tier holds them too if the write was admitted. Precise mode: the HBM hit
-        prefix is refreshed and the rest marked speculative (see the module docstring)."""
+        and the remote tier holds them too if the write was admitted; for a streamed request,
+        the blocks it loads (swap-in, remote fetch) only from its first byte (record_loaded).
+        Precise mode: the HBM hit prefix is refreshed and the rest marked speculative (see the
+        module docstring)."""
         hbm = plan.hashes
+        loading = self._loading(plan, replica)
+        if loading is not None:
+            hbm = plan.hashes[: loading.start] + plan.hashes[loading.stop :]
         if self._precise:
             hit_blocks = plan.decision.score(replica.name).overlap.hbm_tokens // self._block_size
             hbm = plan.hashes[:hit_blocks]
@@ -572,6 +577,37 @@ class Planner:
             if tier and plan.admission is not None and plan.admission.write:
                 remote = Location(tier, Tier.REMOTE)
                 await record_prompt(self._index, plan.model, plan.hashes, remote)
+        except Exception as err:
+            self._metrics.index_errors.labels("record").inc()
+            log.warning("index record failed: %r", err)
+
+    def _loading(self, plan: Plan, replica: Replica) -> slice | None:
+        """Approximate mode, a streamed request: the blocks it loads from the CPU or remote
+        tier, which the engine holds in HBM only once they arrive. vLLM caches a block that a
+        KV transfer fills only when the transfer is done (the scheduler allocates it with
+        delay_cache_blocks while the request waits in WAITING_FOR_REMOTE_KVS:
+        vllm/v1/core/kv_cache_manager.py `allocate_slots`, vllm/v1/core/sched/scheduler.py),
+        so a request with the same prefix that arrives meanwhile loads them too. The blocks it
+        computes are cached when its prefill is scheduled: a request queued behind it finds
+        them. A whole answer's first byte comes after the generation: recorded at once."""
+        if self._precise or not plan.stream:
+            return None
+        score = plan.decision.score(replica.name)
+        ov, b = score.overlap, self._block_size
+        loaded = ov.cpu_tokens + (ov.remote_tokens if score.estimate.remote_fetch else 0)
+        if not loaded:
+            return None
+        return slice(ov.hbm_tokens // b, -(-(ov.hbm_tokens + loaded) // b))
+
+    async def record_loaded(self, plan: Plan, replica: Replica) -> None:
+        """At a streamed request's first byte: its prefill is done, every block of its prompt
+        is in the replica's HBM, the loaded ones too (record_sent left them out)."""
+        if self._loading(plan, replica) is None:
+            return
+        try:
+            await record_prompt(
+                self._index, plan.model, plan.hashes, Location(replica.name, Tier.HBM)
+            )
         except Exception as err:
             self._metrics.index_errors.labels("record").inc()
             log.warning("index record failed: %r", err)

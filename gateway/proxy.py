@@ -303,6 +303,8 @@ class Proxy:
                 headers["cache-control"] = "no-cache"
                 headers["x-accel-buffering"] = "no"
                 ttft_s = None if first is None else self._first_byte(reservation, plan)
+                if first is not None:  # its prefill is done: what it loaded is in HBM now
+                    await self._planner.record_loaded(plan, replica)
                 return RelayResponse(
                     self._relay(resp, chunks, first, ttft_s, reservation, plan),
                     on_close=partial(_close, resp, reservation),

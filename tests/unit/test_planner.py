@@ -226,6 +226,30 @@ async def test_record_sent_indexes_the_prompt_on_the_chosen_replica() -> None:
     assert follow_up.decision.reason is Reason.HBM_HIT
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_blocks_a_streamed_request_loads_reach_hbm_at_its_first_byte(stream: bool) -> None:
+    s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
+    cold = await s.plan(chat())
+    name = SHARED[1].removeprefix("http://")
+    swapped = cold.hashes[:40]  # the system prompt's first 40 blocks wait in the CPU tier
+    await record_prompt(s.index, MODEL, swapped, Location(name, Tier.CPU))
+    plan = await s.plan(chat() | {"stream": stream})
+    assert plan.decision.replica == name
+    assert plan.decision.reason is Reason.CPU_HIT
+    hbm = Location(name, Tier.HBM)
+
+    def in_hbm() -> list[bool]:
+        return [hbm in held for held in s.index.lookup_now(MODEL, plan.hashes)]
+
+    await s.planner.record_sent(plan, s.registry.replicas[name])
+    # a streamed request swaps those in before its prefill: until its first byte, a request with
+    # the same prefix finds them in the CPU tier, not in HBM; what it computes is in HBM at once
+    loaded = len(swapped) if stream else 0
+    assert in_hbm() == [False] * loaded + [True] * (len(plan.hashes) - loaded)
+    await s.planner.record_loaded(plan, s.registry.replicas[name])
+    assert in_hbm() == [True] * len(plan.hashes)
+
+
 async def test_within_budget_while_some_candidate_has_an_empty_prefill_queue() -> None:
     s = await setup()
     plan = await s.plan(chat())
