@@ -451,6 +451,8 @@ class ArmResult:
             "sims": self.sims,
             "elapsed_s": self.elapsed_s,
             "per_request": {
+                "sent_ms": [_ms(s.scheduled_s + s.send_lag_s) for s in self.samples],
+                "e2e_ms": [_ms(s.e2e_s) for s in self.samples],
                 "est_ms": [_ms(s.est_s) for s in self.samples],
                 "obs_ms": [_ms(s.obs_s) for s in self.samples],
                 "rel_error": [s.rel_error for s in self.samples],
