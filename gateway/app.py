@@ -369,6 +369,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     tenant = None
     model: object = None
     relay: RelayResponse | None = None
+    plan: Plan | None = None
     try:
         tenant = gw.authenticate(request)
         logs.note_tenant(tenant)
@@ -378,7 +379,8 @@ async def _serve(request: Request, endpoint: str) -> Response:
         model = body.get("model")
         plan = await gw.planner.plan(endpoint, body, tenant, received_s=started)
         await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
-        plan = await _hold(gw, request, plan)
+        dispatched = gw.dispatch_now(plan)  # decided and reserved in one step when not held
+        plan = dispatched if dispatched is not None else await _hold(gw, request, plan)
         logs.note_plan(plan)
         tracing.note_plan(plan)
         _count_decision(gw, plan)
@@ -393,6 +395,8 @@ async def _serve(request: Request, endpoint: str) -> Response:
         status = err.status
         raise
     finally:
+        if plan is not None:
+            _release_unsent(plan)  # an error, or a client gone, before the proxy took it
         label = model_label(model, gw.registry.known_models())
         gw.metrics.requests.labels(endpoint, label, str(status)).inc()
         e2e = gw.metrics.e2e_seconds.labels(endpoint, label)
@@ -409,14 +413,24 @@ async def _serve(request: Request, endpoint: str) -> Response:
 async def _hold(gw: Gateway, request: Request, plan: Plan) -> Plan:
     """Flow control's wait, given up as soon as the client disconnects (a held request would
     otherwise keep its place and be sent)."""
-    if not gw.may_hold(plan):  # critical by default, or flow control off: no task, no polling
-        return plan
     try:
-        return await while_client_waits(gw.hold(plan), request.is_disconnected)
+        return await while_client_waits(
+            gw.hold(plan), request.is_disconnected, abandoned=_release_abandoned
+        )
     except ClientGone:
         raise ApiError(
             499, "the client closed the request while it was held", code="client_closed"
         ) from None
+
+
+def _release_unsent(plan: Plan) -> None:
+    """A dispatched plan that will not be forwarded gives its reservation back."""
+    if plan.reserved is not None and not plan.reserved.taken:
+        plan.reserved.release()
+
+
+async def _release_abandoned(plan: Plan) -> None:
+    _release_unsent(plan)
 
 
 def _count_decision(gw: Gateway, plan: Plan) -> None:

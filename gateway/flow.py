@@ -172,15 +172,22 @@ class FlowControl:
 
         Raises Shed when the class's queue is full or the wait passed max_wait_s. The caller
         reserves its slot right away and then calls kick()."""
+        if self.admit_now(tenant_class, ready):
+            return 0.0
+        return await self._wait(self._classes[tenant_class], tenant, ready)
+
+    def admit_now(self, tenant_class: TenantClass, ready: Callable[[], bool]) -> bool:
+        """admit()'s case of no wait, without an await (so the caller can decide and reserve in
+        one step): True, counted as dispatched, when no request of the class or a higher one is
+        queued or handed off and ready() holds."""
         state = self._classes[tenant_class]
         for s in state.at_or_above:
             if s.depth or s.handoffs:
-                break
-        else:
-            if ready():
-                state.dispatched += 1
-                return 0.0
-        return await self._wait(state, tenant, ready)
+                return False
+        if not ready():
+            return False
+        state.dispatched += 1
+        return True
 
     async def _wait(self, state: _ClassState, tenant: str, ready: Callable[[], bool]) -> float:
         if state.depth >= state.limits.max_queue:

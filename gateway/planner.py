@@ -30,7 +30,7 @@ from gateway.engines.events import precise_namespace
 from gateway.errors import ApiError, bad_request, no_replica
 from gateway.metrics import Metrics
 from gateway.pinning import PinnedPoolWatch
-from gateway.registry import Registry, Replica
+from gateway.registry import Registry, Replica, Reservation
 from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
 from routing.admission import AdmissionVerdict, family_key, should_write
@@ -75,6 +75,8 @@ class Plan:
     hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
     endpoint: str = "chat"  # chat, completions, responses, embeddings
     received_s: float | None = None  # perf_counter when the request reached the gateway
+    # its first choice, reserved in the decision's step (Gateway.dispatch); the proxy takes it
+    reserved: Reservation | None = field(default=None, repr=False, compare=False)
 
     def in_gateway_s(self, sent_s: float) -> float:
         """How long the request was in the gateway before it was sent at `sent_s` (reading the

@@ -235,14 +235,21 @@ class Proxy:
         path = ENDPOINT_PATHS[endpoint]
         last_error: UpstreamError | None = None
         attempts = 0
+        reserved = plan.reserved
         for name in plan.decision.ranking:
             replica = plan.replicas[name]
-            if not replica.healthy:
+            mine = reserved is not None and reserved.replica is replica and not reserved.taken
+            if not replica.healthy and not mine:
                 continue
             if attempts > self._retries:
                 break
             attempts += 1
-            reservation = self._reserve(plan, replica)
+            if mine and reserved is not None:
+                reservation = reserved
+                reservation.taken = True
+                reservation.started_s = time.perf_counter()  # sent now: the TTFT counts from here
+            else:
+                reservation = self._reserve(plan, replica)
             url = replica.url + path
             body = upstream_body(plan, replica, raw_body)
             headers = upstream_request_headers(plan)
@@ -345,6 +352,17 @@ class Proxy:
         if last_error is not None:
             raise upstream_error(plan.decision.replica, last_error)
         raise no_replica(plan.model)
+
+    def reserve_first(self, plan: Plan) -> Reservation | None:
+        """Reserve the decision's first healthy choice now (None: none is healthy). Called in
+        the decision's own step of the event loop: a request decided in the same step (a burst
+        read at once after a stall) then sees this one's load instead of the same idle replica.
+        The caller hands it to forward() in the plan, or releases it."""
+        for name in plan.decision.ranking:
+            replica = plan.replicas[name]
+            if replica.healthy:
+                return self._reserve(plan, replica)
+        return None
 
     def _reserve(self, plan: Plan, replica: Replica) -> Reservation:
         score = plan.decision.score(replica.name)

@@ -6,7 +6,8 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -308,27 +309,35 @@ class Gateway:
         self.discovery = Discovery(self.fleet, self.metrics)
         self.reloader = Reloader(self, config_path)
 
-    def may_hold(self, plan: Plan) -> bool:
-        """Whether flow control applies to this request's class at all."""
-        budget_ms = getattr(self.config.classes, plan.tenant.tenant_class.value).ttft_budget_ms
-        return self.flow is not None and budget_ms is not None
+    def dispatch(self, plan: Plan) -> Plan:
+        """The plan with its first choice reserved in this very step (Proxy.reserve_first)."""
+        return replace(plan, reserved=self.proxy.reserve_first(plan))
+
+    def dispatch_now(self, plan: Plan) -> Plan | None:
+        """Dispatch without an await between the decision and its reservation when flow control
+        lets the request go at once (its class has no budget, or it fits the budget with no one
+        of its class or above waiting); None when it must wait (hold)."""
+        held = self._flow_for(plan)
+        if held is None:
+            return self.dispatch(plan)
+        flow, ready = held
+        klass = plan.tenant.tenant_class
+        if not flow.admit_now(klass, ready):
+            return None
+        self.metrics.flow_wait_seconds.labels(klass.value).observe(0.0)
+        note_queue_wait(0.0)
+        return self.dispatch(plan)
 
     async def hold(self, plan: Plan) -> Plan:
         """Flow control: wait, in the class's queue, until the request fits its class's TTFT
         budget somewhere (critical first, then standard, then batch; round robin between
-        tenants); then decide again on the load of now. Raises 503 with Retry-After when the
-        queue is full or the wait passed the class's maximum."""
+        tenants); then decide again on the load of now and dispatch in the same step. Raises 503
+        with Retry-After when the queue is full or the wait passed the class's maximum."""
+        held = self._flow_for(plan)
+        if held is None:
+            return self.dispatch(plan)
+        flow, ready = held
         klass = plan.tenant.tenant_class
-        budget_ms = getattr(self.config.classes, klass.value).ttft_budget_ms
-        if self.flow is None or budget_ms is None:
-            return plan
-        flow, budget_s = self.flow, budget_ms / 1000
-
-        def ready() -> bool:
-            return not flow.higher_class_waiting(klass) and self.planner.within_budget(
-                plan, budget_s
-            )
-
         try:
             waited_s = await flow.admit(plan.tenant.name, klass, ready)
         except Shed as err:
@@ -348,13 +357,27 @@ class Gateway:
             ) from None
         self.metrics.flow_wait_seconds.labels(klass.value).observe(waited_s)
         note_queue_wait(waited_s)
-        if waited_s == 0:
-            return plan
         try:
-            return self.planner.replan(plan)
+            return self.dispatch(self.planner.replan(plan))
         except BaseException:
             flow.kick()  # it will not reserve: let the next one go
             raise
+
+    def _flow_for(self, plan: Plan) -> tuple[FlowControl, Callable[[], bool]] | None:
+        """Flow control and the request's ready() predicate, or None when its class is never
+        held (no TTFT budget, or flow control off)."""
+        klass = plan.tenant.tenant_class
+        budget_ms = getattr(self.config.classes, klass.value).ttft_budget_ms
+        if self.flow is None or budget_ms is None:
+            return None
+        flow, budget_s = self.flow, budget_ms / 1000
+
+        def ready() -> bool:
+            return not flow.higher_class_waiting(klass) and self.planner.within_budget(
+                plan, budget_s
+            )
+
+        return flow, ready
 
     def _index_failed(self, op: str, err: BaseException) -> None:
         self.metrics.index_errors.labels(op).inc()

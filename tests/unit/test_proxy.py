@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -321,6 +321,26 @@ async def test_every_replica_refusing_is_502_after_the_configured_retries() -> N
 
 
 # -- every reservation released ----------------------------------------------------------------
+
+
+async def test_a_first_choice_reserved_with_its_decision_is_seen_by_the_next_and_then_sent() -> (
+    None
+):
+    """Two requests decided in one step of the event loop (a burst read at once): the second
+    one's estimate counts the first one's prefill, reserved with its decision; forward() sends
+    the first on that reservation rather than taking a second one."""
+    s = await setup()
+    first = await s.plan(json.loads(raw_chat(stream=True)))
+    first = replace(first, reserved=s.proxy.reserve_first(first))
+    second = await s.plan(json.loads(raw_chat(stream=True)))
+    assert second.decision.score(first.decision.replica).estimate.queue_s > 0
+    assert s.replica(first.decision.replica).in_flight == 1
+    response = await s.proxy.forward("chat", raw_chat(stream=True), first)
+    assert s.fleet.sent[0].replica == first.decision.replica.split("//")[-1]
+    assert first.reserved is not None and first.reserved.taken
+    assert s.replica(first.decision.replica).in_flight == 1  # the one reservation, not two
+    await read_all(response)
+    s.assert_all_released()
 
 
 async def test_a_whole_response_releases_its_reservation() -> None:
