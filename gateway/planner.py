@@ -557,11 +557,11 @@ class Planner:
         return verdict
 
     async def record_sent(self, plan: Plan, replica: Replica) -> None:
-        """Approximate mode: after this request the replica holds the prompt's blocks in HBM,
-        and the remote tier holds them too if the write was admitted; for a streamed request,
-        the blocks it loads (swap-in, remote fetch) only from its first byte (record_loaded).
-        Precise mode: the HBM hit prefix is refreshed and the rest marked speculative (see the
-        module docstring)."""
+        """Approximate mode: after this request the replica holds the prompt's blocks in HBM;
+        for a streamed request, the blocks it loads (swap-in, remote fetch) only from its first
+        byte (record_loaded). Precise mode: the HBM hit prefix is refreshed and the rest marked
+        speculative (see the module docstring). Either mode: the remote tier holds the prompt
+        if the write was admitted, a streamed request's from its first byte (record_loaded)."""
         hbm = plan.hashes
         loading = self._loading(plan, replica)
         if loading is not None:
@@ -575,13 +575,22 @@ class Planner:
         try:
             if hbm:
                 await record_prompt(self._index, plan.model, hbm, Location(replica.name, Tier.HBM))
-            tier = replica.pool.remote_tier
-            if tier and plan.admission is not None and plan.admission.write:
-                remote = Location(tier, Tier.REMOTE)
-                await record_prompt(self._index, plan.model, plan.hashes, remote)
+            if not plan.stream:  # a whole answer comes after its prefill: the write is done
+                await self._record_remote(plan, replica)
         except Exception as err:
             self._metrics.index_errors.labels("record").inc()
             log.warning("index record failed: %r", err)
+
+    async def _record_remote(self, plan: Plan, replica: Replica) -> None:
+        """The remote tier holds the prompt once the replica has written it: a KV connector
+        saves the blocks a request computes during its prefill's forward pass (`save_kv_layer`
+        per attention layer, `wait_for_save` as the pass ends:
+        vllm/distributed/kv_transfer/kv_connector/v1/base.py), so a request elsewhere that
+        looks for them before then finds none and recomputes the prompt."""
+        tier = replica.pool.remote_tier
+        if tier and plan.admission is not None and plan.admission.write:
+            remote = Location(tier, Tier.REMOTE)
+            await record_prompt(self._index, plan.model, plan.hashes, remote)
 
     def _loading(self, plan: Plan, replica: Replica) -> slice | None:
         """Approximate mode, a streamed request: the blocks it loads from the CPU or remote
@@ -603,13 +612,13 @@ class Planner:
 
     async def record_loaded(self, plan: Plan, replica: Replica) -> None:
         """At a streamed request's first byte: its prefill is done, every block of its prompt
-        is in the replica's HBM, the loaded ones too (record_sent left them out)."""
-        if self._loading(plan, replica) is None:
-            return
+        is in the replica's HBM, the loaded ones too (record_sent left them out), and in the
+        remote tier if it was to write them there."""
         try:
-            await record_prompt(
-                self._index, plan.model, plan.hashes, Location(replica.name, Tier.HBM)
-            )
+            if self._loading(plan, replica) is not None:
+                where = Location(replica.name, Tier.HBM)
+                await record_prompt(self._index, plan.model, plan.hashes, where)
+            await self._record_remote(plan, replica)
         except Exception as err:
             self._metrics.index_errors.labels("record").inc()
             log.warning("index record failed: %r", err)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from gateway.planner import Plan, Planner
 from gateway.registry import Registry
 from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
+from routing.admission import AdmissionVerdict
 from routing.decide import Reason
 from routing.filters import Fallback
 from routing.index import MemoryIndex, record_prompt
@@ -248,6 +250,33 @@ async def test_blocks_a_streamed_request_loads_reach_hbm_at_its_first_byte(strea
     assert in_hbm() == [False] * loaded + [True] * (len(plan.hashes) - loaded)
     await s.planner.record_loaded(plan, s.registry.replicas[name])
     assert in_hbm() == [True] * len(plan.hashes)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_remote_tier_holds_a_written_prompt_once_its_prefill_is_done(
+    stream: bool,
+) -> None:
+    """A streamed request writes its blocks to the remote tier as its prefill runs: until its
+    first byte a request on another replica would find none there. A whole answer's first byte
+    comes after its prefill: recorded when it is sent."""
+    cfg = config(
+        pool("shared", SHARED, remote_tier="kv"),
+        remote_tiers=[{"name": "kv", "url": "http://kv:9100"}],
+    )
+    s = await setup(cfg)
+    plan = await s.plan(chat() | {"stream": stream})
+    write = AdmissionVerdict(True, 2.0, 0.1, 0.01, len(plan.hashes) * 16)
+    plan = replace(plan, admission=write)
+    replica = s.registry.replicas[plan.decision.replica]
+    remote = Location("kv", Tier.REMOTE)
+
+    def in_remote() -> bool:
+        return all(remote in held for held in s.index.lookup_now(MODEL, plan.hashes))
+
+    await s.planner.record_sent(plan, replica)
+    assert in_remote() is not stream
+    await s.planner.record_loaded(plan, replica)
+    assert in_remote()
 
 
 async def test_within_budget_while_some_candidate_has_an_empty_prefill_queue() -> None:
