@@ -541,6 +541,7 @@ class Planner:
             len(hits) * self._block_size,  # the prefix any location holds: what was shared
             reuse,
             replica.costs,
+            replica.terms,
         )
         if replica.pool.remote_write != "reuse":
             verdict = replace(

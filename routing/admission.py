@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from routing.cost import PoolCosts
+from routing.cost import CostTerms, PoolCosts, seeded
 
 FAMILY_BLOCKS = 4
 # Same prefix key as prefix_hash (PREFIX_KEY_BLOCKS, routing/policies/prefix_hash.py): 64 tokens
@@ -53,8 +53,11 @@ class AdmissionVerdict:
     new_tokens: int  # tokens the remote tier does not hold yet
 
 
-def transfer_s(tokens: int, costs: PoolCosts) -> float:
-    return costs.remote_fixed_s + tokens * costs.kv_bytes_per_token / (costs.remote_gbps * 1e9)
+def transfer_s(tokens: int, costs: PoolCosts, terms: CostTerms | None = None) -> float:
+    """One transfer of `tokens` to or from the remote tier: its fixed cost (configured) and the
+    per-token fetch time (`terms`, learned; default: the seed of `costs`)."""
+    t = terms if terms is not None else seeded(costs)
+    return costs.remote_fixed_s + tokens * t.fetch_s_per_token
 
 
 def should_write(
@@ -63,18 +66,22 @@ def should_write(
     shared_tokens: int,
     expected_reuse: float,
     costs: PoolCosts,
+    terms: CostTerms | None = None,
 ) -> AdmissionVerdict:
     """`remote_tokens`: leading tokens of the prompt the remote tier already holds.
     `shared_tokens`: leading tokens earlier requests had in common with this one (held
     somewhere, per the index). Only that part has shown reuse: one-off prompts behind a common
-    instruction share the instruction, not the rest, and a write of them would never be read."""
+    instruction share the instruction, not the rest, and a write of them would never be read.
+    `terms`: the replica's cost terms in use (learned: routing/learn.py), so that a fleet
+    slower than the defaults is priced as it is, as its estimates are; default: the seed."""
     new_tokens = max(0, prompt_tokens - remote_tokens)
     if new_tokens == 0:
         return AdmissionVerdict(False, expected_reuse, 0.0, 0.0, 0)
+    t = terms if terms is not None else seeded(costs)
     reused = min(shared_tokens, prompt_tokens)
-    saved_per_reuse = reused / costs.prefill_tokens_per_s - transfer_s(reused, costs)
+    saved_per_reuse = reused * t.prefill_s_per_token - transfer_s(reused, costs, t)
     gain_s = expected_reuse * max(0.0, saved_per_reuse)
-    cost_s = transfer_s(new_tokens, costs)
+    cost_s = transfer_s(new_tokens, costs, t)
     return AdmissionVerdict(gain_s > cost_s, expected_reuse, gain_s, cost_s, new_tokens)
 
 

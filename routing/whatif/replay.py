@@ -307,7 +307,7 @@ class _Fleet:
         remote = Location(tier, Tier.REMOTE)
         held = next((i for i, h in enumerate(hits) if remote not in h), len(hits))
         verdict = should_write(
-            req.prompt_tokens, held * self.bs, len(hits) * self.bs, reuse, r.costs
+            req.prompt_tokens, held * self.bs, len(hits) * self.bs, reuse, r.costs, r.terms
         )
         if r.pool.remote_write != "reuse":
             always = r.pool.remote_write == "always" and verdict.new_tokens > 0

@@ -1,7 +1,7 @@
 import pytest
 
 from routing.admission import ReuseWindow, family_key, should_write
-from routing.cost import PoolCosts
+from routing.cost import CostTerms, PoolCosts
 
 COSTS = PoolCosts()
 
@@ -31,6 +31,24 @@ COSTS = PoolCosts()
 )
 def test_should_write(prompt: int, remote: int, shared: int, reuse: float, write: bool) -> None:
     assert should_write(prompt, remote, shared, reuse, COSTS).write is write
+
+
+def test_a_fleet_slower_than_the_defaults_is_priced_by_its_learned_terms() -> None:
+    """A 2k-token prefix seen once does not pay a write at the defaults' prefill rate (an H200,
+    30k tokens/s); on replicas whose fit says 10x slower prefill and network, recomputing it costs
+    0.67 s against a 0.14 s fetch, so it does."""
+    seed = CostTerms.seed(COSTS)
+    slow = CostTerms(
+        seed.fixed_s,
+        seed.prefill_s_per_token * 10,
+        seed.swap_s_per_token * 10,
+        seed.fetch_s_per_token * 10,
+    )
+    assert not should_write(2000, 0, 2000, 1, COSTS).write
+    assert not should_write(2000, 0, 2000, 1, COSTS, seed).write
+    verdict = should_write(2000, 0, 2000, 1, COSTS, slow)
+    assert verdict.write
+    assert verdict.gain_s == pytest.approx(2000 * slow.prefill_s_per_token - verdict.cost_s)
 
 
 def test_reuse_window_slides() -> None:
