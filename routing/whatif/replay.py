@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from routing.admission import AdmissionVerdict, ReuseWindow, family_key, should_write
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, Queued, estimate
-from routing.decide import Candidate, Decision, Policy, PoolRules, RouteRequest, decide
+from routing.decide import Candidate, Decision, Policy, PoolRules, RouteRequest, Score, decide
 from routing.filters import Fallback, eligible
 from routing.index import MemoryIndex
 from routing.types import BlockHits, Location, TenantClass, Tier
@@ -99,6 +99,7 @@ class _Job:
     started_s: float = 0.0
     hbm_blocks: int = 0
     computed: int = 0
+    indexed_at_first_byte: bool = False  # its loaded blocks enter the index at its first byte
 
 
 @dataclass
@@ -339,11 +340,17 @@ class _Fleet:
             prefill,
             score.overlap.cpu_tokens > 0,
         )
+        # (Planner.record_sent: a streamed request's loaded blocks, and the prompt a write puts
+        # in the remote tier, from its first byte: `prefilled`)
+        loading = None
         if self.setup.mode != "precise":
-            self.index.record_now(req.model, req.hashes[::-1], Location(r.name, Tier.HBM))
-            if write and r.pool.remote_tier is not None:
-                remote_loc = Location(r.pool.remote_tier, Tier.REMOTE)
-                self.index.record_now(req.model, req.hashes[::-1], remote_loc)
+            loading = _loading(score, req.stream, self.bs)
+            hbm = req.hashes
+            if loading is not None:
+                hbm = req.hashes[: loading.start] + req.hashes[loading.stop :]
+            self.index.record_now(req.model, hbm[::-1], Location(r.name, Tier.HBM))
+            if write and not req.stream:
+                self._record_remote(r, req)
         # the engine: where its KV is, and how long loading it takes
         bs = self.bs
         reusable = req.hashes[: max(0, req.prompt_tokens - 1) // bs]
@@ -366,7 +373,13 @@ class _Fleet:
             r.swaps_in_flight += 1
             self.push(self.now + lookup_s + cost.swap_s, _SWAPPED, r)
         job = _Job(job_key, req, klass.value, r, reusable, g, c, fetched, write, arrived_s=self.now)
+        job.indexed_at_first_byte = loading is not None
         self.push(self.now + lookup_s + cost.load_s, _JOIN, job)
+
+    def _record_remote(self, r: _Replica, req: CapturedRequest) -> None:
+        if r.pool.remote_tier is not None:
+            where = Location(r.pool.remote_tier, Tier.REMOTE)
+            self.index.record_now(req.model, req.hashes[::-1], where)
 
     def start_next(self, r: _Replica) -> None:
         if r.busy or not r.queue:
@@ -383,6 +396,11 @@ class _Fleet:
 
     def prefilled(self, job: _Job) -> None:
         r, req, bs = job.replica, job.req, self.bs
+        if self.setup.mode != "precise" and req.stream:  # Planner.record_loaded
+            if job.indexed_at_first_byte:
+                self.index.record_now(req.model, req.hashes[::-1], Location(r.name, Tier.HBM))
+            if job.write:
+                self._record_remote(r, req)
         placed = r.cache.place(req.hashes, job.reusable[job.g : job.g + job.c])
         self.hbm_evicted += placed.evicted_hbm
         written = 0
@@ -413,6 +431,15 @@ class _Fleet:
         )
         self.push(self.now + decode_s(req), _FINISH, job)
         self.start_next(r)
+
+
+def _loading(score: Score, stream: bool, block_size: int) -> slice | None:
+    """Planner._loading: the blocks a streamed request loads from the CPU or remote tier."""
+    ov = score.overlap
+    loaded = ov.cpu_tokens + (ov.remote_tokens if score.estimate.remote_fetch else 0)
+    if not stream or not loaded:
+        return None
+    return slice(ov.hbm_tokens // block_size, -(-(ov.hbm_tokens + loaded) // block_size))
 
 
 def decode_s(req: CapturedRequest) -> float:
