@@ -40,8 +40,9 @@ from gateway.metrics import Metrics, model_label
 from gateway.openapi import schema_of
 from gateway.planner import Plan
 from gateway.proxy import RelayResponse
+from gateway.registry import Reservation
 from gateway.reload import install_sighup
-from gateway.state import Gateway, served_at_asked_class
+from gateway.state import Dispatch, Gateway, served_at_asked_class
 from gateway.tenants import ANONYMOUS, Tenant
 from gateway.upstream import AiohttpUpstream
 
@@ -369,7 +370,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     tenant = None
     model: object = None
     relay: RelayResponse | None = None
-    plan: Plan | None = None
+    reserved: Reservation | None = None
     try:
         tenant = gw.authenticate(request)
         logs.note_tenant(tenant)
@@ -380,13 +381,17 @@ async def _serve(request: Request, endpoint: str) -> Response:
         plan = await gw.planner.plan(endpoint, body, tenant, received_s=started)
         await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
         dispatched = gw.dispatch_now(plan)  # decided and reserved in one step when not held
-        plan = dispatched if dispatched is not None else await _hold(gw, request, plan)
+        plan, reserved = dispatched if dispatched is not None else await _hold(gw, request, plan)
         logs.note_plan(plan)
         tracing.note_plan(plan)
         _count_decision(gw, plan)
         gw.prewarmer.consider(plan)
         response = await gw.proxy.forward(
-            endpoint, request.state.raw_body, plan, client_gone=request.is_disconnected
+            endpoint,
+            request.state.raw_body,
+            plan,
+            client_gone=request.is_disconnected,
+            reserved=reserved,
         )
         status = response.status_code
         relay = response if isinstance(response, RelayResponse) else None
@@ -395,8 +400,8 @@ async def _serve(request: Request, endpoint: str) -> Response:
         status = err.status
         raise
     finally:
-        if plan is not None:
-            _release_unsent(plan)  # an error, or a client gone, before the proxy took it
+        if reserved is not None and not reserved.taken:
+            reserved.release()  # an error, or a client gone, before the proxy took it
         label = model_label(model, gw.registry.known_models())
         gw.metrics.requests.labels(endpoint, label, str(status)).inc()
         e2e = gw.metrics.e2e_seconds.labels(endpoint, label)
@@ -410,7 +415,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
             ).inc()
 
 
-async def _hold(gw: Gateway, request: Request, plan: Plan) -> Plan:
+async def _hold(gw: Gateway, request: Request, plan: Plan) -> Dispatch:
     """Flow control's wait, given up as soon as the client disconnects (a held request would
     otherwise keep its place and be sent)."""
     try:
@@ -423,14 +428,11 @@ async def _hold(gw: Gateway, request: Request, plan: Plan) -> Plan:
         ) from None
 
 
-def _release_unsent(plan: Plan) -> None:
-    """A dispatched plan that will not be forwarded gives its reservation back."""
-    if plan.reserved is not None and not plan.reserved.taken:
-        plan.reserved.release()
-
-
-async def _release_abandoned(plan: Plan) -> None:
-    _release_unsent(plan)
+async def _release_abandoned(dispatched: Dispatch) -> None:
+    """A request dispatched as its client left: nothing will send it."""
+    _, reserved = dispatched
+    if reserved is not None:
+        reserved.release()
 
 
 def _count_decision(gw: Gateway, plan: Plan) -> None:

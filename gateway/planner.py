@@ -30,7 +30,7 @@ from gateway.engines.events import precise_namespace
 from gateway.errors import ApiError, bad_request, no_replica
 from gateway.metrics import Metrics
 from gateway.pinning import PinnedPoolWatch
-from gateway.registry import Registry, Replica, Reservation
+from gateway.registry import Registry, Replica
 from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
 from routing.admission import AdmissionVerdict, family_key, should_write
@@ -75,8 +75,6 @@ class Plan:
     hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
     endpoint: str = "chat"  # chat, completions, responses, embeddings
     received_s: float | None = None  # perf_counter when the request reached the gateway
-    # its first choice, reserved in the decision's step (Gateway.dispatch); the proxy takes it
-    reserved: Reservation | None = field(default=None, repr=False, compare=False)
 
     def in_gateway_s(self, sent_s: float) -> float:
         """How long the request was in the gateway before it was sent at `sent_s` (reading the
@@ -604,12 +602,7 @@ class Planner:
         them. A whole answer's first byte comes after the generation: recorded at once."""
         if self._precise or not plan.stream:
             return None
-        score = plan.decision.score(replica.name)
-        ov, b = score.overlap, self._block_size
-        loaded = ov.cpu_tokens + (ov.remote_tokens if score.estimate.remote_fetch else 0)
-        if not loaded:
-            return None
-        return slice(ov.hbm_tokens // b, -(-(ov.hbm_tokens + loaded) // b))
+        return plan.decision.score(replica.name).loaded_blocks(self._block_size)
 
     async def record_loaded(self, plan: Plan, replica: Replica) -> None:
         """At a streamed request's first byte: its prefill is done, every block of its prompt

@@ -192,6 +192,7 @@ class Proxy:
         plan: Plan,
         *,
         client_gone: Callable[[], Awaitable[bool]] | None = None,
+        reserved: Reservation | None = None,
     ) -> Response:
         """Send a planned request to its replica and return the replica's answer.
 
@@ -200,7 +201,9 @@ class Proxy:
         class's priority: upstream_body); `plan`: Planner.plan's output; `client_gone`: asked
         every gateway.disconnect.DISCONNECT_POLL_S until the answer is ready (Starlette's
         `Request.is_disconnected`): once the client has left, the upstream request is
-        cancelled, its reservation released, and ApiError 499 raised.
+        cancelled, its reservation released, and ApiError 499 raised; `reserved`: the first
+        choice's reservation made with the decision (reserve_first), sent on and then released
+        like any other (a caller releases it if forward() never took it: `Reservation.taken`).
 
         Replicas are tried in the decision's ranking, skipping unhealthy ones; each try reserves
         load on the replica; a replica that accepts the request (status < 400) has the prompt
@@ -220,10 +223,12 @@ class Proxy:
         released.
         """
         if client_gone is None:
-            return await self._forward(endpoint, raw_body, plan)
+            return await self._forward(endpoint, raw_body, plan, reserved)
         try:
             return await while_client_waits(
-                self._forward(endpoint, raw_body, plan), client_gone, abandoned=_close_abandoned
+                self._forward(endpoint, raw_body, plan, reserved),
+                client_gone,
+                abandoned=_close_abandoned,
             )
         except ClientGone:
             self._metrics.client_gone.inc()
@@ -231,11 +236,12 @@ class Proxy:
                 499, "the client closed the request before it was answered", code="client_closed"
             ) from None
 
-    async def _forward(self, endpoint: str, raw_body: bytes, plan: Plan) -> Response:
+    async def _forward(
+        self, endpoint: str, raw_body: bytes, plan: Plan, reserved: Reservation | None
+    ) -> Response:
         path = ENDPOINT_PATHS[endpoint]
         last_error: UpstreamError | None = None
         attempts = 0
-        reserved = plan.reserved
         for name in plan.decision.ranking:
             replica = plan.replicas[name]
             mine = reserved is not None and reserved.replica is replica and not reserved.taken
@@ -357,7 +363,7 @@ class Proxy:
         """Reserve the decision's first healthy choice now (None: none is healthy). Called in
         the decision's own step of the event loop: a request decided in the same step (a burst
         read at once after a stall) then sees this one's load instead of the same idle replica.
-        The caller hands it to forward() in the plan, or releases it."""
+        The caller hands it to forward(), or releases it."""
         for name in plan.decision.ranking:
             replica = plan.replicas[name]
             if replica.healthy:

@@ -7,7 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -33,7 +33,7 @@ from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.prewarm import Prewarmer
 from gateway.proxy import Proxy
-from gateway.registry import HealthChecker, Registry, Replica
+from gateway.registry import HealthChecker, Registry, Replica, Reservation
 from gateway.reload import Reloader
 from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
@@ -53,6 +53,10 @@ if TYPE_CHECKING:  # precise mode only: pyzmq and msgpack are the [precise] extr
 log = logging.getLogger("cachelane.state")
 
 PRECISE_CAPACITY_SLACK = 2  # precise mode: index capacity = twice what the replica can hold
+
+# A request ready to send: its plan and its first choice, reserved in the step that decided it
+# (None: no healthy replica); the proxy takes the reservation, or the caller releases it.
+Dispatch = tuple[Plan, Reservation | None]
 
 
 def build_index(
@@ -309,11 +313,11 @@ class Gateway:
         self.discovery = Discovery(self.fleet, self.metrics)
         self.reloader = Reloader(self, config_path)
 
-    def dispatch(self, plan: Plan) -> Plan:
-        """The plan with its first choice reserved in this very step (Proxy.reserve_first)."""
-        return replace(plan, reserved=self.proxy.reserve_first(plan))
+    def dispatch(self, plan: Plan) -> Dispatch:
+        """The plan and its first choice, reserved in this very step (Proxy.reserve_first)."""
+        return plan, self.proxy.reserve_first(plan)
 
-    def dispatch_now(self, plan: Plan) -> Plan | None:
+    def dispatch_now(self, plan: Plan) -> Dispatch | None:
         """Dispatch without an await between the decision and its reservation when flow control
         lets the request go at once (its class has no budget, or it fits the budget with no one
         of its class or above waiting); None when it must wait (hold)."""
@@ -328,7 +332,7 @@ class Gateway:
         note_queue_wait(0.0)
         return self.dispatch(plan)
 
-    async def hold(self, plan: Plan) -> Plan:
+    async def hold(self, plan: Plan) -> Dispatch:
         """Flow control: wait, in the class's queue, until the request fits its class's TTFT
         budget somewhere (critical first, then standard, then batch; round robin between
         tenants); then decide again on the load of now and dispatch in the same step. Raises 503

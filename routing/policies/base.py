@@ -81,6 +81,17 @@ class Score(NamedTuple):  # a tuple: one per candidate per request (see routing/
         o, e = self.overlap, self.estimate
         return o.hbm_tokens + o.cpu_tokens + (o.remote_tokens if e.remote_fetch else 0)
 
+    def loaded_blocks(self, block_size_tokens: int) -> slice | None:
+        """The prompt's blocks the request loads from the CPU or remote tier (those after its HBM
+        prefix, a partial last block included); None when it loads none."""
+        o = self.overlap
+        loaded = o.cpu_tokens + (o.remote_tokens if self.estimate.remote_fetch else 0)
+        if not loaded:
+            return None
+        return slice(
+            o.hbm_tokens // block_size_tokens, -(-(o.hbm_tokens + loaded) // block_size_tokens)
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

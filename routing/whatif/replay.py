@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from routing.admission import AdmissionVerdict, ReuseWindow, family_key, should_write
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, Queued, estimate
-from routing.decide import Candidate, Decision, Policy, PoolRules, RouteRequest, Score, decide
+from routing.decide import Candidate, Decision, Policy, PoolRules, RouteRequest, decide
 from routing.filters import Fallback, eligible
 from routing.index import MemoryIndex
 from routing.types import BlockHits, Location, TenantClass, Tier
@@ -344,7 +344,7 @@ class _Fleet:
         # in the remote tier, from its first byte: `prefilled`)
         loading = None
         if self.setup.mode != "precise":
-            loading = _loading(score, req.stream, self.bs)
+            loading = score.loaded_blocks(self.bs) if req.stream else None
             hbm = req.hashes
             if loading is not None:
                 hbm = req.hashes[: loading.start] + req.hashes[loading.stop :]
@@ -372,8 +372,19 @@ class _Fleet:
         if c:
             r.swaps_in_flight += 1
             self.push(self.now + lookup_s + cost.swap_s, _SWAPPED, r)
-        job = _Job(job_key, req, klass.value, r, reusable, g, c, fetched, write, arrived_s=self.now)
-        job.indexed_at_first_byte = loading is not None
+        job = _Job(
+            job_key,
+            req,
+            klass.value,
+            r,
+            reusable,
+            g,
+            c,
+            fetched,
+            write,
+            arrived_s=self.now,
+            indexed_at_first_byte=loading is not None,
+        )
         self.push(self.now + lookup_s + cost.load_s, _JOIN, job)
 
     def _record_remote(self, r: _Replica, req: CapturedRequest) -> None:
@@ -431,15 +442,6 @@ class _Fleet:
         )
         self.push(self.now + decode_s(req), _FINISH, job)
         self.start_next(r)
-
-
-def _loading(score: Score, stream: bool, block_size: int) -> slice | None:
-    """Planner._loading: the blocks a streamed request loads from the CPU or remote tier."""
-    ov = score.overlap
-    loaded = ov.cpu_tokens + (ov.remote_tokens if score.estimate.remote_fetch else 0)
-    if not stream or not loaded:
-        return None
-    return slice(ov.hbm_tokens // block_size, -(-(ov.hbm_tokens + loaded) // block_size))
 
 
 def decode_s(req: CapturedRequest) -> float:

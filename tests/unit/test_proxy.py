@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -331,13 +331,13 @@ async def test_a_first_choice_reserved_with_its_decision_is_seen_by_the_next_and
     the first on that reservation rather than taking a second one."""
     s = await setup()
     first = await s.plan(json.loads(raw_chat(stream=True)))
-    first = replace(first, reserved=s.proxy.reserve_first(first))
+    reserved = s.proxy.reserve_first(first)
     second = await s.plan(json.loads(raw_chat(stream=True)))
     assert second.decision.score(first.decision.replica).estimate.queue_s > 0
     assert s.replica(first.decision.replica).in_flight == 1
-    response = await s.proxy.forward("chat", raw_chat(stream=True), first)
+    response = await s.proxy.forward("chat", raw_chat(stream=True), first, reserved=reserved)
     assert s.fleet.sent[0].replica == first.decision.replica.split("//")[-1]
-    assert first.reserved is not None and first.reserved.taken
+    assert reserved is not None and reserved.taken
     assert s.replica(first.decision.replica).in_flight == 1  # the one reservation, not two
     await read_all(response)
     s.assert_all_released()
