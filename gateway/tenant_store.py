@@ -124,9 +124,9 @@ class TenantStore:
         stored: dict[str, Record] = {}
         verified: dict[tuple[bytes | str, bytes | str], Record] = {}
         for field, value in raw.items():
-            # A value seen last time is not parsed and verified again: each is a JSON parse and
-            # an HMAC, and redoing them for every tenant every second would hold the event loop
-            # in proportion to the number of tenants.
+            # A value seen last time is not parsed and verified again: ~20 us per record
+            # (`python -m loadtest.bench.tenant_refresh`), so 1000 tenants would hold the event
+            # loop ~20 ms every second.
             record = self._verified.get((field, value)) or self._trusted(field, value)
             if record is not None:
                 stored[record.name] = verified[(field, value)] = record
