@@ -9,7 +9,7 @@ byte. `routing.calibration` says what is done with that:
               MIN_OWN_SAMPLES observations uses its pool's fit (every replica of the pool feeds
               it), so a new replica starts from what its siblings taught.
   correction  one multiplicative factor per replica, a moving geometric mean of observed /
-              estimated TTFT bounded to CORRECTION_BOUNDS (the earlier scheme; a baseline).
+              estimated TTFT bounded to CORRECTION_BOUNDS (kept as a baseline).
   none        the pool's configured constants.
 
 Non-streamed responses arrive whole, so their first byte includes the decode; only prefill-only
@@ -35,7 +35,8 @@ MIN_OWN_SAMPLES = 20
 # Below 20 observations a replica's own 4-term fit is still mostly prior; its pool's is not.
 POOL_REFIT_EVERY = 8
 # Once every replica of a pool has its own fit, the pool's is read only by a replica that joins:
-# it takes every observation but is solved every 8th (~30 us each, routing/learn.py).
+# it takes every observation but is solved every 8th (the solve is the fit's costly step,
+# routing/learn.py).
 
 MIN_ESTIMATE_S = 0.005
 # correction mode: below 5 ms the observation is dominated by the network round trip and the first

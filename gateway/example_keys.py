@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 EXAMPLE_MARKERS = ("change-me", "not-for-production")
 EXAMPLE_DIGESTS = frozenset(
     {
-        # deploy/examples/vllm.yaml's api_key_sha256 of the tenant and the admin until issue 13
+        # the api_key_sha256 of the tenant and the admin that deploy/examples/vllm.yaml once
+        # shipped: a deployment copied from it must not start with them
         "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
         "60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752",
     }

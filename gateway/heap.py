@@ -2,8 +2,9 @@
 
 CPython's full collection walks every object the GC tracks. A gateway's imports (FastAPI,
 pydantic, aiohttp, prometheus_client...) leave ~100k of them, alive for the life of the process,
-and at a few hundred requests per second a full collection came every ~2 s and took 70-120 ms
-(docs/performance.md): every request in flight waited for it. `gc.freeze()` moves what exists at
+and under load full collections come every few seconds whatever is tracked, so walking those
+objects is a pause every request in flight waits for (`python -m loadtest.bench.gc_pauses`
+measures it; docs/bench/gc_pauses.md). `gc.freeze()` moves what exists at
 start-up to a generation no collection walks (what CPython's documentation suggests for a
 long-lived process's start-up objects); what the gateway allocates afterwards is collected as
 usual. The KV index keeps its own tables out of the GC's sight (routing/index.py). What is left

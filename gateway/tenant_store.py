@@ -124,8 +124,9 @@ class TenantStore:
         stored: dict[str, Record] = {}
         verified: dict[tuple[bytes | str, bytes | str], Record] = {}
         for field, value in raw.items():
-            # A value seen last time is not parsed and verified again: ~20 us per record, so
-            # 1000 tenants would hold the event loop ~20 ms every second.
+            # A value seen last time is not parsed and verified again: ~20 us per record
+            # (`python -m loadtest.bench.tenant_refresh`), so 1000 tenants would hold the event
+            # loop ~20 ms every second.
             record = self._verified.get((field, value)) or self._trusted(field, value)
             if record is not None:
                 stored[record.name] = verified[(field, value)] = record

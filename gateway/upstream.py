@@ -1,11 +1,10 @@
 """The HTTP client of the proxied requests: aiohttp, behind a small interface the proxy uses.
 
 Why aiohttp and not httpx (which the gateway keeps for health checks, scrapes and warming):
-`python -m loadtest.bench.upstream` sends a zero-delay replica the proxy's requests, 32 in flight,
-with each client in turn; httpx's default transport spent 4.0-4.3 ms of CPU per request (its
-connection pool scans every connection for every queued request: encode/httpcore#1035), httpx
-over the aiohttp transport (httpx-aiohttp) 0.37-0.58 ms, aiohttp directly 0.18-0.39 ms
-(docs/performance.md has the run).
+httpx's connection pool scans every connection for every queued request (encode/httpcore#1035),
+so at the proxy's concurrency its CPU per request is an order of magnitude above aiohttp's.
+`python -m loadtest.bench.upstream` measures the three clients side by side (httpx, httpx over
+the aiohttp transport, aiohttp); docs/bench/upstream.md has the current figures.
 
 What the proxy relies on, and where it comes from:
 - byte for byte, unbuffered: `UpstreamResponse.chunks()` yields each piece as it arrives

@@ -131,9 +131,9 @@ MAX_TRACKED_BLOCKS = 1 << 16
 # and the sample's counts are scaled by the rate: spatial sampling as in SHARDS (Waldspurger et
 # al., "Efficient MRC Construction with SHARDS", FAST 2015), which keeps an LRU's hit and
 # eviction counts within a few percent at 1% sampling. The hashes are xxh3 digests, so a hash
-# residue is a uniform sample. The bound is also the ledger's time: ~1 us per tracked block, so
-# an 8k-token prompt (512 blocks) costs ~0.5 ms unsampled and ~60 us at the default remote
-# tier's rate of 10 (10M tokens, gateway/config.py RemoteTierConfig).
+# residue is a uniform sample. The bound is also the ledger's time, which is linear in the blocks
+# it tracks: an 8k-token prompt's 512 blocks unsampled, about a tenth of them at the default
+# remote tier's rate of 10 (10M tokens, gateway/config.py RemoteTierConfig).
 
 
 class CostKey(NamedTuple):

@@ -101,8 +101,8 @@ class MemoryIndex:
 
     Its tables hold only ints and floats (blocks are keyed by one int, locations and holder sets
     are numbered): CPython's cyclic GC then tracks none of their entries, and a full collection
-    does not walk one object per block, a pause every request in flight would wait for (800k
-    blocks: ~150 ms per full collection before; docs/performance.md)."""
+    does not walk one object per block, a pause that grows with the index and that every request
+    in flight would wait for (`python -m loadtest.bench.gc_pauses`, docs/bench/gc_pauses.md)."""
 
     def __init__(
         self,

@@ -20,8 +20,9 @@ a single server the lookup is a single MGET). <model> is the model name in URL-s
 padding and <hash> is hex, so no model name can forge a separator, a hash tag or another model's
 key; <location> in the LRU key is base64 too.
 
-Why one string per block: redis-py spends ~50 us per pipelined command on this machine, and a
-HGETALL reply costs two Python objects per holder; one MGET of 512 strings decodes in ~1 ms. The
+Why one string per block: redis-py's cost is per command and per reply object (~50 us per
+pipelined command in `python -m loadtest.bench.index`, docs/index-bench.md), and a HGETALL reply
+costs two Python objects per holder; one MGET of compact strings is one command. The
 distinct holder sets of a prompt are few (a shared prefix's blocks were recorded together), so
 parsed sets are cached by the raw value.
 
@@ -69,8 +70,9 @@ DEFAULT_KEY_PREFIX = "cl"
 KEY_BUCKETS = 64
 # Hash-tag buckets: a lookup sends one MGET per bucket it touches (~all 64 for a long prompt),
 # and the keys spread over 64 slots, ~21 per master on a 3-master cluster. Fewer buckets is fewer
-# commands (16: ~1 ms less per 8k-token lookup) but coarser balance on larger clusters; keep it
-# >= 8x the masters. Every gateway sharing an index must use the same value (it is in the keys).
+# commands (16: ~1 ms less per 8k-token lookup in loadtest/bench/index.py) but coarser balance on
+# larger clusters; keep it >= 8x the masters. Every gateway sharing an index must use the same
+# value (it is in the keys).
 HOLDER_SET_CACHE_SIZE = 4096  # parsed holder sets kept (~1 MB at 16 holders); cleared when full
 DROP_BATCH_BLOCKS = 1024  # members popped per round trip by drop_location: ~50 kB replies
 

@@ -1,4 +1,4 @@
-"""The demo's second section: tier decisions, in compact form (issue 4, "the demo shows it").
+"""The demo's second section: tier decisions, in compact form, so the demo shows them too.
 
 (a) a critical voice tenant under a burst of standard traffic with long, partly offloaded prefixes,
     with a pinned HBM-only pool vs one shared pool (same replicas);

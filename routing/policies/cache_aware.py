@@ -21,13 +21,14 @@ NEAR_TIE_FRACTION = 0.05
 
 OVERTAKE_WEIGHT = 1.0
 # Each request overtaken waits the overtaker's prefill longer; that second counts like one of the
-# overtaker's own. Without it the choice is greedy: an urgent request jumped a busy replica's queue
-# to save itself a few ms over an idle replica, and the requests it passed paid its whole prefill
-# each (the tenant benchmark's standard p99 rose 1.2-1.6x; docs/critical.md). With it an urgent
-# request still overtakes where that saves more than it costs the others. A request that takes a
-# free prefill while another is still fetching its KV is the same case with arrival order: on a
-# tiered fleet at 10x the defaults' prefill time, 8% of requests waited 0.3-0.9 s for a prefill
-# that started during their fetch, which their estimate could not know of (docs/performance.md).
+# overtaker's own. Without it the choice is greedy: an urgent request jumps a busy replica's queue
+# to save itself a few ms over an idle replica, and each request it passes pays its whole prefill
+# (python -m loadtest.bench.critical shows it in the standard class's p99; docs/critical.md).
+# With it an urgent request still overtakes where that saves more than it costs the others. A
+# request that takes a free prefill while another is still fetching its KV is the same case with
+# arrival order: the fetching request then waits for a prefill that started during its fetch,
+# which its own estimate could not know of (python -m loadtest.bench.estimate shows these misses
+# on a slow tiered fleet; docs/bench/estimate.md).
 
 
 class CacheAware:

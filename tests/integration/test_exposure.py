@@ -1,4 +1,4 @@
-"""What the gateway exposes (issue 13, finding 8), on real servers: read deadlines against raw
+"""What the gateway exposes, on real servers: read deadlines against raw
 sockets that send half a request, keys on /metrics and /ready, the OpenAPI pages off by default,
 engine-control body fields refused, failed authentications limited per address, and the
 published example keys refused at start."""

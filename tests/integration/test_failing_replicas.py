@@ -1,4 +1,4 @@
-"""Failing replicas are contained (issue 13, finding 7), on real servers: a gateway in front of
+"""Failing replicas are contained, on real servers: a gateway in front of
 simulated replicas and one FaultyReplica (tests/helpers/faulty_replica.py), all uvicorn.
 
 - passive health: a replica answering 500s fast is ejected after health.eject_after_errors in a

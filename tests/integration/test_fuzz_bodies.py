@@ -1,4 +1,4 @@
-"""Property-based fuzz of the request bodies (issue 13): whatever a client sends to the chat and
+"""Property-based fuzz of the request bodies: whatever a client sends to the chat and
 completions endpoints, the gateway answers below 500, every error in the OpenAI envelope, and
 keeps serving. Real gateways (approximate and precise mode) in front of simulated replicas on
 loopback; hypothesis draws bodies shaped like the OpenAI schema with any JSON in any place, lone

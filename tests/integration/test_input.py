@@ -1,4 +1,4 @@
-"""Client input never makes the gateway answer 5xx (issue 13, finding 6): each bad body is a 400
+"""Client input never makes the gateway answer 5xx: each bad body is a 400
 in the OpenAI error envelope, counted by its code, its neighbours unaffected; a non-ASCII tenant
 or share-group name is served; an unexpected error's traceback is logged once; large bodies are
 parsed off the event loop. Real gateways and simulated replicas on loopback."""

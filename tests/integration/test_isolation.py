@@ -1,4 +1,4 @@
-"""Tenants share no prefix cache by default, in every routing mode (issue 13, finding 4): the
+"""Tenants share no prefix cache by default, in every routing mode: the
 gateway sends each tenant scope's own `cache_salt` to engines that take it, so neither its index
 nor the engine gives tenant B a hit on tenant A's prompt; and /debug/route, which says how much of
 a prompt is cached without running it, answers only the admin key.

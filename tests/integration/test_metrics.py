@@ -1,4 +1,4 @@
-"""/metrics on a real gateway in front of simulated replicas (issue 12, item 4): the engines'
+"""/metrics on a real gateway in front of simulated replicas: the engines'
 observed prompt and cached tokens, TTFT for streamed requests only, an end-to-end histogram for
 every request, a bounded `model` label, process metrics, and no `_created` series."""
 

@@ -1,4 +1,4 @@
-"""The OpenAI surface beyond chat and completions (issue 12, item 5), end to end with the official
+"""The OpenAI surface beyond chat and completions, end to end with the official
 openai client: /v1/embeddings (routed by load), /v1/responses (routed by its input like chat,
 streamed when asked), /v1/models/{id} and the engines' own /v1/models fields, a client
 `cache_salt` in the hash namespace, and 503 + Retry-After while no replica has answered yet."""

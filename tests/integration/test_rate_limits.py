@@ -1,4 +1,4 @@
-"""Per-tenant rate limits (issue 13, finding 9) on real servers: simulated replicas, the gateway
+"""Per-tenant rate limits on real servers: simulated replicas, the gateway
 under uvicorn, the official openai client, and real redis-servers for the shared budget."""
 
 from __future__ import annotations

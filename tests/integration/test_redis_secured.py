@@ -1,4 +1,4 @@
-"""A secured Redis (issue 13, finding 3): gateways reach a real redis-server that requires a
+"""A secured Redis: gateways reach a real redis-server that requires a
 password, logs them in as an ACL user restricted to cachelane's keys, or speaks only TLS with a
 certificate made by the test; the URL comes from a secret file (`redis_url_file`) and the record
 secret from the environment (`${VAR}`), as the shipped manifests give them."""

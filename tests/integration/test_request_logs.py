@@ -1,4 +1,4 @@
-"""Request ids and logs on real servers (issue 12, item 3): simulated replicas and a gateway on
+"""Request ids and logs on real servers: simulated replicas and a gateway on
 loopback, the official openai client.
 
 - `x-request-id`: a safe one from the client is kept, an unsafe or missing one replaced by a

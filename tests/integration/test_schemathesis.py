@@ -1,4 +1,4 @@
-"""schemathesis against the gateway's own OpenAPI schema (issue 13): requests generated from
+"""schemathesis against the gateway's own OpenAPI schema: requests generated from
 /openapi.json, the chat and completions bodies included (gateway/openapi.py), sent to a running
 gateway in front of a simulated replica; none may be answered 5xx (schemathesis's
 not_a_server_error check), and the gateway keeps serving.

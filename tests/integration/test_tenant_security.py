@@ -1,5 +1,5 @@
-"""Issue 13, findings 1, 2, 3 and 5, on real servers (gateways via uvicorn, simulated replicas, a
-redis-server of the test's own): authentication fails closed, admin tenants survive a Redis
+"""Tenant security on real servers (gateways via uvicorn, simulated replicas, a redis-server
+of the test's own): authentication fails closed, admin tenants survive a Redis
 restart, a write to Redis cannot add or take over a tenant, and the admin API's misuses get 4xx
 (409 for a key in use) or 503 while Redis is down, never 500."""
 
@@ -83,7 +83,7 @@ async def gateways(
         yield urls, apps
 
 
-# ---- finding 1: authentication fails closed -------------------------------------------------
+# ---- authentication fails closed -------------------------------------------------------
 
 
 async def test_deleting_the_last_tenant_refuses_every_request() -> None:
@@ -152,7 +152,7 @@ async def test_admin_tenants_survive_losing_the_hash_and_keys_stay_required(
             await raw.aclose()
 
 
-# ---- finding 3: Redis is not a way in ------------------------------------------------------
+# ---- Redis is not a way in ------------------------------------------------------------
 
 
 async def test_records_written_to_redis_without_the_secret_are_ignored(
@@ -248,7 +248,7 @@ async def test_short_keys_are_refused_by_the_admin_api() -> None:
         assert "only-20-characters" not in short.text  # the key is never echoed
 
 
-# ---- finding 5: the admin API ----------------------------------------------------------------
+# ---- the admin API ----------------------------------------------------------------------
 
 
 async def test_a_key_of_another_tenant_or_the_admin_gets_409() -> None:

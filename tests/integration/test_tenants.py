@@ -1,4 +1,4 @@
-"""Tenants and tier decisions end to end (issue 4): classes, pinned HBM-only pools and their
+"""Tenants and tier decisions end to end: classes, pinned HBM-only pools and their
 fallback, cache isolation, remote-tier admission, prewarming, self-calibration, the admin API."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing on real servers (issue 12, item 3): simulated replicas that record the
+"""OpenTelemetry tracing on real servers: simulated replicas that record the
 headers they are sent, a gateway through uvicorn with `tracing.enabled` and the SDK's
 InMemorySpanExporter, the official openai client.
 
