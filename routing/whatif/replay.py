@@ -174,7 +174,11 @@ class Arrival(NamedTuple):
     first_byte_writes: tuple[Write, ...] = ()  # left for the index at its first byte
 
 
-class _Fleet:
+class Fleet:
+    """The modelled fleet: the gateway's view of it (loads, index, reuse counts, the routing
+    pipeline's state) and the engines' (caches, prefill queues). `arrive` routes one request
+    at `now` (tests drive it directly to compare with the gateway); `run` replays a trace."""
+
     def __init__(self, setup: Setup, seed: int) -> None:
         self.setup = setup
         bs = setup.block_size_tokens
@@ -469,7 +473,7 @@ def decode_s(req: CapturedRequest) -> float:
 
 def replay(requests: Sequence[CapturedRequest], setup: Setup, *, seed: int = 0) -> Outcome:
     """The planned outcome of `requests` (sorted by arrival) on `setup`."""
-    fleet = _Fleet(setup, seed)
+    fleet = Fleet(setup, seed)
     fleet.run(requests)
     return Outcome(
         setup=setup,

@@ -31,7 +31,7 @@ from gateway.tenants import Tenant
 from routing.index import MemoryIndex, record_prompt
 from routing.types import Location, TenantClass, Tier
 from routing.whatif.capture import CapturedRequest, HitTiers, parse_capture
-from routing.whatif.replay import Arrival, _Fleet
+from routing.whatif.replay import Arrival, Fleet
 from routing.whatif.setup import Setup
 
 MODEL = "m"
@@ -231,9 +231,9 @@ def _fallback_of(err: ApiError) -> str | None:
     return "reject" if err.code == "pinned_pool_unavailable" else None
 
 
-def replay_fleet(gw: Gateway, cfg: GatewayConfig) -> _Fleet:
+def replay_fleet(gw: Gateway, cfg: GatewayConfig) -> Fleet:
     capture = parse_capture([header(cfg, gw.registry)])
-    return _Fleet(Setup.from_capture(capture), seed=cfg.routing.seed)
+    return Fleet(Setup.from_capture(capture), seed=cfg.routing.seed)
 
 
 def replayed(arrival: Arrival) -> Routed:
@@ -266,7 +266,7 @@ def captured(
     )
 
 
-async def same_index(gw: Gateway, fleet: _Fleet, prompts: list[list[int]]) -> None:
+async def same_index(gw: Gateway, fleet: Fleet, prompts: list[list[int]]) -> None:
     for hashes in prompts:
         assert await gw.index.lookup(MODEL, hashes) == fleet.index.lookup_now(MODEL, hashes)
 
