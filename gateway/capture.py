@@ -63,6 +63,9 @@ def header(config: GatewayConfig, registry: Registry) -> dict[str, Any]:
                 "hbm_only": p.hbm_only,
                 "admission": p.admission.model_dump(),
                 "lend_below": p.lend_below,
+                "lend_max_prefill_tokens": p.lend_max_prefill_tokens,
+                "lend_keep_idle": p.lend_keep_idle,
+                "engine_priority": p.engine_priority,
                 "costs": p.costs.model_dump(),
             }
         )
@@ -79,6 +82,9 @@ def header(config: GatewayConfig, registry: Registry) -> dict[str, Any]:
         "remote_tiers": {t.name: t.capacity_tokens for t in config.remote_tiers},
         "critical_fallback": config.critical.fallback.value,
         "critical_budget_ms": config.classes.critical.ttft_budget_ms,
+        "critical_placement": config.critical.placement,
+        "clear_while_loading": config.critical.clear_while_loading,
+        "batch_max_queue_s": config.overload.batch_max_queue_s,
     }
 
 

@@ -14,12 +14,10 @@ import logging
 
 from gateway.config import PoolConfig
 from gateway.metrics import Metrics
+from routing.pipeline import LEND_COOLDOWN_S  # one rule for the gateway and the what-if replay
 
 log = logging.getLogger("cachelane.pinning")
 
-LEND_COOLDOWN_S = 5.0
-# Lending resumes 5 s after the last critical spill: longer than a prefill queue takes to drain
-# on a busy replica (~1 s at the standard class's default budget), so it does not flap per request.
 REPORT_WINDOW_S = 60.0
 UNDERSIZED_SHARE = 0.8  # below 80% of critical requests on pinned replicas: the pool is too small
 MIN_REQUESTS = 20  # fewer critical requests in a window say nothing about the pool's size

@@ -2,8 +2,8 @@
 
 critical  the pinned pools first (HBM-only, provisioned up front), and only replicas under their
           admission cap, so their latency stays predictable. The shared pools are the critical
-          request's `overflow`: the planner spills there, with the full cost model, when even
-          the best pinned replica's estimate is over the class's TTFT budget. With no pinned
+          request's `overflow`: routing/pipeline.py spills there, with the full cost model, when
+          even the best pinned replica's estimate is over the class's TTFT budget. With no pinned
           replica admitted, the configured fallback applies: `spill` to the shared pools, or
           `reject` (the gateway answers 503 with Retry-After). With no pinned pool at all,
           critical requests use the shared pools. HBM-only is a property of a pool, not of a
@@ -18,8 +18,8 @@ critical  the pinned pools first (HBM-only, provisioned up front), and only repl
 standard  the shared pools; a pinned replica only while its pool lends idle capacity (the replica
 batch     is below `lend_below` of its admission cap, and at least `keep_idle` other replicas of
           its pool have no prefill pending, so a critical request arriving next finds one free)
-          and the caller says lending is on (the planner turns it off while critical traffic is
-          spilling out of the pinned pool).
+          and the caller says lending is on (off while critical traffic is spilling out of the
+          pinned pool for lack of headroom: routing/pipeline.py LEND_COOLDOWN_S).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from routing.cost import CostTerms, PoolCosts
+from routing.pipeline import BATCH_MAX_QUEUE_S
 
 VERSION = 1
 
@@ -92,6 +93,9 @@ class PoolSetup:
     max_prefill_tokens: int | None = None
     lend_below: float | None = None
     costs: PoolCosts = field(default_factory=PoolCosts)
+    lend_max_prefill_tokens: int | None = None  # gateway/config.py PoolConfig: unset, no bound
+    lend_keep_idle: int = 0  # gateway/config.py PoolConfig: no idle reserve
+    engine_priority: bool = False  # gateway/config.py PoolConfig: engines schedule first come
     replica_names: tuple[str, ...] = ()  # as captured; a scenario's own are synthetic
 
 
@@ -106,6 +110,11 @@ class Header:
     remote_tiers: dict[str, int]  # name -> capacity in tokens
     critical_fallback: str = "spill"
     critical_budget_ms: float | None = None
+    # gateway/config.py CriticalConfig and OverloadConfig defaults (a capture written before
+    # the header carried them was served with those)
+    critical_placement: str = "pinned_first"
+    clear_while_loading: bool = False
+    batch_max_queue_s: float = BATCH_MAX_QUEUE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +203,9 @@ def _header(obj: Mapping[str, Any]) -> Header:
                 max_prefill_tokens=admission.get("max_prefill_tokens"),
                 lend_below=p.get("lend_below"),
                 costs=PoolCosts(**p["costs"]),
+                lend_max_prefill_tokens=p.get("lend_max_prefill_tokens"),
+                lend_keep_idle=int(p.get("lend_keep_idle", 0)),
+                engine_priority=bool(p.get("engine_priority", False)),
             )
         )
     return Header(
@@ -206,6 +218,9 @@ def _header(obj: Mapping[str, Any]) -> Header:
         remote_tiers={str(k): int(v) for k, v in obj.get("remote_tiers", {}).items()},
         critical_fallback=str(obj.get("critical_fallback", "spill")),
         critical_budget_ms=obj.get("critical_budget_ms"),
+        critical_placement=str(obj.get("critical_placement", "pinned_first")),
+        clear_while_loading=bool(obj.get("clear_while_loading", False)),
+        batch_max_queue_s=float(obj.get("batch_max_queue_s", BATCH_MAX_QUEUE_S)),
     )
 
 

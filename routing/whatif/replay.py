@@ -1,14 +1,18 @@
 """Replay a capture on a set-up: a discrete-event model of the fleet. Pure and deterministic for
 a seed (the only randomness is routing's tie-break generator).
 
-Each captured request arrives at its captured time and is routed as the gateway routes it: the
-candidates' loads as the gateway's registry keeps them (requests sent and not past their first
-token, each with its estimated join time; the head's progress), the gateway's own index of where
-prompts went (approximate mode: routing/index.py's MemoryIndex with the HBM capacity spilling to
-the CPU tier; precise mode: the engines' caches as they are), the pool filters by tenant class
-(routing/filters.py) and decide() with the configured policy (routing/decide.py), then remote
-admission (routing/admission.py) on the family's reuse count. So a planned routing is the
-gateway's routing on the same inputs.
+Each captured request arrives at its captured time and is routed by the gateway's own routing
+pipeline (routing/pipeline.py: class filters and lending, decide() with the configured policy,
+the critical spill or cost placement, bounded lending and clear_while_loading, batch shedding,
+engine priority, remote admission on the family's reuse count, the index-write plan). This
+module only gives it its inputs: the candidates' loads as the gateway's registry keeps them
+(requests sent and not past their first token, each with its estimated join time and engine
+priority; the head's progress), the gateway's own index of where prompts went (approximate mode:
+routing/index.py's MemoryIndex with the HBM capacity spilling to the CPU tier, written as the
+pipeline's plan says; precise mode: the engines' caches as they are), and the pinned pool's
+lending reclaimed for LEND_COOLDOWN_S after a critical request left it for lack of headroom.
+A request the gateway would refuse (no eligible replica, or batch traffic shed) is counted in
+`Outcome.rejected`.
 
 On the chosen replica the request then runs as a replica runs it (loadtest/sim/engine.py models
 the same steps for a vLLM-like engine):
@@ -20,7 +24,8 @@ the same steps for a vLLM-like engine):
      fetched, or recomputed when that is cheaper: routing/cost.py's swap and remote terms at the
      pool's cost terms;
   3. it joins the replica's prefill queue, one prefill at a time in join order (a discrete-event
-     queue per replica): what it waits there is the TTFT's queueing term;
+     queue per replica; a pool with engine_priority serves a lower priority first, as vLLM's
+     priority scheduling does): what it waits there is the TTFT's queueing term;
   4. when it starts, HBM is looked at again (blocks another request prefilled meanwhile are
      reused), and it prefills the rest at the fitted seconds per prefill token;
   5. its blocks are placed (HBM, demotion to CPU) and, if admitted, written to the remote tier;
@@ -40,13 +45,25 @@ import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from routing.admission import AdmissionVerdict, ReuseWindow, family_key, should_write
+from routing.admission import ReuseWindow, family_key
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, Queued, estimate
-from routing.decide import Candidate, Decision, Policy, PoolRules, RouteRequest, decide
-from routing.filters import Fallback, eligible
+from routing.decide import Candidate, PoolRules
 from routing.index import MemoryIndex
-from routing.types import BlockHits, Location, TenantClass, Tier
+from routing.pipeline import (
+    LEND_COOLDOWN_S,
+    FleetView,
+    PipelineRequest,
+    PipelineState,
+    Routed,
+    Write,
+    admit,
+    index_writes,
+    reclaims_lending,
+    route,
+)
+from routing.types import ENGINE_PRIORITY, BlockHits, Location, TenantClass, Tier
 from routing.whatif.cache import RemoteStats, RemoteTier, ReplicaCache
 from routing.whatif.capture import CapturedRequest, PoolSetup
 from routing.whatif.setup import Setup
@@ -77,10 +94,11 @@ class Replayed:
 class Outcome:
     setup: Setup
     requests: list[Replayed]
-    rejected: dict[str, int]  # class -> requests no replica could take
+    rejected: dict[str, int]  # class -> requests the gateway would refuse (shed ones included)
     remote: dict[str, RemoteStats]
     remote_resident_unread_blocks: int
     hbm_evicted_blocks: int
+    shed: dict[str, int] = field(default_factory=dict)  # class -> of `rejected`, those shed
 
 
 @dataclass
@@ -89,17 +107,18 @@ class _Job:
     req: CapturedRequest
     tenant_class: str
     replica: _Replica
-    reusable: tuple[int, ...]
-    g: int
-    c: int
-    fetched: int
     write: bool
     arrived_s: float
+    reusable: tuple[int, ...] = ()
+    g: int = 0  # blocks in HBM, CPU, and fetched from the remote tier, at arrival
+    c: int = 0
+    fetched: int = 0
+    priority: int = 0  # its place in an engine-priority pool's queue (0 elsewhere)
     joined_s: float = 0.0
     started_s: float = 0.0
     hbm_blocks: int = 0
     computed: int = 0
-    indexed_at_first_byte: bool = False  # its loaded blocks enter the index at its first byte
+    first_byte_writes: tuple[Write, ...] = ()  # what the index records at its first byte
 
 
 @dataclass
@@ -111,12 +130,12 @@ class _Replica:
     cache: ReplicaCache
     remote: RemoteTier | None
     # the engine
-    queue: list[tuple[float, int, _Job]] = field(default_factory=list)
+    queue: list[tuple[int, float, int, _Job]] = field(default_factory=list)
     busy: bool = False
     swaps_in_flight: int = 0
     # the gateway's view (gateway/registry.py: Replica.load, Registry.reserve)
     in_flight: int = 0
-    joining: dict[int, tuple[float, int, bool]] = field(default_factory=dict)
+    joining: dict[int, tuple[float, int, bool, int | None]] = field(default_factory=dict)
     head_since_s: float = 0.0
 
     @property
@@ -124,13 +143,13 @@ class _Replica:
         return self.pool.costs
 
     def load(self, now_s: float) -> Load:
-        pending = sum(tokens for _, tokens, _ in self.joining.values())
+        pending = sum(j[1] for j in self.joining.values())
         busy_s = 0.0
         if self.joining:
-            loaded = min(at for at, _, _ in self.joining.values())
+            loaded = min(j[0] for j in self.joining.values())
             busy_s = max(0.0, now_s - max(self.head_since_s, loaded))
-        queue = tuple(Queued(at - now_s, tokens) for at, tokens, _ in self.joining.values())
-        swapping = sum(1 for at, _, swaps in self.joining.values() if swaps and at > now_s)
+        queue = tuple(Queued(at - now_s, tokens, p) for at, tokens, _, p in self.joining.values())
+        swapping = sum(1 for at, _, swaps, _ in self.joining.values() if swaps and at > now_s)
         return Load(self.in_flight, pending, swapping, busy_s, queue)
 
     def candidate(self, now_s: float) -> Candidate:
@@ -147,14 +166,27 @@ class _Replica:
 _ARRIVE, _SWAPPED, _JOIN, _PREFILLED, _FINISH = range(5)
 
 
-class _Fleet:
+class Arrival(NamedTuple):
+    """How one request was routed on arrival (what a parity test compares with the gateway)."""
+
+    routed: Routed
+    write: bool = False  # the remote tier's admission
+    first_byte_writes: tuple[Write, ...] = ()  # left for the index at its first byte
+
+
+class Fleet:
+    """The modelled fleet: the gateway's view of it (loads, index, reuse counts, the routing
+    pipeline's state) and the engines' (caches, prefill queues). `arrive` routes one request
+    at `now` (tests drive it directly to compare with the gateway); `run` replays a trace."""
+
     def __init__(self, setup: Setup, seed: int) -> None:
         self.setup = setup
         bs = setup.block_size_tokens
         self.bs = bs
         self.now = 0.0
-        self.rng = random.Random(seed)
-        self.seq = 0
+        self.settings = setup.pipeline_settings()
+        self.state = PipelineState(random.Random(seed))
+        self.reclaimed_until_s = 0.0  # the pinned pools are not lent before then
         self.remotes = {name: RemoteTier(cap // bs) for name, cap in setup.remote_tiers.items()}
         self.replicas: list[_Replica] = []
         for pool in setup.pools:
@@ -165,6 +197,7 @@ class _Fleet:
                 max_in_flight=pool.max_in_flight,
                 max_prefill_tokens=pool.max_prefill_tokens,
                 lend_below=pool.lend_below,
+                engine_priority=pool.engine_priority,
             )
             remote = None
             if pool.remote_tier is not None and not pool.hbm_only:
@@ -172,7 +205,7 @@ class _Fleet:
             for i in range(pool.replicas):
                 self.replicas.append(
                     _Replica(
-                        name=f"{pool.name}-{i}",
+                        name=_replica_name(pool, i),
                         pool=pool,
                         rules=rules,
                         terms=setup.terms_of(pool),
@@ -195,6 +228,7 @@ class _Fleet:
         self._order = itertools.count()
         self.results: list[Replayed] = []
         self.rejected: dict[str, int] = {}
+        self.shed: dict[str, int] = {}
         self.hbm_evicted = 0
 
     # --- the gateway's index (gateway/state.py build_index, approximate mode) ---
@@ -254,7 +288,7 @@ class _Fleet:
             elif kind == _JOIN:
                 assert isinstance(data, _Job)
                 data.joined_s = t
-                heapq.heappush(data.replica.queue, (t, data.id, data))
+                heapq.heappush(data.replica.queue, (data.priority, t, data.id, data))
                 self.start_next(data.replica)
             elif kind == _PREFILLED:
                 assert isinstance(data, _Job)
@@ -268,68 +302,54 @@ class _Fleet:
             return TenantClass.CRITICAL
         return TenantClass(req.tenant_class)
 
-    def route(self, req: CapturedRequest, klass: TenantClass, hits: BlockHits) -> Decision | None:
-        """The gateway's choice (gateway/planner.py Planner._route: filters, decide, the spill
-        of a critical request over its budget)."""
+    def route(self, req: CapturedRequest, klass: TenantClass, hits: BlockHits) -> Routed:
+        """The gateway's routing pipeline on the fleet as the gateway would see it now."""
         now = self.now
-        allowed = eligible(
+        fleet = FleetView(
             [r.candidate(now) for r in self.replicas],
-            klass,
-            Fallback(self.setup.critical_fallback),
+            hits,
+            now,
             pinned_pool_exists=self.pinned_exists,
+            lend=now >= self.reclaimed_until_s,
         )
-        if not allowed.candidates:
-            return None
-        request = RouteRequest(req.hashes, req.prompt_tokens, self.bs)
-        policy = Policy(self.setup.policy)
-        decision = decide(request, allowed.candidates, hits, policy, seq=self.seq, rng=self.rng)
-        budget = self.setup.critical_budget_ms
-        if allowed.overflow and budget is not None and decision.est_ttft_s * 1000 > budget:
-            decision = decide(
-                request,
-                allowed.candidates + allowed.overflow,
-                hits,
-                policy,
-                seq=self.seq,
-                rng=self.rng,
-            )
-        self.seq += 1
-        return decision
+        request = PipelineRequest(req.hashes, req.prompt_tokens, klass)
+        routed = route(request, fleet, self.settings, self.state, commit=True)
+        if reclaims_lending(routed, klass, self.pinned_exists):
+            self.reclaimed_until_s = now + LEND_COOLDOWN_S
+        return routed
 
-    def admission(
-        self, r: _Replica, req: CapturedRequest, hits: BlockHits
-    ) -> AdmissionVerdict | None:
-        """gateway/planner.py Planner._admission."""
-        tier = r.pool.remote_tier
-        if tier is None or r.pool.hbm_only:
-            return None
+    def refused(self, klass: TenantClass, routed: Routed) -> bool:
+        """Would the gateway answer 503 (no eligible replica, or batch traffic shed)?"""
+        if routed.decision is not None and not routed.shed:
+            return False
+        self.rejected[klass.value] = self.rejected.get(klass.value, 0) + 1
+        if routed.shed:
+            self.shed[klass.value] = self.shed.get(klass.value, 0) + 1
+        return True
+
+    def admission(self, routed: Routed, req: CapturedRequest, hits: BlockHits) -> bool:
+        """Does the chosen replica write the prompt to its remote tier? The family's reuse is
+        counted only where a remote tier makes it matter."""
+        chosen = routed.chosen
+        if chosen is None or chosen.remote_tier is None:
+            return False
         family = family_key(req.hashes)
         reuse = self.reuse.seen(family, self.now) if family is not None else 0
-        remote = Location(tier, Tier.REMOTE)
-        held = next((i for i, h in enumerate(hits) if remote not in h), len(hits))
-        verdict = should_write(
-            req.prompt_tokens, held * self.bs, len(hits) * self.bs, reuse, r.costs, r.terms
-        )
-        if r.pool.remote_write != "reuse":
-            always = r.pool.remote_write == "always" and verdict.new_tokens > 0
-            verdict = AdmissionVerdict(
-                always, verdict.expected_reuse, verdict.gain_s, verdict.cost_s, verdict.new_tokens
-            )
-        return verdict
+        verdict = admit(chosen, reuse, hits, req.prompt_tokens, self.settings)
+        return verdict is not None and verdict.write
 
-    def arrive(self, req: CapturedRequest) -> None:
+    def arrive(self, req: CapturedRequest) -> Arrival:
         klass = self.tenant_class(req)
         hits = self._hits(req.model, req.hashes)
-        decision = self.route(req, klass, hits)
-        if decision is None:
-            self.rejected[klass.value] = self.rejected.get(klass.value, 0) + 1
-            return
-        r = self.by_name[decision.replica]
-        verdict = self.admission(r, req, hits)
-        write = verdict is not None and verdict.write
-        # the gateway's bookkeeping once the replica took it (gateway/proxy.py _reserve,
-        # Planner.record_sent)
-        score = decision.score()
+        routed = self.route(req, klass, hits)
+        if routed.decision is None or self.refused(klass, routed):
+            return Arrival(routed)
+        r = self.by_name[routed.decision.replica]
+        write = self.admission(routed, req, hits)
+        # the gateway's bookkeeping once the replica took it (gateway/registry.py reserve, the
+        # pipeline's index-write plan)
+        score = routed.decision.score()
+        priority = ENGINE_PRIORITY[klass] if r.pool.engine_priority else None
         if not r.joining:
             r.head_since_s = self.now
         r.in_flight += 1
@@ -339,20 +359,27 @@ class _Fleet:
             self.now + score.estimate.load_s,
             prefill,
             score.overlap.cpu_tokens > 0,
+            priority,
         )
-        # (Planner.record_sent: a streamed request's loaded blocks, and the prompt a write puts
-        # in the remote tier, from its first byte: `prefilled`)
-        loading = None
-        if self.setup.mode != "precise":
-            loading = score.loaded_blocks(self.bs) if req.stream else None
-            hbm = req.hashes
-            if loading is not None:
-                hbm = req.hashes[: loading.start] + req.hashes[loading.stop :]
-            self.index.record_now(req.model, hbm[::-1], Location(r.name, Tier.HBM))
-            if write and not req.stream:
-                self._record_remote(r, req)
-        # the engine: where its KV is, and how long loading it takes
-        bs = self.bs
+        writes = index_writes(
+            score,
+            req.hashes,
+            remote_tier=r.pool.remote_tier,
+            write_remote=write,
+            stream=req.stream,
+            settings=self.settings,
+        )
+        if self.setup.mode != "precise":  # precise: the engines' caches are the index
+            self.record_index(req.model, writes.at_send)
+        job = _Job(job_key, req, klass.value, r, write=write, arrived_s=self.now)
+        job.priority = priority or 0
+        job.first_byte_writes = writes.at_first_byte
+        self._load(job)
+        return Arrival(routed, write, writes.at_first_byte)
+
+    def _load(self, job: _Job) -> None:
+        """The engine: where the request's KV is, and how long loading it takes."""
+        r, req, bs = job.replica, job.req, self.bs
         reusable = req.hashes[: max(0, req.prompt_tokens - 1) // bs]
         g, c = r.cache.local_prefix(reusable)
         m = 0
@@ -372,30 +399,17 @@ class _Fleet:
         if c:
             r.swaps_in_flight += 1
             self.push(self.now + lookup_s + cost.swap_s, _SWAPPED, r)
-        job = _Job(
-            job_key,
-            req,
-            klass.value,
-            r,
-            reusable,
-            g,
-            c,
-            fetched,
-            write,
-            arrived_s=self.now,
-            indexed_at_first_byte=loading is not None,
-        )
+        job.reusable, job.g, job.c, job.fetched = reusable, g, c, fetched
         self.push(self.now + lookup_s + cost.load_s, _JOIN, job)
 
-    def _record_remote(self, r: _Replica, req: CapturedRequest) -> None:
-        if r.pool.remote_tier is not None:
-            where = Location(r.pool.remote_tier, Tier.REMOTE)
-            self.index.record_now(req.model, req.hashes[::-1], where)
+    def record_index(self, model: str, writes: Sequence[Write]) -> None:
+        for where, hashes in writes:
+            self.index.record_now(model, hashes[::-1], where)
 
     def start_next(self, r: _Replica) -> None:
         if r.busy or not r.queue:
             return
-        _, _, job = heapq.heappop(r.queue)
+        job = heapq.heappop(r.queue)[-1]
         r.busy = True
         job.started_s = self.now
         hbm_now = r.cache.hbm.prefix_len(job.reusable)
@@ -407,11 +421,8 @@ class _Fleet:
 
     def prefilled(self, job: _Job) -> None:
         r, req, bs = job.replica, job.req, self.bs
-        if self.setup.mode != "precise" and req.stream:  # Planner.record_loaded
-            if job.indexed_at_first_byte:
-                self.index.record_now(req.model, req.hashes[::-1], Location(r.name, Tier.HBM))
-            if job.write:
-                self._record_remote(r, req)
+        if self.setup.mode != "precise":
+            self.record_index(req.model, job.first_byte_writes)
         placed = r.cache.place(req.hashes, job.reusable[job.g : job.g + job.c])
         self.hbm_evicted += placed.evicted_hbm
         written = 0
@@ -444,6 +455,14 @@ class _Fleet:
         self.start_next(r)
 
 
+def _replica_name(pool: PoolSetup, i: int) -> str:
+    """The captured replica's name where the set-up keeps the captured pool's size, so that a
+    plan names the replicas the gateway knows; a scenario's own are synthetic."""
+    if len(pool.replica_names) == pool.replicas:
+        return pool.replica_names[i]
+    return f"{pool.name}-{i}"
+
+
 def decode_s(req: CapturedRequest) -> float:
     """How long the request stayed in flight after its first token, as captured."""
     if req.e2e_s is None:
@@ -454,12 +473,13 @@ def decode_s(req: CapturedRequest) -> float:
 
 def replay(requests: Sequence[CapturedRequest], setup: Setup, *, seed: int = 0) -> Outcome:
     """The planned outcome of `requests` (sorted by arrival) on `setup`."""
-    fleet = _Fleet(setup, seed)
+    fleet = Fleet(setup, seed)
     fleet.run(requests)
     return Outcome(
         setup=setup,
         requests=fleet.results,
         rejected=fleet.rejected,
+        shed=fleet.shed,
         remote={name: tier.stats for name, tier in fleet.remotes.items()},
         remote_resident_unread_blocks=sum(t.resident_unread() for t in fleet.remotes.values()),
         hbm_evicted_blocks=fleet.hbm_evicted,

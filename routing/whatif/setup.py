@@ -13,6 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from routing.cost import CostTerms
+from routing.decide import Policy
+from routing.filters import Fallback
+from routing.pipeline import BATCH_MAX_QUEUE_S, PipelineSettings
 from routing.whatif.capture import Capture, PoolSetup
 
 DEFAULT_REMOTE_TIER = "remote"
@@ -33,6 +36,9 @@ class Setup:
     critical_fallback: str = "spill"
     critical_budget_ms: float | None = None
     critical_tenants: frozenset[str] = field(default_factory=frozenset)  # served as critical
+    critical_placement: str = "pinned_first"  # pinned_first or cost (gateway critical.placement)
+    clear_while_loading: bool = False  # gateway critical.clear_while_loading
+    batch_max_queue_s: float = BATCH_MAX_QUEUE_S  # gateway overload.batch_max_queue_s
     # A request that misses locally asks the remote tier what it holds before loading anything:
     # one round trip, which the cost model has no term for (a fit over a capture with a remote
     # tier has it in its fixed overhead). 0 unless a scenario states it.
@@ -55,6 +61,30 @@ class Setup:
             terms=terms,
             critical_fallback=h.critical_fallback,
             critical_budget_ms=h.critical_budget_ms,
+            critical_placement=h.critical_placement,
+            clear_while_loading=h.clear_while_loading,
+            batch_max_queue_s=h.batch_max_queue_s,
+        )
+
+    def pipeline_settings(self) -> PipelineSettings:
+        """The routing pipeline's settings (routing/pipeline.py) on this set-up, as the gateway
+        builds them from its config (gateway/planner.py pipeline_settings)."""
+        return PipelineSettings(
+            policy=Policy(self.policy),
+            block_size_tokens=self.block_size_tokens,
+            fallback=Fallback(self.critical_fallback),
+            critical_budget_ms=self.critical_budget_ms,
+            cost_placement=self.critical_placement == "cost",
+            clear_while_loading=self.clear_while_loading,
+            batch_max_queue_s=self.batch_max_queue_s,
+            keep_idle={p.name: p.lend_keep_idle for p in self.pools if p.lend_keep_idle},
+            lend_max_prefill_tokens={
+                p.name: p.lend_max_prefill_tokens
+                for p in self.pools
+                if p.lend_max_prefill_tokens is not None
+            },
+            remote_write={p.name: p.remote_write for p in self.pools},
+            precise=self.mode == "precise",
         )
 
     def terms_of(self, pool: PoolSetup) -> CostTerms:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -346,6 +347,35 @@ def test_pinned_pool_takes_critical_traffic_only() -> None:
     pools = {(r.tenant_class, r.pool) for r in out.requests}
     assert ("critical", "pinned") in pools
     assert ("standard", "pinned") not in pools
+
+
+def test_replay_sheds_batch_behind_a_long_queue_as_the_gateway_does() -> None:
+    """Three cold 1,600-token prompts queued on one replica (~480 ms of prefill): a batch request
+    over the set-up's 100 ms bound is refused, counted as rejected and as shed."""
+    trace = [_req(0.0, [i * 1000 + b for b in range(100)]) for i in range(3)]
+    trace.append(_req(0.0, [9000 + b for b in range(10)], "jobs", "batch"))
+    setup = replace(_setup(replicas=1, hbm_tokens=100_000), batch_max_queue_s=0.1)
+    out = replay(trace, setup, seed=0)
+    assert out.rejected == {"batch": 1}
+    assert out.shed == {"batch": 1}
+    assert len(out.requests) == 3
+
+
+@pytest.mark.parametrize("priority", [False, True], ids=["first-come", "engine-priority"])
+def test_an_engine_priority_pool_prefills_critical_before_standard(priority: bool) -> None:
+    """One replica busy with a prefill; a standard and then a critical request join its queue:
+    a pool with engine_priority serves the critical one first, as vLLM's priority scheduling
+    does."""
+    trace = [
+        _req(0.0, [1000 + b for b in range(100)]),
+        _req(0.0, [2000 + b for b in range(100)]),
+        _req(0.0, [3000 + b for b in range(100)], "voice", "critical"),
+    ]
+    base = _setup(replicas=1, hbm_tokens=100_000)
+    setup = replace(base, pools=tuple(replace(p, engine_priority=priority) for p in base.pools))
+    out = replay(trace, setup, seed=0)
+    ttft = {r.tenant_class: r.ttft_s for r in out.requests if r.queue_s > 0}
+    assert (ttft["critical"] < ttft["standard"]) is priority
 
 
 def test_pinned_scenario_resizes_a_captured_pinned_pool() -> None:

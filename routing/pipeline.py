@@ -1,0 +1,266 @@
+"""The routing of one request: from its candidates to what the index records, and when. Pure.
+
+One pipeline, two callers: the gateway (gateway/planner.py gathers the inputs from its registry
+and index, and turns the outcome into HTTP errors, metrics and index writes) and the what-if
+replay (routing/whatif/replay.py gathers them from its modelled fleet and applies the outcome to
+its modelled engines). Neither decides anything of its own, so a planned routing is the
+gateway's routing on the same inputs.
+
+route(), in order:
+
+  1. eligibility by tenant class (routing/filters.py `eligible`): the pinned pools, their
+     admission caps, lending (`FleetView.lend`: off while the pinned pool is reclaimed) and its
+     idle reserve (`keep_idle`); nothing left is a rejection (`Routed.decision` is None, the
+     fallback says which);
+  2. decide() with the policy (routing/decide.py), the request carrying its class's engine
+     priority (routing/types.py ENGINE_PRIORITY) where a pool schedules by it;
+  3. critical, `pinned_first`: when even the best pinned replica's estimate is over the class's
+     TTFT budget, decided again over the shared pools too, a shared choice being a spill;
+  4. critical, cost placement: a shared choice is a spill, and `pressed` says whether the pinned
+     pool lacked headroom (no pinned replica under its cap), which is what reclaims lent replicas;
+     standard and batch: bounded lending (`lend_max_prefill_tokens` per pool, and with
+     `clear_while_loading` no replica where the request would start its prefill ahead of a
+     critical one still loading its KV): decided again without the replicas it may not use;
+  5. with `commit` (a real request, not /debug/route's dry run): a critical request that loads
+     KV first leaves the time it joins its replica's prefill queue (`PipelineState.critical_joins`),
+     and the request counter moves on;
+  6. a batch request is shed (`Routed.shed`) when its best replica's prefill queue is longer than
+     `batch_max_queue_s` (routing/filters.py should_shed).
+
+Then, for the replica a request is sent to: the remote tier's admission (`admit`, on the reuse
+count the caller kept) and the index-write plan (`index_writes`, routing/pipeline_writes.py).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from routing.decide import Candidate, Decision, Policy, RouteRequest, decide
+from routing.filters import Eligibility, Fallback, admitted, eligible, lendable, should_shed
+from routing.pipeline_writes import IndexWrites, Write, admit, index_writes
+from routing.types import ENGINE_PRIORITY, BlockHits, TenantClass
+
+__all__ = [
+    "BATCH_MAX_QUEUE_S",
+    "LEND_COOLDOWN_S",
+    "FleetView",
+    "IndexWrites",
+    "PipelineRequest",
+    "PipelineSettings",
+    "PipelineState",
+    "Routed",
+    "Write",
+    "admit",
+    "index_writes",
+    "route",
+]
+
+BATCH_MAX_QUEUE_S = 5.0  # the gateway's default, gateway/config.py OverloadConfig.batch_max_queue_s
+LEND_COOLDOWN_S = 5.0
+# Lending resumes 5 s after the last critical spill that found the pinned pool without headroom:
+# longer than a prefill queue takes to drain on a busy replica (~1 s at the standard class's
+# default budget, gateway/config.py ClassesConfig), so it does not flap per request.
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSettings:
+    """The configuration route() reads (the gateway's config, or a what-if set-up)."""
+
+    policy: Policy
+    block_size_tokens: int
+    fallback: Fallback = Fallback.SPILL  # critical.fallback
+    critical_budget_ms: float | None = None  # classes.critical.ttft_budget_ms
+    cost_placement: bool = False  # critical.placement: cost
+    clear_while_loading: bool = False  # critical.clear_while_loading
+    batch_max_queue_s: float = BATCH_MAX_QUEUE_S  # overload.batch_max_queue_s
+    keep_idle: Mapping[str, int] = field(default_factory=dict)  # pool -> lend_keep_idle
+    lend_max_prefill_tokens: Mapping[str, int] = field(default_factory=dict)  # pool -> bound
+    remote_write: Mapping[str, str] = field(default_factory=dict)  # pool -> reuse/always/never
+    precise: bool = False  # routing.mode: precise (the engines' KV events are the index's truth)
+
+
+@dataclass
+class PipelineState:
+    """What route() carries from one request to the next: the request counter (round_robin's
+    turn), the tie-break generator, and per replica the monotonic time its latest critical
+    request joins the prefill queue after loading its KV (critical.clear_while_loading)."""
+
+    rng: random.Random
+    seq: int = 0
+    critical_joins: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineRequest:
+    hashes: Sequence[int]
+    prompt_tokens: int
+    tenant_class: TenantClass
+    policy: Policy | None = None  # None: the configured one (embeddings go by load)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """The fleet as the caller sees it now: the healthy replicas serving the model, with their
+    loads; the index hits of the prompt; whether the model has a pinned pool at all (down is not
+    absent); whether the pinned pools may be lent (not reclaimed by a recent critical spill)."""
+
+    candidates: Sequence[Candidate]
+    hits: BlockHits
+    now_s: float
+    pinned_pool_exists: bool
+    lend: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """route()'s outcome. `decision` None: rejected (no eligible replica; `eligibility.fallback`
+    says whether the pinned pool's `reject` fallback did it)."""
+
+    eligibility: Eligibility
+    decision: Decision | None = None
+    chosen: Candidate | None = None  # the chosen replica, as it was a candidate
+    pressed: bool = True  # a critical request off the pinned pool: did the pool lack headroom?
+    shed: bool = False  # a batch request the fleet is too loaded for
+
+    @property
+    def fallback(self) -> Fallback | None:
+        return self.eligibility.fallback
+
+
+def route(
+    request: PipelineRequest,
+    fleet: FleetView,
+    settings: PipelineSettings,
+    state: PipelineState,
+    *,
+    commit: bool,
+) -> Routed:
+    """Route one request (the module docstring lists the steps). `commit`: False for a dry run,
+    which leaves the request counter and the critical joins as they were."""
+    klass = request.tenant_class
+    policy = request.policy or settings.policy
+    allowed = eligible(
+        fleet.candidates,
+        klass,
+        settings.fallback,
+        pinned_pool_exists=fleet.pinned_pool_exists,
+        lend=fleet.lend,
+        cost_placement=settings.cost_placement,
+        keep_idle=settings.keep_idle,
+    )
+    if not allowed.candidates:
+        return Routed(allowed)
+    route_request = RouteRequest(
+        request.hashes, request.prompt_tokens, settings.block_size_tokens, ENGINE_PRIORITY[klass]
+    )
+    decision = decide(
+        route_request, allowed.candidates, fleet.hits, policy, seq=state.seq, rng=state.rng
+    )
+    if klass is TenantClass.CRITICAL:
+        decision, allowed = _spill_over_budget(
+            route_request, decision, allowed, fleet, settings, state
+        )
+    pressed = True
+    if klass is TenantClass.CRITICAL and settings.cost_placement:
+        decision, allowed, pressed = _cost_placed(decision, allowed)
+    elif klass is not TenantClass.CRITICAL:
+        decision = _bounded_lending(route_request, decision, allowed, fleet, settings, state)
+    if commit:
+        if klass is TenantClass.CRITICAL and settings.clear_while_loading:
+            _remember_join(decision, fleet.now_s, state)
+        state.seq += 1
+    chosen = next(c for c in (*allowed.candidates, *allowed.overflow) if c.name == decision.replica)
+    shed = should_shed(decision, klass, settings.batch_max_queue_s)
+    return Routed(allowed, decision, chosen, pressed, shed)
+
+
+def _spill_over_budget(
+    request: RouteRequest,
+    decision: Decision,
+    allowed: Eligibility,
+    fleet: FleetView,
+    settings: PipelineSettings,
+    state: PipelineState,
+) -> tuple[Decision, Eligibility]:
+    """critical, pinned_first: the pinned pool is too slow for this one (its best estimate is
+    over the class's TTFT budget): the shared pools too, with the full cost model."""
+    budget = settings.critical_budget_ms
+    if not allowed.overflow or budget is None or decision.est_ttft_s * 1000 <= budget:
+        return decision, allowed
+    wider = decide(
+        request,
+        allowed.candidates + allowed.overflow,
+        fleet.hits,
+        decision.policy,
+        seq=state.seq,
+        rng=state.rng,
+    )
+    if wider.replica in {c.name for c in allowed.candidates}:
+        return decision, allowed
+    return wider, replace(allowed, fallback=Fallback.SPILL)
+
+
+def _cost_placed(decision: Decision, allowed: Eligibility) -> tuple[Decision, Eligibility, bool]:
+    """critical.placement: cost. The cost model chose among pinned and shared replicas; a
+    shared choice is a spill (counted as one). It says the pinned pool lacks headroom, and
+    so stops lending, only when no pinned replica was under its admission cap: a follow-up
+    that goes where its context is does not."""
+    chosen = next(c for c in allowed.candidates if c.name == decision.replica)
+    if chosen.pool.pinned:
+        return decision, allowed, False
+    pinned = [c for c in allowed.candidates if c.pool.pinned]
+    pressed = bool(pinned) and not any(admitted(c) for c in pinned)
+    return decision, replace(allowed, fallback=Fallback.SPILL), pressed
+
+
+def _bounded_lending(
+    request: RouteRequest,
+    decision: Decision,
+    allowed: Eligibility,
+    fleet: FleetView,
+    settings: PipelineSettings,
+    state: PipelineState,
+) -> Decision:
+    """A non-critical request lent a pinned replica prefills at most the pool's
+    `lend_max_prefill_tokens` there (routing/filters.py lendable); with
+    critical.clear_while_loading it does not go where it would join the prefill queue
+    before a critical request still loading its KV (and so prefill ahead of it). Otherwise
+    it is decided again without the replicas it may not use; if none is left, as decided."""
+    now_s, joins = fleet.now_s, state.critical_joins
+    for name in [r for r, t in joins.items() if t <= now_s]:
+        del joins[name]
+
+    def ok(c: Candidate) -> bool:
+        score = decision.score(c.name)
+        limit = settings.lend_max_prefill_tokens.get(c.pool.name)
+        if not lendable(c, score.overlap.uncached_tokens, limit):
+            return False
+        return joins.get(c.name, 0.0) <= now_s + score.estimate.load_s
+
+    chosen = next(c for c in allowed.candidates if c.name == decision.replica)
+    if ok(chosen):
+        return decision
+    kept = [c for c in allowed.candidates if ok(c)]
+    if not kept:
+        return decision
+    return decide(request, kept, fleet.hits, decision.policy, seq=state.seq, rng=state.rng)
+
+
+def _remember_join(decision: Decision, now_s: float, state: PipelineState) -> None:
+    """critical.clear_while_loading: a critical request that loads KV first joins its replica's
+    prefill queue only once it is loaded; until then lent requests keep off that replica."""
+    est = decision.score().estimate
+    if est.load_s > 0:
+        join_s = now_s + est.fixed_s + est.load_s
+        prior = state.critical_joins.get(decision.replica, 0.0)
+        state.critical_joins[decision.replica] = max(prior, join_s)
+
+
+def reclaims_lending(routed: Routed, klass: TenantClass, pinned_pool_exists: bool) -> bool:
+    """Does this routed request reclaim the pinned pools from lending (for LEND_COOLDOWN_S)? A
+    critical request that left the pinned pool because the pool lacked headroom does."""
+    if klass is not TenantClass.CRITICAL or not pinned_pool_exists or routed.chosen is None:
+        return False
+    return not routed.chosen.pool.pinned and routed.pressed

@@ -1,0 +1,115 @@
+"""After the choice (routing/pipeline.py): the remote tier's admission, and what the index
+records, where and when. Pure.
+
+Approximate mode: once a replica accepted the request it holds the prompt's blocks in HBM,
+except, for a streamed request, the blocks it loads from the CPU or remote tier: vLLM caches a
+block that a KV transfer fills only when the transfer is done (the scheduler allocates it with
+delay_cache_blocks while the request waits in WAITING_FOR_REMOTE_KVS:
+vllm/v1/core/kv_cache_manager.py `allocate_slots`, vllm/v1/core/sched/scheduler.py), so a
+request with the same prefix that arrives meanwhile loads them too. Those enter the index at the
+request's first byte, when its prefill is done. The blocks it computes are cached when its
+prefill is scheduled: a request queued behind it finds them. A whole answer's first byte comes
+after the generation: everything is recorded at once.
+
+Precise mode: the engines' KV events are the truth, so nothing is written of the replica's own:
+the hit prefix is refreshed (blocks the events said are there, which this request now touches)
+and the rest of the prompt is marked speculative (routing/speculative.py) until the engine's
+BlockStored confirms it.
+
+Either mode: the remote tier holds the prompt once the replica has written it, if the write was
+admitted. A KV connector saves the blocks a request computes during its prefill's forward pass
+(`save_kv_layer` per attention layer, `wait_for_save` as the pass ends:
+vllm/distributed/kv_transfer/kv_connector/v1/base.py), so for a streamed request from its first
+byte; a request elsewhere that looks for them before then finds none and recomputes the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
+
+from routing.admission import AdmissionVerdict, should_write
+from routing.decide import Candidate, Score
+from routing.types import BlockHits, Location, Tier
+
+if TYPE_CHECKING:
+    from routing.pipeline import PipelineSettings
+
+
+def admit(
+    chosen: Candidate,
+    reuse: int,
+    hits: BlockHits,
+    prompt_tokens: int,
+    settings: PipelineSettings,
+) -> AdmissionVerdict | None:
+    """Should `chosen` write the prompt to its remote tier? `reuse`: earlier requests of the
+    prompt's family in the reuse window (routing/admission.py). None: no remote tier there."""
+    tier = chosen.remote_tier  # None for an HBM-only pool
+    if tier is None:
+        return None
+    block = settings.block_size_tokens
+    remote = Location(tier, Tier.REMOTE)
+    held_blocks = next((i for i, h in enumerate(hits) if remote not in h), len(hits))
+    verdict = should_write(
+        prompt_tokens,
+        held_blocks * block,
+        len(hits) * block,  # the prefix any location holds: what was shared
+        reuse,
+        chosen.costs,
+        chosen.terms,
+    )
+    mode = settings.remote_write.get(chosen.pool.name, "reuse")
+    if mode != "reuse":
+        verdict = replace(verdict, write=mode == "always" and verdict.new_tokens > 0)
+    return verdict
+
+
+class Write(NamedTuple):
+    """Record `hashes` (a prompt's blocks, first to last) at `where`."""
+
+    where: Location
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexWrites:
+    at_send: tuple[Write, ...] = ()  # once the replica accepted the request, in this order
+    at_first_byte: tuple[Write, ...] = ()  # at a streamed request's first byte
+    speculative: Write | None = None  # precise mode: until the engine's event confirms it
+
+
+def index_writes(
+    score: Score,
+    hashes: Sequence[int],
+    *,
+    remote_tier: str | None,
+    write_remote: bool,
+    stream: bool,
+    settings: PipelineSettings,
+) -> IndexWrites:
+    """What the index records for a request sent to `score.replica` (the module docstring says
+    why). `remote_tier`: that replica's pool's; `write_remote`: the admission's verdict."""
+    block = settings.block_size_tokens
+    prompt = tuple(hashes)
+    hbm_at = Location(score.replica, Tier.HBM)
+    remote = (
+        (Write(Location(remote_tier, Tier.REMOTE), prompt),) if remote_tier and write_remote else ()
+    )
+    if settings.precise:
+        hit_blocks = score.overlap.hbm_tokens // block
+        now = (Write(hbm_at, prompt[:hit_blocks]),) if hit_blocks else ()
+        speculative = Write(hbm_at, prompt[hit_blocks:])
+        if stream:
+            return IndexWrites(now, remote, speculative)
+        return IndexWrites(now + remote, (), speculative)
+    loading = score.loaded_blocks(block) if stream else None
+    if loading is None:
+        now = (Write(hbm_at, prompt),) if prompt else ()
+        if stream:
+            return IndexWrites(now, remote)
+        return IndexWrites(now + remote)
+    rest = prompt[: loading.start] + prompt[loading.stop :]
+    now = (Write(hbm_at, rest),) if rest else ()
+    return IndexWrites(now, (Write(hbm_at, prompt), *remote))

@@ -1,0 +1,256 @@
+"""routing/pipeline.py and routing/pipeline_writes.py: the routing of one request, pure."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from routing.cost import Estimate, Load, Overlap, PoolCosts
+from routing.decide import Candidate, Policy, PoolRules, Score
+from routing.filters import Fallback
+from routing.pipeline import (
+    FleetView,
+    PipelineRequest,
+    PipelineSettings,
+    PipelineState,
+    Routed,
+    Write,
+    admit,
+    index_writes,
+    reclaims_lending,
+    route,
+)
+from routing.types import BlockHits, Location, TenantClass, Tier
+
+BLOCK = 16
+COSTS = PoolCosts(prefill_tokens_per_s=10_000.0)  # 1,000 tokens: 100 ms, far past a near tie
+SHARED = PoolRules(name="shared")
+PINNED = PoolRules(name="pinned", pinned=True, hbm_only=True, max_in_flight=2, lend_below=1.0)
+C, S, B = TenantClass.CRITICAL, TenantClass.STANDARD, TenantClass.BATCH
+HASHES = list(range(1, 64))  # 63 blocks: ~1,000 tokens
+TOKENS = len(HASHES) * BLOCK
+SETTINGS = PipelineSettings(Policy.CACHE_AWARE, BLOCK)
+
+
+def replica(
+    name: str, rules: PoolRules = SHARED, *, pending: int = 0, remote_tier: str | None = None
+) -> Candidate:
+    load = Load(in_flight=1 if pending else 0, pending_prefill_tokens=pending)
+    return Candidate(name=name, load=load, costs=COSTS, remote_tier=remote_tier, pool=rules)
+
+
+def held(where: Location, blocks: int = len(HASHES)) -> BlockHits:
+    return [frozenset({where})] * blocks
+
+
+def routed(
+    klass: TenantClass,
+    candidates: list[Candidate],
+    hits: BlockHits | None = None,
+    settings: PipelineSettings = SETTINGS,
+    state: PipelineState | None = None,
+    *,
+    commit: bool = True,
+    tokens: int = TOKENS,
+    lend: bool = True,
+) -> Routed:
+    pinned_pool = any(c.pool.pinned for c in candidates)
+    fleet = FleetView(candidates, hits or [], 100.0, pinned_pool_exists=pinned_pool, lend=lend)
+    state = state or PipelineState(random.Random(0))
+    request = PipelineRequest(HASHES[: -(-tokens // BLOCK)], tokens, klass)
+    return route(request, fleet, settings, state, commit=commit)
+
+
+@pytest.mark.parametrize(
+    ("fallback", "decided", "expected"),
+    [
+        (Fallback.SPILL, "shared-0", Fallback.SPILL),
+        (Fallback.REJECT, None, Fallback.REJECT),
+    ],
+    ids=["spill", "reject"],
+)
+def test_a_critical_request_with_the_pinned_pool_full_takes_the_fallback(
+    fallback: Fallback, decided: str | None, expected: Fallback
+) -> None:
+    full = [replica(f"pinned-{i}", PINNED, pending=5000) for i in range(2)]
+    full = [replace(c, load=replace(c.load, in_flight=2)) for c in full]
+    out = routed(C, [*full, replica("shared-0")], settings=replace(SETTINGS, fallback=fallback))
+    assert (out.decision.replica if out.decision else None) == decided
+    assert out.fallback is expected
+
+
+@pytest.mark.parametrize(
+    ("budget_ms", "where", "fallback"),
+    [(None, "pinned-0", None), (1000.0, "pinned-0", None), (50.0, "shared-0", Fallback.SPILL)],
+    ids=["no-budget", "within-budget", "over-budget-spills"],
+)
+def test_pinned_first_spills_a_critical_request_over_its_budget(
+    budget_ms: float | None, where: str, fallback: Fallback | None
+) -> None:
+    busy = replica("pinned-0", PINNED, pending=2000)  # 200 ms queued
+    settings = replace(SETTINGS, critical_budget_ms=budget_ms)
+    out = routed(C, [busy, replica("shared-0")], settings=settings)
+    assert out.decision is not None and out.decision.replica == where
+    assert out.fallback is fallback
+
+
+@pytest.mark.parametrize(
+    ("pinned_in_flight", "pressed"), [(0, False), (2, True)], ids=["headroom", "at-cap"]
+)
+def test_cost_placement_presses_the_pinned_pool_only_when_it_has_no_headroom(
+    pinned_in_flight: int, pressed: bool
+) -> None:
+    pinned = replica("pinned-0", PINNED, pending=3000)
+    pinned = replace(pinned, load=replace(pinned.load, in_flight=pinned_in_flight))
+    settings = replace(SETTINGS, cost_placement=True)
+    out = routed(C, [pinned, replica("shared-0")], settings=settings)
+    assert out.decision is not None and out.decision.replica == "shared-0"
+    assert out.fallback is Fallback.SPILL
+    assert out.pressed is pressed
+    assert reclaims_lending(out, C, pinned_pool_exists=True) is pressed
+
+
+@pytest.mark.parametrize(
+    ("limit", "tokens", "where"),
+    [(None, TOKENS, "pinned-0"), (2000, TOKENS, "pinned-0"), (200, TOKENS, "shared-0")],
+    ids=["unbounded", "under-bound", "over-bound"],
+)
+def test_a_lent_pinned_replica_takes_only_short_prefills(
+    limit: int | None, tokens: int, where: str
+) -> None:
+    # the pinned replica is idle, the shared one busy: lending is what a cost model would pick
+    candidates = [replica("pinned-0", PINNED), replica("shared-0", pending=4000)]
+    bounds = {} if limit is None else {"pinned": limit}
+    settings = replace(SETTINGS, lend_max_prefill_tokens=bounds)
+    out = routed(S, candidates, settings=settings, tokens=tokens)
+    assert out.decision is not None and out.decision.replica == where
+
+
+@pytest.mark.parametrize("lend", [True, False], ids=["lent", "reclaimed"])
+def test_no_lending_while_the_pinned_pool_is_reclaimed(lend: bool) -> None:
+    candidates = [replica("pinned-0", PINNED), replica("shared-0", pending=4000)]
+    out = routed(S, candidates, lend=lend)
+    assert out.decision is not None
+    assert out.decision.replica == ("pinned-0" if lend else "shared-0")
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "dry-run"])
+def test_clear_while_loading_keeps_lent_requests_off_a_loading_critical_replica(
+    commit: bool,
+) -> None:
+    rules = replace(PINNED, hbm_only=False)
+    candidates = [replica("pinned-0", rules), replica("shared-0", pending=400)]
+    settings = replace(SETTINGS, clear_while_loading=True, cost_placement=True)
+    state = PipelineState(random.Random(0))
+    cpu = held(Location("pinned-0", Tier.CPU))  # the critical request swaps its prompt in
+    first = routed(C, candidates, cpu, settings, state, commit=commit)
+    assert first.decision is not None and first.decision.replica == "pinned-0"
+    assert first.decision.score().estimate.load_s > 0
+    assert ("pinned-0" in state.critical_joins) is commit
+    assert state.seq == (1 if commit else 0)
+    lent = routed(S, candidates, settings=settings, state=state, tokens=64)
+    assert lent.decision is not None
+    assert lent.decision.replica == ("shared-0" if commit else "pinned-0")
+
+
+@pytest.mark.parametrize(
+    ("klass", "queued", "shed"),
+    [(B, 100, False), (B, 60_000, True), (S, 60_000, False), (C, 60_000, False)],
+    ids=["batch-short-queue", "batch-long-queue", "standard-never", "critical-never"],
+)
+def test_batch_is_shed_when_its_best_queue_is_too_long(
+    klass: TenantClass, queued: int, shed: bool
+) -> None:
+    out = routed(klass, [replica("shared-0", pending=queued)])
+    assert out.shed is shed  # 60,000 tokens at 10,000/s: 6 s queued, over the 5 s default
+
+
+def test_engine_priority_lets_a_critical_request_pass_queued_batch_work() -> None:
+    rules = replace(SHARED, engine_priority=True)
+    load = Load(in_flight=1, pending_prefill_tokens=5000)
+    loaded = replica("shared-0", rules)
+    loaded = replace(loaded, load=load)
+    critical = routed(C, [loaded]).decision
+    batch = routed(B, [loaded]).decision
+    assert critical is not None and batch is not None
+    assert critical.est_ttft_s <= batch.est_ttft_s
+
+
+REMOTE = Location("kv", Tier.REMOTE)
+
+
+@pytest.mark.parametrize(
+    ("mode", "reuse", "held_blocks", "write"),
+    [
+        ("never", 10, 0, False),
+        ("always", 0, 0, True),
+        ("always", 0, len(HASHES), False),  # nothing new to write
+        ("reuse", 0, 0, False),
+    ],
+    ids=["never", "always", "always-held", "reuse-first-sight"],
+)
+def test_remote_admission_by_mode(mode: str, reuse: int, held_blocks: int, write: bool) -> None:
+    chosen = replica("shared-0", remote_tier="kv")
+    settings = replace(SETTINGS, remote_write={"shared": mode})
+    verdict = admit(chosen, reuse, held(REMOTE, held_blocks), TOKENS, settings)
+    assert verdict is not None and verdict.write is write
+
+
+def test_no_admission_without_a_remote_tier() -> None:
+    assert admit(replica("shared-0"), 5, [], TOKENS, SETTINGS) is None
+
+
+def score(hbm_blocks: int, cpu_blocks: int = 0) -> Score:
+    overlap = Overlap(TOKENS, hbm_blocks * BLOCK, cpu_blocks * BLOCK, 0)
+    return Score("r", overlap, Estimate(0.0, 0.0, 0.01 if cpu_blocks else 0.0, 0.0, 0.0, False))
+
+
+HBM = Location("r", Tier.HBM)
+P = tuple(HASHES)
+
+
+@pytest.mark.parametrize(
+    ("precise", "stream", "cpu_blocks", "write", "at_send", "at_first_byte"),
+    [
+        (False, False, 0, False, ((HBM, P),), ()),
+        (False, False, 0, True, ((HBM, P), (REMOTE, P)), ()),
+        (False, True, 0, True, ((HBM, P),), ((REMOTE, P),)),
+        (False, False, 10, False, ((HBM, P),), ()),
+        (False, True, 10, False, ((HBM, P[:20] + P[30:]),), ((HBM, P),)),
+        (False, True, 10, True, ((HBM, P[:20] + P[30:]),), ((HBM, P), (REMOTE, P))),
+        (True, False, 0, True, ((HBM, P[:20]), (REMOTE, P)), ()),
+        (True, True, 10, True, ((HBM, P[:20]),), ((REMOTE, P),)),
+    ],
+    ids=[
+        "whole",
+        "whole-remote",
+        "streamed-remote-at-first-byte",
+        "whole-swapped-at-once",
+        "streamed-swapped-at-first-byte",
+        "streamed-swapped-and-remote",
+        "precise-whole",
+        "precise-streamed",
+    ],
+)
+def test_the_index_write_plan(
+    precise: bool,
+    stream: bool,
+    cpu_blocks: int,
+    write: bool,
+    at_send: tuple[tuple[Location, tuple[int, ...]], ...],
+    at_first_byte: tuple[tuple[Location, tuple[int, ...]], ...],
+) -> None:
+    settings = replace(SETTINGS, precise=precise)
+    writes = index_writes(
+        score(20, cpu_blocks),
+        HASHES,
+        remote_tier="kv",
+        write_remote=write,
+        stream=stream,
+        settings=settings,
+    )
+    assert writes.at_send == tuple(Write(*w) for w in at_send)
+    assert writes.at_first_byte == tuple(Write(*w) for w in at_first_byte)
+    assert (writes.speculative == Write(HBM, P[20:])) if precise else writes.speculative is None
