@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.sim.tiers import BlockLRU
 from loadtest.workloads.traces import ServiceBound, TraceRecord, prompt_text, words_text
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
 from routing.prompt import approx_tokens
+from routing.whatif.cache import BlockLRU
 from routing.whatif.summary import percentile
 
 # --- tenants ---------------------------------------------------------------------------------
