@@ -70,15 +70,11 @@ from loadtest.bench.processes import (
     sim_from_config,
 )
 from loadtest.bench.replay import (
-    PATHS,
-    REASON_HEADER,
-    REPLICA_HEADER,
     RequestResult,
     Summary,
     at_offsets,
-    has_text,
     request_body,
-    sse_chunks,
+    stream_into,
     summarize,
 )
 from loadtest.sim.config import ITL_S, SIM_MODEL
@@ -302,41 +298,22 @@ class CriticalResult(RequestResult):
 
 
 async def _send(client: httpx.AsyncClient, record: TraceRecord, result: CriticalResult) -> None:
-    started = time.perf_counter()
-    key = ct.TENANTS[record["tenant"]].api_key
-    endpoint = record["endpoint"]
-    async with client.stream(
-        "POST",
-        PATHS[endpoint],
-        json=request_body(record, SIM_MODEL),
-        headers={"authorization": f"Bearer {key}"},
-    ) as resp:
-        result.status = resp.status_code
-        result.replica = resp.headers.get(REPLICA_HEADER, "")
-        result.reason = resp.headers.get(REASON_HEADER, "")
+    def read_headers(resp: httpx.Response) -> None:
         result.fallback = resp.headers.get("x-cachelane-fallback", "")
         est = resp.headers.get("x-cachelane-est-ttft-ms")
         result.est_ttft_ms = float(est) if est else None
         if resp.status_code != 200:
             result.retry_after = resp.headers.get("retry-after")
-            body = (await resp.aread()).decode(errors="replace")
-            result.error = f"HTTP {resp.status_code}: {body[:300]}"
-            return
-        async for chunk in sse_chunks(resp):
-            if "error" in chunk:
-                result.error = f"stream error: {str(chunk['error'])[:300]}"
-                break
-            if result.ttft_s is None and has_text(chunk, endpoint):
-                result.ttft_s = time.perf_counter() - started
-            usage = chunk.get("usage")
-            if usage:
-                result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                result.completion_tokens = int(usage.get("completion_tokens") or 0)
-                details = usage.get("prompt_tokens_details") or {}
-                result.cached_tokens = int(details.get("cached_tokens") or 0)
-    result.e2e_s = time.perf_counter() - started
-    if result.error is None and not result.prompt_tokens:
-        result.error = "no usage chunk in the stream"
+
+    key = ct.TENANTS[record["tenant"]].api_key
+    await stream_into(
+        client,
+        record,
+        request_body(record, SIM_MODEL),
+        result,
+        headers={"authorization": f"Bearer {key}"},
+        on_headers=read_headers,
+    )
 
 
 async def replay_trace(

@@ -109,24 +109,36 @@ async def sse_data(lines: AsyncIterable[str | bytes]) -> AsyncIterator[dict[str,
         yield json.loads(data)
 
 
-async def _send(
-    client: httpx.AsyncClient, record: TraceRecord, model: str, result: RequestResult
+async def stream_into(
+    client: httpx.AsyncClient,
+    record: TraceRecord,
+    body: dict[str, Any],
+    result: RequestResult,
+    *,
+    headers: dict[str, str] | None = None,
+    default_replica: str = "",
+    on_headers: Callable[[httpx.Response], None] | None = None,
 ) -> None:
+    """Stream one record's request and fill `result`: status, replica and reason from the
+    headers (then `on_headers` reads any others), TTFT, end-to-end time, usage or the error.
+    The benchmarks' one streaming client."""
     started = time.perf_counter()
-    path = PATHS[record["endpoint"]]
-    async with client.stream("POST", path, json=request_body(record, model)) as resp:
+    endpoint = record["endpoint"]
+    async with client.stream("POST", PATHS[endpoint], json=body, headers=headers) as resp:
         result.status = resp.status_code
-        result.replica = resp.headers.get(REPLICA_HEADER, str(client.base_url))
+        result.replica = resp.headers.get(REPLICA_HEADER, default_replica)
         result.reason = resp.headers.get(REASON_HEADER, "")
+        if on_headers is not None:
+            on_headers(resp)
         if resp.status_code != 200:
-            body = (await resp.aread()).decode(errors="replace")
-            result.error = f"HTTP {resp.status_code}: {body[:300]}"
+            body_text = (await resp.aread()).decode(errors="replace")
+            result.error = f"HTTP {resp.status_code}: {body_text[:300]}"
             return
         async for chunk in sse_chunks(resp):
             if "error" in chunk:
                 result.error = f"stream error: {str(chunk['error'])[:300]}"
                 break
-            if result.ttft_s is None and has_text(chunk, record["endpoint"]):
+            if result.ttft_s is None and has_text(chunk, endpoint):
                 result.ttft_s = time.perf_counter() - started
             usage = chunk.get("usage")
             if usage:
@@ -168,7 +180,13 @@ async def replay(
             try:
                 async with slots:
                     result.send_lag_s = max(0.0, loop.time() - due_s)
-                    await _send(client, record, model, result)
+                    await stream_into(
+                        client,
+                        record,
+                        request_body(record, model),
+                        result,
+                        default_replica=str(client.base_url),
+                    )
             except asyncio.CancelledError:
                 result.error = "cancelled at the replay deadline"
                 raise
