@@ -61,12 +61,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench import report
+from loadtest.bench import figures, harness, report
 from loadtest.bench.peer_routers import RouterSpec, ensure_installed, running_router
 from loadtest.bench.processes import (
     gateway_from_config,
     loopback_urls,
-    sigterm_as_interrupt,
     sim_from_config,
 )
 from loadtest.bench.replay import (
@@ -624,11 +623,7 @@ def where_table(arms: Mapping[str, ArmResult], fleet: Fleet) -> Table:
 
 def plot(path: Path, arms: Mapping[str, ArmResult], title: str) -> None:
     """TTFT p50 and p99 per class, one group of bars per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     names = list(arms)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     width = 0.38
@@ -647,24 +642,20 @@ def plot(path: Path, arms: Mapping[str, ArmResult], title: str) -> None:
         ax.set_title(label)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save_figure(fig, path, title=title)
 
 
 # --- main ------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.critical",
-        description="Latency-critical tenants on a busy heterogeneous simulated fleet: cachelane "
+    p = harness.parser(
+        "critical",
+        "Latency-critical tenants on a busy heterogeneous simulated fleet: cachelane "
         "without tenants, with static pinning, with flow control; sglang-router and vllm-router.",
+        quick=f"{QUICK_DURATION_S:.0f} s per arm",
     )
     add = p.add_argument
-    add("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per arm")
     add("--arms", default=",".join(ARMS), help="comma-separated (default: %(default)s)")
     add(
         "--duration-s",
@@ -678,13 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"replayed first, not counted (default {WARMUP_S:.0f}; --quick {QUICK_WARMUP_S:.0f})",
     )
-    add("--seed", type=int, default=1)
-    add(
-        "--out",
-        type=Path,
-        default=Path("results/bench_critical.json"),
-        help="(default: %(default)s)",
-    )
+    harness.add_seed_and_out(p, Path("results/bench_critical.json"))
     return p
 
 
@@ -736,9 +721,37 @@ def _source_state() -> dict[str, Any]:
     return {"commit": commit, "changed": [line[3:] for line in changed]}
 
 
+def run_one(
+    console: Console,
+    arm: str,
+    fleet: Fleet,
+    trace: Sequence[TraceRecord],
+    log_dir: Path,
+    warmup_s: float,
+    done: dict[str, ArmResult],
+    not_run: dict[str, str],
+) -> None:
+    """Run one arm into `done`, or say in `not_run` why it did not run; print its line."""
+    try:
+        result = run_arm(arm, fleet, trace, log_dir, warmup_s)
+    except (RuntimeError, OSError, httpx.HTTPError) as err:
+        not_run[arm] = str(err).splitlines()[0]
+        console.print(f"[red]{arm}: {err}")
+        return
+    done[arm] = result
+    report.write_results_jsonl(log_dir / f"{arm}-requests.jsonl", result.results)
+    crit, std, c = result.summary("critical"), result.summary("standard"), result.counts("all")
+    console.print(
+        f"  {arm:<15} critical TTFT p50 {_ms(crit.ttft_p50_ms):>6} p99 "
+        f"{_ms(crit.ttft_p99_ms):>6} ms  standard p50 {_ms(std.ttft_p50_ms):>6} "
+        f"p99 {_ms(std.ttft_p99_ms):>6} ms  shed {c['shed']}  failed {c['failed']}"
+        f"  ({result.elapsed_s:.0f} s)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+    console = harness.console(width=150)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
@@ -750,8 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     total_s = warmup_s + duration_s
     out: Path = args.out
-    log_dir = out.parent / out.stem
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = harness.log_dir(out)
 
     trace = ct.critical_trace(ct.Mix(), total_s, args.seed, SERVICE_BOUND)
     shapes = [ct.ReplicaShape(HBM_TOKENS, 0, False, PREFILL_TOKENS_PER_S)] * HBM_ONLY_REPLICAS
@@ -789,39 +801,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.perf_counter()
     done: dict[str, ArmResult] = {}
-    fleet: Fleet | None = None
-    try:
-        with sigterm_as_interrupt(), sim_fleet(log_dir) as fleet:
+    fleets: list[Fleet] = []
+
+    def run_arms() -> None:
+        with sim_fleet(log_dir) as fleet:
+            fleets.append(fleet)
             for arm in arms:
-                if arm in not_run:
-                    continue
-                try:
-                    result = run_arm(arm, fleet, trace, log_dir, warmup_s)
-                except (RuntimeError, OSError, httpx.HTTPError) as err:
-                    not_run[arm] = str(err).splitlines()[0]
-                    console.print(f"[red]{arm}: {err}")
-                    continue
-                done[arm] = result
-                report.write_results_jsonl(log_dir / f"{arm}-requests.jsonl", result.results)
-                crit, std, c = (
-                    result.summary("critical"),
-                    result.summary("standard"),
-                    result.counts("all"),
-                )
-                console.print(
-                    f"  {arm:<15} critical TTFT p50 {_ms(crit.ttft_p50_ms):>6} p99 "
-                    f"{_ms(crit.ttft_p99_ms):>6} ms  standard p50 {_ms(std.ttft_p50_ms):>6} "
-                    f"p99 {_ms(std.ttft_p99_ms):>6} ms  shed {c['shed']}  failed {c['failed']}"
-                    f"  ({result.elapsed_s:.0f} s)"
-                )
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; every process was stopped")
-        return 130
-    except RuntimeError as err:  # the sim fleet did not start
-        console.print(f"[red]bench_critical: {err}")
-        return 1
+                if arm not in not_run:
+                    run_one(console, arm, fleet, trace, log_dir, warmup_s, done, not_run)
+
+    # RuntimeError out of run_arms: the sim fleet did not start (an arm's own is caught by it)
+    code = harness.run_arms(console, "bench_critical", run_arms)
+    if code:
+        return code
     wall_s = time.perf_counter() - started
-    assert fleet is not None
+    fleet = fleets[0]
     console.print(results_table(done, not_run))
     if done:
         console.print(where_table(done, fleet))
@@ -832,15 +826,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "not_run": not_run,
         "wall_time_s": wall_s,
     }
-    report.write_json(out, payload)
-    png = out.with_suffix(".png")
-    plot(
-        png,
-        done,
+    title = (
         f"latency-critical tenants, {duration_s:.0f} s per arm after a {warmup_s:.0f} s warm-up "
-        "(simulated fleet)",
+        "(simulated fleet)"
     )
-    console.print(f"wrote {out} and {png} in {wall_s:.0f} s; logs in {log_dir}/")
+    harness.write_results(
+        console, out, payload, lambda png: plot(png, done, title), wall_s, log_dir
+    )
     return 1 if any(a in not_run for a in CACHELANE_ARMS if a in arms) else 0
 
 

@@ -20,7 +20,6 @@ within one run, not the absolute numbers across machines.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -40,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.index.redis_backend import RedisIndex
-from loadtest.bench import report
+from loadtest.bench import figures, harness, report
 from loadtest.bench.peer_routers import (
     RouterSpec,
     ensure_installed,
@@ -517,8 +516,7 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
 
 
 def plot(path: Path, payload: dict[str, Any]) -> None:
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=False)
     for ax, stream in zip(axes, (False, True), strict=True):
         for label in sorted({r["router"] for r in payload["added"]}):
@@ -535,19 +533,16 @@ def plot(path: Path, payload: dict[str, Any]) -> None:
         ax.axhline(5, color="tab:red", linewidth=0.8, linestyle=":")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figures.save_figure(fig, path, dpi=100)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.overhead",
-        description="Gateway-added latency and throughput vs direct and vs sglang-router and "
+    parser = harness.parser(
+        "overhead",
+        "Gateway-added latency and throughput vs direct and vs sglang-router and "
         "vllm-router; routing decision time in-process.",
+        quick="fewer rates, shorter runs",
     )
-    parser.add_argument("--quick", action="store_true", help="fewer rates, shorter runs")
     parser.add_argument("--skip-http", action="store_true", help="only the decision benchmark")
     parser.add_argument(
         "--workers",

@@ -13,6 +13,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.bench import figures
 from loadtest.bench.replay import RequestResult, Summary
 
 BASELINE = "round_robin"
@@ -111,11 +112,7 @@ def plot(
     ideal_hit_rate: float,
 ) -> None:
     """TTFT CDF per policy (log x) and prefix hit rate per policy with the ideal as a line."""
-    import matplotlib  # imported here so that `cachelane serve` never loads it
-
-    matplotlib.use("Agg")  # files only, no display: must precede pyplot's import
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, (cdf_ax, bar_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
 
     for policy, rs in results.items():
@@ -140,7 +137,4 @@ def plot(
     bar_ax.set_title("Prefix hit rate")
     bar_ax.legend()
 
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save_figure(fig, path)

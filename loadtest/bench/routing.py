@@ -39,7 +39,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench import report
+from loadtest.bench import figures, harness, report
 from loadtest.bench.peer_routers import (
     CACHELANE_POLICIES,
     EXTERNAL_POLICIES,
@@ -381,8 +381,7 @@ def scenario_table(
 
 
 def plot_scenario(path: Path, name: str, ideal: float, runs: dict[str, RunResult]) -> None:
-    import matplotlib.pyplot as plt  # report imported matplotlib with the Agg backend
-
+    plt = figures.pyplot()
     fig, (cdf_ax, bar_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
     for label, run in runs.items():
         ttft = sorted(r.ttft_s * 1000 for r in run.results if r.ok and r.ttft_s is not None)
@@ -407,16 +406,12 @@ def plot_scenario(path: Path, name: str, ideal: float, runs: dict[str, RunResult
     bar_ax.set_ylabel("prefix hit rate (cached / prompt tokens)")
     bar_ax.set_title(f"{name}: hit rate vs ideal")
     bar_ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figures.save_figure(fig, path, dpi=100)
 
 
 def plot_summary(path: Path, payload: dict[str, Any]) -> None:
     """Hit rate / ideal and TTFT p99 per router, one group of bars per scenario."""
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     names = [n for n, s in payload["scenarios"].items() if s["routers"]]
     labels = sorted({k for n in names for k in payload["scenarios"][n]["routers"]})
     fig, (hit_ax, p99_ax) = plt.subplots(2, 1, figsize=(14, 8))
@@ -444,10 +439,7 @@ def plot_summary(path: Path, payload: dict[str, Any]) -> None:
     p99_ax.set_ylabel("TTFT p99 (ms, log)")
     p99_ax.set_yscale("log")
     hit_ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, 1.25))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figures.save_figure(fig, path, dpi=100)
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -572,12 +564,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.routing",
-        description="Replay seeded traces open-loop through cachelane (each policy), sglang-router "
+    parser = harness.parser(
+        "routing",
+        "Replay seeded traces open-loop through cachelane (each policy), sglang-router "
         "and vllm-router on a simulated fleet; print hit rate vs ideal, TTFT, balance.",
+        quick=f"{QUICK_DURATION_S:.0f} s per run",
     )
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per run")
     parser.add_argument("--duration-s", type=float, default=DURATION_S, help="trace length per run")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(

@@ -11,6 +11,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from loadtest.bench import figures
 from loadtest.bench.tier_experiment import ArmResult
 
 GB = 1e9
@@ -141,11 +142,7 @@ def plot(
 ) -> None:
     """Left: TTFT p50/p99 per tenant group and arm. Middle and right: GB written to the remote
     tier and hit rate per workload and remote_write mode."""
-    import matplotlib  # imported here so that `cachelane serve` never loads it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     panels = (1 if pinning else 0) + (2 if reuse else 0)
     if not panels:
         return
@@ -192,9 +189,4 @@ def plot(
             ax.set_title(name)
             ax.legend(title="remote_write")
         hit_ax.set_ylim(0, 1)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save_figure(fig, path, title=title)

@@ -1,0 +1,86 @@
+"""What every benchmark's command does around its arms: the flags it shares, the console, the log
+folder beside the results, the run that Ctrl-C or SIGTERM stops cleanly, the JSON and the figure.
+
+A benchmark brings its arms, its table and its plot; this module brings the rest, so that two
+benchmarks stop, report and write the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from loadtest.bench import report
+from loadtest.bench.processes import sigterm_as_interrupt
+
+INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)
+FAILED = 1
+
+
+def parser(name: str, description: str, quick: str | None = None) -> argparse.ArgumentParser:
+    """`python -m loadtest.bench.<name>`'s parser; with `quick` (its help), the --quick flag
+    that runs a benchmark short, to check the machinery rather than to measure."""
+    p = argparse.ArgumentParser(prog=f"python -m loadtest.bench.{name}", description=description)
+    if quick is not None:
+        p.add_argument("--quick", action="store_true", help=quick)
+    return p
+
+
+def add_seed_and_out(parser: argparse.ArgumentParser, out: Path, seed: int = 1) -> None:
+    """The flags every benchmark ends with: the trace seed and the results' JSON path."""
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--out", type=Path, default=out, help="(default: %(default)s)")
+
+
+def console(width: int) -> Console:
+    """A terminal's own width; when piped or captured there is none to detect, so `width`
+    keeps the tables from wrapping at 80 columns."""
+    return Console() if sys.stdout.isatty() else Console(width=width)
+
+
+def log_dir(out: Path) -> Path:
+    """The folder beside the results' JSON (results/x.json -> results/x/) for logs and
+    per-request files; created."""
+    path = out.parent / out.stem
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_arms(
+    out: Console,
+    name: str,
+    arms: Callable[[], None],
+    errors: tuple[type[Exception], ...] = (RuntimeError,),
+) -> int:
+    """Run `arms` with SIGTERM unwinding like Ctrl-C (so every child process is stopped);
+    0 when they ran, INTERRUPTED when stopped, FAILED (the error printed) on `errors`."""
+    try:
+        with sigterm_as_interrupt():
+            arms()
+    except KeyboardInterrupt:
+        out.print("[yellow]interrupted; every process was stopped")
+        return INTERRUPTED
+    except errors as err:
+        out.print(f"[red]{name}: {err}")
+        return FAILED
+    return 0
+
+
+def write_results(
+    out: Console,
+    json_path: Path,
+    payload: Mapping[str, Any],
+    draw: Callable[[Path], None],
+    wall_s: float,
+    logs: Path,
+) -> None:
+    """The results' JSON, the figure beside it (same name, .png), and the line saying where."""
+    report.write_json(json_path, payload)
+    png = json_path.with_suffix(".png")
+    draw(png)
+    out.print(f"wrote {json_path} and {png} in {wall_s:.0f} s; logs in {logs}/")
