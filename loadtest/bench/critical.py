@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
         quick=f"{QUICK_DURATION_S:.0f} s per arm",
     )
     add = p.add_argument
-    add("--arms", default=",".join(ARMS), help="comma-separated (default: %(default)s)")
+    harness.add_names(p, "--arms", ARMS, "comma-separated")
     add(
         "--duration-s",
         type=float,

@@ -722,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--duration-s", type=float, default=None, help="per arm (default: 30, --quick 4)")
     add("--speeds", default=",".join(f"{s:g}" for s in SPEEDS), help="(default: %(default)s)")
-    add("--modes", default=",".join(MODES), help="routing.calibration (default: %(default)s)")
+    harness.add_names(p, "--modes", MODES, "routing.calibration")
     add(
         "--index",
         choices=("precise", "approximate"),

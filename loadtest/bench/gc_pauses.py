@@ -155,12 +155,9 @@ def table(rows: Sequence[dict[str, Any]], duration_s: float) -> Table:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = harness.parser(
-        "gc_pauses",
-        "Full garbage collections in the gateway under load.",
-        quick=f"{QUICK_DURATION_S:.0f} s each",
-    )
+    parser = harness.parser("gc_pauses", "Full garbage collections in the gateway under load.")
     parser.add_argument("--baseline", metavar="REF", help="also run the gateway at git REF")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s each")
     parser.add_argument("--duration-s", type=float, default=None)
     parser.add_argument("--out", type=Path, default=OUT_PATH)
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,13 @@ def parser(name: str, description: str, quick: str | None = None) -> argparse.Ar
     if quick is not None:
         p.add_argument("--quick", action="store_true", help=quick)
     return p
+
+
+def add_names(parser: argparse.ArgumentParser, flag: str, names: Sequence[str], what: str) -> None:
+    """A comma-separated list flag (arms, modes, shapes) whose default is all of `names`."""
+    parser.add_argument(
+        flag, default=",".join(names), help=f"{what} (default: %(default)s)".lstrip()
+    )
 
 
 def add_seed_and_out(parser: argparse.ArgumentParser, out: Path, seed: int = 1) -> None:

@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--pinning-duration-s", type=float, default=None, help="(default: 20, --quick 4)")
     add("--reuse-duration-s", type=float, default=None, help="(default: 20, --quick 4)")
-    add("--shapes", default=",".join(tier_traces.REUSE_SHAPES), help="(default: %(default)s)")
-    add("--modes", default=",".join(MODES), help="remote_write modes (default: %(default)s)")
+    harness.add_names(p, "--shapes", tier_traces.REUSE_SHAPES, "")
+    harness.add_names(p, "--modes", MODES, "remote_write modes")
     add("--skip-pinning", action="store_true")
     add("--skip-reuse", action="store_true")
     harness.add_seed_and_out(p, Path("results/bench_tiers.json"))
