@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import re
 import subprocess
@@ -72,6 +71,7 @@ from loadtest.bench.replay import (
     RequestResult,
     Summary,
     at_offsets,
+    errors_into,
     request_body,
     stream_into,
     summarize,
@@ -341,16 +341,12 @@ async def replay_trace(
         async def one(i: int, record: TraceRecord, due_s: float) -> None:
             result = results[i]
             result.send_lag_s = max(0.0, loop.time() - due_s)
-            try:
-                async with asyncio.timeout(request_timeout_s):
-                    await _send(client, record, result)
-            except TimeoutError:
-                result.error = f"timed out after {request_timeout_s:.0f} s"
-            except asyncio.CancelledError:
-                result.error = "cancelled at the arm's deadline"
-                raise
-            except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
-                result.error = f"{type(err).__name__}: {err}"
+            with errors_into(result, "cancelled at the arm's deadline"):
+                try:
+                    async with asyncio.timeout(request_timeout_s):
+                        await _send(client, record, result)
+                except TimeoutError:
+                    result.error = f"timed out after {request_timeout_s:.0f} s"
 
         await at_offsets(trace, one, drain_timeout_s=request_timeout_s + 5.0)
     return results

@@ -15,10 +15,18 @@ served it (the gateway's x-cachelane-replica header, or the base URL when going 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterator,
+    Sequence,
+)
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -151,6 +159,19 @@ async def stream_into(
         result.error = "no usage chunk in the stream"
 
 
+@contextlib.contextmanager
+def errors_into(result: RequestResult, cancelled: str) -> Iterator[None]:
+    """A request's failure becomes its result's error instead of ending the replay; a
+    cancellation (the deadline) is recorded as `cancelled` and goes on."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        result.error = cancelled
+        raise
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
+        result.error = f"{type(err).__name__}: {err}"
+
+
 async def replay(
     trace: Sequence[TraceRecord],
     base_url: str,
@@ -178,20 +199,16 @@ async def replay(
         async def one(i: int, record: TraceRecord, due_s: float) -> None:
             result = results[i]
             try:
-                async with slots:
-                    result.send_lag_s = max(0.0, loop.time() - due_s)
-                    await stream_into(
-                        client,
-                        record,
-                        request_body(record, model),
-                        result,
-                        default_replica=str(client.base_url),
-                    )
-            except asyncio.CancelledError:
-                result.error = "cancelled at the replay deadline"
-                raise
-            except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
-                result.error = f"{type(err).__name__}: {err}"
+                with errors_into(result, "cancelled at the replay deadline"):
+                    async with slots:
+                        result.send_lag_s = max(0.0, loop.time() - due_s)
+                        await stream_into(
+                            client,
+                            record,
+                            request_body(record, model),
+                            result,
+                            default_replica=str(client.base_url),
+                        )
             finally:
                 if on_result is not None:
                     on_result(result)
