@@ -76,6 +76,7 @@ from loadtest.bench.replay import (
     stream_into,
     summarize,
 )
+from loadtest.bench.report import ms
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.workloads import critical_traces as ct
 from loadtest.workloads.traces import ServiceBound, TraceRecord
@@ -543,10 +544,6 @@ def run_arm(
 # --- output ----------------------------------------------------------------------------------
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
-
-
 def results_table(arms: Mapping[str, ArmResult], not_run: Mapping[str, str]) -> Table:
     table = Table(
         title="latency-critical tenants on a busy fleet (TTFT in ms)",
@@ -558,19 +555,13 @@ def results_table(arms: Mapping[str, ArmResult], not_run: Mapping[str, str]) -> 
         "arm", "crit p50", "crit p99", "std p50", "std p99", "all p50", "all p99", "hit",
         "crit hit", "shed (R-A)", "failed", "ok/sent",
     )  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="left" if column == "arm" else "right")
+    report.add_columns(table, columns, left=("arm",))
     for name, arm in arms.items():
         crit, std, every = arm.summary("critical"), arm.summary("standard"), arm.summary("all")
         c = arm.counts("all")
         table.add_row(
             name,
-            _ms(crit.ttft_p50_ms),
-            _ms(crit.ttft_p99_ms),
-            _ms(std.ttft_p50_ms),
-            _ms(std.ttft_p99_ms),
-            _ms(every.ttft_p50_ms),
-            _ms(every.ttft_p99_ms),
+            *report.ttft_ms(crit, std, every),
             f"{every.hit_rate:.1%}",
             f"{crit.hit_rate:.1%}",
             f"{c['shed']} ({c['shed_with_retry_after']})",
@@ -605,11 +596,11 @@ def where_table(arms: Mapping[str, ArmResult], fleet: Fleet) -> Table:
                 name if kind == "hbm-only" else "",
                 kind,
                 str(where.get("requests", "-")),
-                _ms(where.get("ttft_p50_ms")),
-                _ms(where.get("ttft_p99_ms")),
-                _ms(where.get("own_prefill_mean_ms")),
-                _ms(where.get("est_ttft_mean_ms")),
-                _ms(p["queue_wait_mean_ms"]),
+                ms(where.get("ttft_p50_ms")),
+                ms(where.get("ttft_p99_ms")),
+                ms(where.get("own_prefill_mean_ms")),
+                ms(where.get("est_ttft_mean_ms")),
+                ms(p["queue_wait_mean_ms"]),
                 f"{p['prefill_utilisation']:.0%}",
                 f"{p['swap_in_tokens']:,.0f}",
                 f"{p['remote_fetch_tokens']:,.0f}",
@@ -738,9 +729,9 @@ def run_one(
     report.write_results_jsonl(log_dir / f"{arm}-requests.jsonl", result.results)
     crit, std, c = result.summary("critical"), result.summary("standard"), result.counts("all")
     console.print(
-        f"  {arm:<15} critical TTFT p50 {_ms(crit.ttft_p50_ms):>6} p99 "
-        f"{_ms(crit.ttft_p99_ms):>6} ms  standard p50 {_ms(std.ttft_p50_ms):>6} "
-        f"p99 {_ms(std.ttft_p99_ms):>6} ms  shed {c['shed']}  failed {c['failed']}"
+        f"  {arm:<15} critical TTFT p50 {ms(crit.ttft_p50_ms):>6} p99 "
+        f"{ms(crit.ttft_p99_ms):>6} ms  standard p50 {ms(std.ttft_p50_ms):>6} "
+        f"p99 {ms(std.ttft_p99_ms):>6} ms  shed {c['shed']}  failed {c['failed']}"
         f"  ({result.elapsed_s:.0f} s)"
     )
 
@@ -782,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(
         "floor (perfect cache, no queue; no router beats it): TTFT p50 / p99 "
         + ", ".join(
-            f"{g} {_ms(floor.p(g, 50))} / {_ms(floor.p(g, 99))} ms" for g in (*ct.CLASSES, "all")
+            f"{g} {ms(floor.p(g, 50))} / {ms(floor.p(g, 99))} ms" for g in (*ct.CLASSES, "all")
         )
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ def parser(name: str, description: str, quick: str | None = None) -> argparse.Ar
     return p
 
 
-def add_names(parser: argparse.ArgumentParser, flag: str, names: Sequence[str], what: str) -> None:
+def add_names(parser: argparse.ArgumentParser, flag: str, names: Iterable[str], what: str) -> None:
     """A comma-separated list flag (arms, modes, shapes) whose default is all of `names`."""
     parser.add_argument(
         flag, default=",".join(names), help=f"{what} (default: %(default)s)".lstrip()

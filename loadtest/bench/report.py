@@ -20,8 +20,20 @@ BASELINE = "round_robin"
 CANDIDATE = "cache_aware"
 
 
-def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:,.0f}"
+def ms(value: float | None) -> str:
+    """Milliseconds in a table: "-" when there are none (None or NaN)."""
+    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
+
+
+def ttft_ms(*groups: Summary) -> list[str]:
+    """TTFT p50 and p99 of each group, in that order: the cells of a table's row."""
+    return [ms(v) for g in groups for v in (g.ttft_p50_ms, g.ttft_p99_ms)]
+
+
+def add_columns(table: Table, columns: Sequence[str], left: Sequence[str]) -> None:
+    """Columns named in `left` (the row's labels) left-aligned, the numbers right-aligned."""
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right")
 
 
 def comparison_table(summaries: Mapping[str, Summary], ideal_hit_rate: float) -> Table:
@@ -30,19 +42,18 @@ def comparison_table(summaries: Mapping[str, Summary], ideal_hit_rate: float) ->
         box=box.SIMPLE_HEAD,
         caption="max/mean: busiest replica's requests / mean requests per replica",
     )
-    for column in (
+    columns = (
         "policy", "hit rate", "ideal", "TTFT p50", "TTFT p99", "e2e p99", "req/s", "errors",
         "max/mean",
-    ):  # fmt: skip
-        table.add_column(column, justify="left" if column == "policy" else "right")
+    )  # fmt: skip
+    add_columns(table, columns, left=("policy",))
     for policy, s in summaries.items():
         table.add_row(
             policy,
             f"{s.hit_rate:.1%}",
             f"{ideal_hit_rate:.1%}",
-            _ms(s.ttft_p50_ms),
-            _ms(s.ttft_p99_ms),
-            _ms(s.e2e_p99_ms),
+            *ttft_ms(s),
+            ms(s.e2e_p99_ms),
             f"{s.throughput_req_per_s:.1f}",
             str(s.errors),
             f"{s.max_mean_ratio:.2f}",

@@ -50,6 +50,7 @@ from loadtest.bench.peer_routers import (
 )
 from loadtest.bench.processes import ManagedProcess, free_port, free_port_run, wait_ready
 from loadtest.bench.replay import RequestResult, Summary, replay, summarize
+from loadtest.bench.report import ms
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.workloads import scenarios, traces
 from routing.cost import PREFILL_TOKENS_PER_S
@@ -332,10 +333,6 @@ def run_one(scenario: Scenario, spec: RouterSpec, fleet: Fleet, log_dir: Path) -
 # --- output ----------------------------------------------------------------------------------
 
 
-def _ms(value: float) -> str:
-    return "-" if value != value else f"{value:,.0f}"  # NaN != NaN
-
-
 def scenario_table(
     name: str, ideal: float, runs: dict[str, RunResult], failures: dict[str, str]
 ) -> Table:
@@ -350,7 +347,7 @@ def scenario_table(
     best_other = min((v for v in others if v == v), default=float("nan"))
     for label, run in runs.items():
         s = run.summary
-        p99 = _ms(s.ttft_p99_ms)
+        p99 = ms(s.ttft_p99_ms)
         if (
             label.startswith("cachelane")
             and best_other == best_other
@@ -361,19 +358,19 @@ def scenario_table(
             label,
             f"{s.hit_rate:.1%}",
             f"{s.hit_rate / ideal:.2f}" if ideal else "-",
-            _ms(s.ttft_p50_ms),
-            _ms(s.ttft_p90_ms),
+            ms(s.ttft_p50_ms),
+            ms(s.ttft_p90_ms),
             p99,
-            _ms(s.e2e_p50_ms),
-            _ms(s.e2e_p99_ms),
+            ms(s.e2e_p50_ms),
+            ms(s.e2e_p99_ms),
             f"{s.throughput_req_per_s:.1f}",
             str(s.errors),
             f"{s.max_mean_ratio:.2f}",
         )
         for tenant, ts in run.by_tenant.items():
             table.add_row(
-                f"  {tenant}", f"{ts.hit_rate:.1%}", "", _ms(ts.ttft_p50_ms), _ms(ts.ttft_p90_ms),
-                _ms(ts.ttft_p99_ms), _ms(ts.e2e_p50_ms), _ms(ts.e2e_p99_ms), "", str(ts.errors), "",
+                f"  {tenant}", f"{ts.hit_rate:.1%}", "", ms(ts.ttft_p50_ms), ms(ts.ttft_p90_ms),
+                ms(ts.ttft_p99_ms), ms(ts.e2e_p50_ms), ms(ts.e2e_p99_ms), "", str(ts.errors), "",
             )  # fmt: skip
     for label, why in failures.items():
         table.add_row(label, f"[red]not run: {why[:90]}[/]", *[""] * (len(columns) - 2))
@@ -525,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
                     s = result.summary
                     console.print(
                         f"  {spec.label:<26} hit {s.hit_rate:6.1%}"
-                        f"  TTFT p50 {_ms(s.ttft_p50_ms):>6} p99 {_ms(s.ttft_p99_ms):>6} ms"
+                        f"  TTFT p50 {ms(s.ttft_p50_ms):>6} p99 {ms(s.ttft_p99_ms):>6} ms"
                         f"  errors {s.errors}"
                         f"  max/mean {s.max_mean_ratio:.2f}"
                     )
