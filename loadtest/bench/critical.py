@@ -72,6 +72,7 @@ from loadtest.bench.replay import (
     Summary,
     at_offsets,
     errors_into,
+    open_client,
     request_body,
     stream_into,
     summarize,
@@ -330,13 +331,8 @@ async def replay_trace(
         )
         for i, r in enumerate(trace)
     ]
-    limits = httpx.Limits(
-        max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
-    )
     timeout = httpx.Timeout(request_timeout_s, connect=HTTP_TIMEOUT_S)
-    async with httpx.AsyncClient(
-        base_url=base_url, limits=limits, timeout=timeout, trust_env=False
-    ) as client:
+    async with open_client(base_url, MAX_CONNECTIONS, timeout, trust_env=False) as client:
         loop = asyncio.get_running_loop()
 
         async def one(i: int, record: TraceRecord, due_s: float) -> None:

@@ -159,6 +159,21 @@ async def stream_into(
         result.error = "no usage chunk in the stream"
 
 
+def open_client(
+    base_url: str,
+    connections: int,
+    timeout: httpx.Timeout,
+    *,
+    headers: dict[str, str] | None = None,
+    trust_env: bool = True,
+) -> httpx.AsyncClient:
+    """A replay's client: up to `connections` connections, all kept alive between requests."""
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(
+        base_url=base_url, limits=limits, timeout=timeout, headers=headers, trust_env=trust_env
+    )
+
+
 @contextlib.contextmanager
 def errors_into(result: RequestResult, cancelled: str) -> Iterator[None]:
     """A request's failure becomes its result's error instead of ending the replay; a
@@ -185,15 +200,12 @@ async def replay(
     """Send every record at its offset; returns one result per record, in trace order."""
     results = [RequestResult(i, r["tenant"], r["endpoint"], r["t_s"]) for i, r in enumerate(trace)]
     slots = asyncio.Semaphore(max_in_flight)
-    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     timeout = httpx.Timeout(
         connect=CONNECT_TIMEOUT_S, read=drain_timeout_s, write=drain_timeout_s, pool=None
     )
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async with httpx.AsyncClient(
-        base_url=base_url, limits=limits, timeout=timeout, headers=headers
-    ) as client:
+    async with open_client(base_url, max_in_flight, timeout, headers=headers) as client:
         loop = asyncio.get_running_loop()
 
         async def one(i: int, record: TraceRecord, due_s: float) -> None:
