@@ -61,7 +61,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.bench import figures, harness, report
-from loadtest.bench.peer_routers import RouterSpec, ensure_installed, running_router
+from loadtest.bench.peer_routers import RouterSpec, running_router
 from loadtest.bench.processes import (
     gateway_from_config,
     loopback_urls,
@@ -715,11 +715,10 @@ def run_one(
     not_run: dict[str, str],
 ) -> None:
     """Run one arm into `done`, or say in `not_run` why it did not run; print its line."""
-    try:
-        result = run_arm(arm, fleet, trace, log_dir, warmup_s)
-    except (RuntimeError, OSError, httpx.HTTPError) as err:
-        not_run[arm] = str(err).splitlines()[0]
-        console.print(f"[red]{arm}: {err}")
+    result = harness.try_arm(
+        console, arm, not_run, lambda: run_arm(arm, fleet, trace, log_dir, warmup_s)
+    )
+    if result is None:
         return
     done[arm] = result
     report.write_results_jsonl(log_dir / f"{arm}-requests.jsonl", result.results)
@@ -776,11 +775,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     not_run: dict[str, str] = {}
     for arm in arms:
         if arm in EXTERNAL_ARMS:
-            console.print(f"checking {arm}-router in .venv-routers/ (pip install on first use) ...")
-            error = ensure_installed(EXTERNAL_ARMS[arm].kind)
+            error = harness.peer_router_error(console, EXTERNAL_ARMS[arm].kind)
             if error:
                 not_run[arm] = error
-                console.print(f"[red]{arm}-router unavailable: {error}")
 
     started = time.perf_counter()
     done: dict[str, ArmResult] = {}

@@ -11,12 +11,19 @@ import argparse
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import httpx
 from rich.console import Console
 
 from loadtest.bench import report
+from loadtest.bench.peer_routers import ensure_installed
 from loadtest.bench.processes import sigterm_as_interrupt
+
+T = TypeVar("T")
+
+ARM_ERRORS = (RuntimeError, OSError, httpx.HTTPError)
+# what one arm may fail with (a process that did not start or answer) without ending the run
 
 INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)
 FAILED = 1
@@ -76,6 +83,32 @@ def run_arms(
         out.print(f"[red]{name}: {err}")
         return FAILED
     return 0
+
+
+def try_arm(
+    out: Console,
+    label: str,
+    not_run: dict[str, str],
+    arm: Callable[[], T],
+    indent: str = "",
+) -> T | None:
+    """One arm's result, or None when it failed: why (its error's first line) goes in
+    `not_run`, the error is printed, and the other arms go on."""
+    try:
+        return arm()
+    except ARM_ERRORS as err:
+        not_run[label] = str(err).splitlines()[0]
+        out.print(f"{indent}[red]{label}: {err}")
+        return None
+
+
+def peer_router_error(out: Console, kind: str) -> str | None:
+    """Why the external `kind`-router cannot run (printed), or None once it is installed."""
+    out.print(f"checking {kind}-router in .venv-routers/ (pip install on first use) ...")
+    error = ensure_installed(kind)
+    if error:
+        out.print(f"[red]{kind}-router unavailable: {error}")
+    return error
 
 
 def write_results(

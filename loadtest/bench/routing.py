@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import re
 import sys
 import time
@@ -44,7 +45,6 @@ from loadtest.bench.peer_routers import (
     CACHELANE_POLICIES,
     EXTERNAL_POLICIES,
     RouterSpec,
-    ensure_installed,
     running_router,
     with_workers,
 )
@@ -458,6 +458,64 @@ def select_routers(text: str | None) -> list[RouterSpec]:
     return [known[w] for w in wanted]
 
 
+def run_scenario(
+    console: Console,
+    scenario: Scenario,
+    duration_s: float,
+    log_dir: Path,
+    install_errors: dict[str, str],
+    plot_dir: Path,
+) -> tuple[Table, dict[str, Any]]:
+    """Every router of one scenario on one fleet: its table (printed), its plot and its
+    section of the results."""
+    ideal = traces.ideal_hits(scenario.trace).hit_rate
+    runs: dict[str, RunResult] = {}
+    failures: dict[str, str] = {}
+    console.print(
+        f"[bold]{scenario.name}[/]: {len(scenario.trace)} requests over {duration_s:.0f} s,"
+        f" ideal hit rate {ideal:.1%}, {len(scenario.routers)} routers"
+    )
+    with sim_fleet(scenario.shape, log_dir) as fleet:
+        for spec in scenario.routers:
+            if spec.kind in install_errors:
+                failures[spec.label] = install_errors[spec.kind]
+                continue
+            result = harness.try_arm(
+                console,
+                spec.label,
+                failures,
+                functools.partial(run_one, scenario, spec, fleet, log_dir),
+                indent="  ",
+            )
+            if result is None:
+                continue
+            runs[spec.label] = result
+            s = result.summary
+            console.print(
+                f"  {spec.label:<26} hit {s.hit_rate:6.1%}"
+                f"  TTFT p50 {ms(s.ttft_p50_ms):>6} p99 {ms(s.ttft_p99_ms):>6} ms"
+                f"  errors {s.errors}"
+                f"  max/mean {s.max_mean_ratio:.2f}"
+            )
+    table = scenario_table(scenario.name, ideal, runs, failures)
+    console.print(table)
+    if runs:
+        plot_scenario(plot_dir / f"{scenario.name}.png", scenario.name, ideal, runs)
+    return table, {
+        "requests": len(scenario.trace),
+        "ideal_hit_rate": ideal,
+        "fleet": dataclasses.asdict(scenario.shape),
+        "routers": {k: r.summary.to_dict() for k, r in runs.items()},
+        "by_tenant": {
+            k: {t: s.to_dict() for t, s in r.by_tenant.items()}
+            for k, r in runs.items()
+            if r.by_tenant
+        },
+        "not_run": failures,
+        "cachelane_configs": scenario.configs,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(width=160)
     duration_s = QUICK_DURATION_S if args.quick else args.duration_s
@@ -473,11 +531,9 @@ def run(args: argparse.Namespace) -> int:
 
     install_errors: dict[str, str] = {}
     for kind in sorted({r.kind for r in routers} - {"cachelane"}):
-        console.print(f"checking {kind}-router in .venv-routers/ (pip install on first use) ...")
-        error = ensure_installed(kind)
+        error = harness.peer_router_error(console, kind)
         if error:
             install_errors[kind] = error
-            console.print(f"[red]{kind}-router unavailable: {error}")
 
     started = time.perf_counter()
     payload: dict[str, Any] = {
@@ -500,53 +556,13 @@ def run(args: argparse.Namespace) -> int:
     tables: list[Table] = []
     try:
         for scenario in built:
-            ideal = traces.ideal_hits(scenario.trace).hit_rate
-            runs: dict[str, RunResult] = {}
-            failures: dict[str, str] = {}
-            console.print(
-                f"[bold]{scenario.name}[/]: {len(scenario.trace)} requests over {duration_s:.0f} s,"
-                f" ideal hit rate {ideal:.1%}, {len(scenario.routers)} routers"
+            table, payload["scenarios"][scenario.name] = run_scenario(
+                console, scenario, duration_s, log_dir, install_errors, args.plot_dir
             )
-            with sim_fleet(scenario.shape, log_dir) as fleet:
-                for spec in scenario.routers:
-                    if spec.kind in install_errors:
-                        failures[spec.label] = install_errors[spec.kind]
-                        continue
-                    try:
-                        result = run_one(scenario, spec, fleet, log_dir)
-                    except (RuntimeError, OSError, httpx.HTTPError) as err:
-                        failures[spec.label] = str(err).splitlines()[0]
-                        console.print(f"  [red]{spec.label}: {err}")
-                        continue
-                    runs[spec.label] = result
-                    s = result.summary
-                    console.print(
-                        f"  {spec.label:<26} hit {s.hit_rate:6.1%}"
-                        f"  TTFT p50 {ms(s.ttft_p50_ms):>6} p99 {ms(s.ttft_p99_ms):>6} ms"
-                        f"  errors {s.errors}"
-                        f"  max/mean {s.max_mean_ratio:.2f}"
-                    )
-            table = scenario_table(scenario.name, ideal, runs, failures)
             tables.append(table)
-            console.print(table)
-            payload["scenarios"][scenario.name] = {
-                "requests": len(scenario.trace),
-                "ideal_hit_rate": ideal,
-                "fleet": dataclasses.asdict(scenario.shape),
-                "routers": {k: r.summary.to_dict() for k, r in runs.items()},
-                "by_tenant": {
-                    k: {t: s.to_dict() for t, s in r.by_tenant.items()}
-                    for k, r in runs.items()
-                    if r.by_tenant
-                },
-                "not_run": failures,
-                "cachelane_configs": scenario.configs,
-            }
-            if runs:
-                plot_scenario(args.plot_dir / f"{scenario.name}.png", scenario.name, ideal, runs)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every process was stopped")
-        return 130
+        return harness.INTERRUPTED
 
     payload["wall_time_s"] = time.perf_counter() - started
     report.write_json(args.out, payload)
