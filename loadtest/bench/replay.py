@@ -25,6 +25,7 @@ from collections.abc import (
     Callable,
     Coroutine,
     Iterator,
+    Mapping,
     Sequence,
 )
 from dataclasses import asdict, dataclass
@@ -75,16 +76,22 @@ ResultCallback = Callable[[RequestResult], None]
 
 
 def request_body(record: TraceRecord, model: str) -> dict[str, Any]:
+    return streaming_body(record, model, record["max_tokens"])
+
+
+def streaming_body(request: Mapping[str, Any], model: str, max_tokens: int) -> dict[str, Any]:
+    """The OpenAI body of a streamed request (usage in its last chunk) for a trace record or a
+    session's request: its messages for chat, its prompt for completions."""
     body: dict[str, Any] = {
         "model": model,
-        "max_tokens": record["max_tokens"],
+        "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if record["endpoint"] == "chat":
-        body["messages"] = record["messages"]
+    if request["endpoint"] == "chat":
+        body["messages"] = request["messages"]
     else:
-        body["prompt"] = record["prompt"]
+        body["prompt"] = request["prompt"]
     return body
 
 
