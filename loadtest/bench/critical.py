@@ -731,23 +731,10 @@ def run_one(
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    console = harness.console(width=150)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or not arms:
-        console.print(f"[red]bench_critical: unknown arms {unknown}; known: {', '.join(ARMS)}")
-        return 2
-    duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
-    warmup_s = (
-        args.warmup_s if args.warmup_s is not None else (QUICK_WARMUP_S if args.quick else WARMUP_S)
-    )
-    total_s = warmup_s + duration_s
-    out: Path = args.out
-    log_dir = harness.log_dir(out)
-
-    trace = ct.critical_trace(ct.Mix(), total_s, args.seed, SERVICE_BOUND)
+def describe_trace(
+    console: Console, trace: Sequence[TraceRecord], warmup_s: float, total_s: float
+) -> tuple[ct.LoadEstimate, ct.Floor]:
+    """Print what the trace asks of the fleet and the floor no router beats; return both."""
     shapes = [ct.ReplicaShape(HBM_TOKENS, 0, False, PREFILL_TOKENS_PER_S)] * HBM_ONLY_REPLICAS
     shapes += [ct.ReplicaShape(HBM_TOKENS, CPU_TOKENS, True, PREFILL_TOKENS_PER_S)] * (
         OFFLOAD_REPLICAS
@@ -771,6 +758,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{g} {ms(floor.p(g, 50))} / {ms(floor.p(g, 99))} ms" for g in (*ct.CLASSES, "all")
         )
     )
+    return load, floor
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = harness.console(width=150)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        console.print(f"[red]bench_critical: unknown arms {unknown}; known: {', '.join(ARMS)}")
+        return 2
+    duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
+    warmup_s = (
+        args.warmup_s if args.warmup_s is not None else (QUICK_WARMUP_S if args.quick else WARMUP_S)
+    )
+    total_s = warmup_s + duration_s
+    out: Path = args.out
+    log_dir = harness.log_dir(out)
+
+    trace = ct.critical_trace(ct.Mix(), total_s, args.seed, SERVICE_BOUND)
+    load, floor = describe_trace(console, trace, warmup_s, total_s)
 
     not_run: dict[str, str] = {}
     for arm in arms:

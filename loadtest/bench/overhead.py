@@ -462,18 +462,11 @@ def _f(value: Any, digits: int = 2) -> str:
 
 def print_tables(console: Console, payload: dict[str, Any]) -> None:
     t = Table(title="added latency vs direct (router percentile - direct percentile, ms)")
-    for c in (
-        "router",
-        "mode",
-        "rate/s",
-        "TTFT p50",
-        "TTFT p99",
-        "e2e p50",
-        "e2e p99",
-        "achieved/s",
+    columns: tuple[str, ...] = (
+        "router", "mode", "rate/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "achieved/s",
         "err",
-    ):
-        t.add_column(c, justify="left" if c in ("router", "mode") else "right")
+    )  # fmt: skip
+    report.add_columns(t, columns, left=("router", "mode"))
     for r in payload["added"]:
         t.add_row(
             r["router"], "stream" if r["stream"] else "plain", str(r["rate_per_s"]),
@@ -482,8 +475,8 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
         )  # fmt: skip
     console.print(t)
     t = Table(title=f"max throughput, closed loop, {CONCURRENCY} in flight, non-streaming")
-    for c in ("target", "req/s", "router CPU s", "req per router CPU-second", "errors"):
-        t.add_column(c, justify="left" if c == "target" else "right")
+    columns = ("target", "req/s", "router CPU s", "req per router CPU-second", "errors")
+    report.add_columns(t, columns, left=("target",))
     for label, r in payload["http"]["throughput"].items():
         t.add_row(
             label, _f(r["requests_per_s"], 0), _f(r["router_cpu_s"]),
@@ -491,19 +484,11 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
         )  # fmt: skip
     console.print(t)
     t = Table(title="routing decision in-process: prompt text + hash + lookup + decide (ms)")
-    for c in (
-        "index",
-        "tokens",
-        "replicas",
-        "n",
-        "hash p50",
-        "lookup p50",
-        "decide p50",
-        "total p50",
-        "total p99",
-        "unique prompt: hash p50",
-    ):
-        t.add_column(c, justify="left" if c == "index" else "right")
+    columns = (
+        "index", "tokens", "replicas", "n", "hash p50", "lookup p50", "decide p50", "total p50",
+        "total p99", "unique prompt: hash p50",
+    )  # fmt: skip
+    report.add_columns(t, columns, left=("index",))
     for r in payload["decision"]:
         t.add_row(
             r["backend"], str(r["prompt_tokens"]), str(r["replicas"]), str(r["iterations"]),
