@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import re
 import subprocess
@@ -61,26 +60,24 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench import report
-from loadtest.bench.peer_routers import RouterSpec, ensure_installed, running_router
+from loadtest.bench import figures, harness, report
+from loadtest.bench.peer_routers import RouterSpec, running_router
 from loadtest.bench.processes import (
     gateway_from_config,
     loopback_urls,
-    sigterm_as_interrupt,
     sim_from_config,
 )
 from loadtest.bench.replay import (
-    PATHS,
-    REASON_HEADER,
-    REPLICA_HEADER,
     RequestResult,
     Summary,
     at_offsets,
-    has_text,
+    errors_into,
+    open_client,
     request_body,
-    sse_chunks,
+    stream_into,
     summarize,
 )
+from loadtest.bench.report import ms
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.workloads import critical_traces as ct
 from loadtest.workloads.traces import ServiceBound, TraceRecord
@@ -302,41 +299,22 @@ class CriticalResult(RequestResult):
 
 
 async def _send(client: httpx.AsyncClient, record: TraceRecord, result: CriticalResult) -> None:
-    started = time.perf_counter()
-    key = ct.TENANTS[record["tenant"]].api_key
-    endpoint = record["endpoint"]
-    async with client.stream(
-        "POST",
-        PATHS[endpoint],
-        json=request_body(record, SIM_MODEL),
-        headers={"authorization": f"Bearer {key}"},
-    ) as resp:
-        result.status = resp.status_code
-        result.replica = resp.headers.get(REPLICA_HEADER, "")
-        result.reason = resp.headers.get(REASON_HEADER, "")
+    def read_headers(resp: httpx.Response) -> None:
         result.fallback = resp.headers.get("x-cachelane-fallback", "")
         est = resp.headers.get("x-cachelane-est-ttft-ms")
         result.est_ttft_ms = float(est) if est else None
         if resp.status_code != 200:
             result.retry_after = resp.headers.get("retry-after")
-            body = (await resp.aread()).decode(errors="replace")
-            result.error = f"HTTP {resp.status_code}: {body[:300]}"
-            return
-        async for chunk in sse_chunks(resp):
-            if "error" in chunk:
-                result.error = f"stream error: {str(chunk['error'])[:300]}"
-                break
-            if result.ttft_s is None and has_text(chunk, endpoint):
-                result.ttft_s = time.perf_counter() - started
-            usage = chunk.get("usage")
-            if usage:
-                result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                result.completion_tokens = int(usage.get("completion_tokens") or 0)
-                details = usage.get("prompt_tokens_details") or {}
-                result.cached_tokens = int(details.get("cached_tokens") or 0)
-    result.e2e_s = time.perf_counter() - started
-    if result.error is None and not result.prompt_tokens:
-        result.error = "no usage chunk in the stream"
+
+    key = ct.TENANTS[record["tenant"]].api_key
+    await stream_into(
+        client,
+        record,
+        request_body(record, SIM_MODEL),
+        result,
+        headers={"authorization": f"Bearer {key}"},
+        on_headers=read_headers,
+    )
 
 
 async def replay_trace(
@@ -353,28 +331,19 @@ async def replay_trace(
         )
         for i, r in enumerate(trace)
     ]
-    limits = httpx.Limits(
-        max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
-    )
     timeout = httpx.Timeout(request_timeout_s, connect=HTTP_TIMEOUT_S)
-    async with httpx.AsyncClient(
-        base_url=base_url, limits=limits, timeout=timeout, trust_env=False
-    ) as client:
+    async with open_client(base_url, MAX_CONNECTIONS, timeout, trust_env=False) as client:
         loop = asyncio.get_running_loop()
 
         async def one(i: int, record: TraceRecord, due_s: float) -> None:
             result = results[i]
             result.send_lag_s = max(0.0, loop.time() - due_s)
-            try:
-                async with asyncio.timeout(request_timeout_s):
-                    await _send(client, record, result)
-            except TimeoutError:
-                result.error = f"timed out after {request_timeout_s:.0f} s"
-            except asyncio.CancelledError:
-                result.error = "cancelled at the arm's deadline"
-                raise
-            except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
-                result.error = f"{type(err).__name__}: {err}"
+            with errors_into(result, "cancelled at the arm's deadline"):
+                try:
+                    async with asyncio.timeout(request_timeout_s):
+                        await _send(client, record, result)
+                except TimeoutError:
+                    result.error = f"timed out after {request_timeout_s:.0f} s"
 
         await at_offsets(trace, one, drain_timeout_s=request_timeout_s + 5.0)
     return results
@@ -571,10 +540,6 @@ def run_arm(
 # --- output ----------------------------------------------------------------------------------
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
-
-
 def results_table(arms: Mapping[str, ArmResult], not_run: Mapping[str, str]) -> Table:
     table = Table(
         title="latency-critical tenants on a busy fleet (TTFT in ms)",
@@ -586,19 +551,13 @@ def results_table(arms: Mapping[str, ArmResult], not_run: Mapping[str, str]) -> 
         "arm", "crit p50", "crit p99", "std p50", "std p99", "all p50", "all p99", "hit",
         "crit hit", "shed (R-A)", "failed", "ok/sent",
     )  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="left" if column == "arm" else "right")
+    report.add_columns(table, columns, left=("arm",))
     for name, arm in arms.items():
         crit, std, every = arm.summary("critical"), arm.summary("standard"), arm.summary("all")
         c = arm.counts("all")
         table.add_row(
             name,
-            _ms(crit.ttft_p50_ms),
-            _ms(crit.ttft_p99_ms),
-            _ms(std.ttft_p50_ms),
-            _ms(std.ttft_p99_ms),
-            _ms(every.ttft_p50_ms),
-            _ms(every.ttft_p99_ms),
+            *report.ttft_ms(crit, std, every),
             f"{every.hit_rate:.1%}",
             f"{crit.hit_rate:.1%}",
             f"{c['shed']} ({c['shed_with_retry_after']})",
@@ -633,11 +592,11 @@ def where_table(arms: Mapping[str, ArmResult], fleet: Fleet) -> Table:
                 name if kind == "hbm-only" else "",
                 kind,
                 str(where.get("requests", "-")),
-                _ms(where.get("ttft_p50_ms")),
-                _ms(where.get("ttft_p99_ms")),
-                _ms(where.get("own_prefill_mean_ms")),
-                _ms(where.get("est_ttft_mean_ms")),
-                _ms(p["queue_wait_mean_ms"]),
+                ms(where.get("ttft_p50_ms")),
+                ms(where.get("ttft_p99_ms")),
+                ms(where.get("own_prefill_mean_ms")),
+                ms(where.get("est_ttft_mean_ms")),
+                ms(p["queue_wait_mean_ms"]),
                 f"{p['prefill_utilisation']:.0%}",
                 f"{p['swap_in_tokens']:,.0f}",
                 f"{p['remote_fetch_tokens']:,.0f}",
@@ -647,11 +606,7 @@ def where_table(arms: Mapping[str, ArmResult], fleet: Fleet) -> Table:
 
 def plot(path: Path, arms: Mapping[str, ArmResult], title: str) -> None:
     """TTFT p50 and p99 per class, one group of bars per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     names = list(arms)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     width = 0.38
@@ -670,25 +625,21 @@ def plot(path: Path, arms: Mapping[str, ArmResult], title: str) -> None:
         ax.set_title(label)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save_figure(fig, path, title=title)
 
 
 # --- main ------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.critical",
-        description="Latency-critical tenants on a busy heterogeneous simulated fleet: cachelane "
+    p = harness.parser(
+        "critical",
+        "Latency-critical tenants on a busy heterogeneous simulated fleet: cachelane "
         "without tenants, with static pinning, with flow control; sglang-router and vllm-router.",
+        quick=f"{QUICK_DURATION_S:.0f} s per arm",
     )
     add = p.add_argument
-    add("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per arm")
-    add("--arms", default=",".join(ARMS), help="comma-separated (default: %(default)s)")
+    harness.add_names(p, "--arms", ARMS, "comma-separated")
     add(
         "--duration-s",
         type=float,
@@ -701,13 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"replayed first, not counted (default {WARMUP_S:.0f}; --quick {QUICK_WARMUP_S:.0f})",
     )
-    add("--seed", type=int, default=1)
-    add(
-        "--out",
-        type=Path,
-        default=Path("results/bench_critical.json"),
-        help="(default: %(default)s)",
-    )
+    harness.add_seed_and_out(p, Path("results/bench_critical.json"))
     return p
 
 
@@ -759,24 +704,37 @@ def _source_state() -> dict[str, Any]:
     return {"commit": commit, "changed": [line[3:] for line in changed]}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    console = Console() if sys.stdout.isatty() else Console(width=150)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or not arms:
-        console.print(f"[red]bench_critical: unknown arms {unknown}; known: {', '.join(ARMS)}")
-        return 2
-    duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
-    warmup_s = (
-        args.warmup_s if args.warmup_s is not None else (QUICK_WARMUP_S if args.quick else WARMUP_S)
+def run_one(
+    console: Console,
+    arm: str,
+    fleet: Fleet,
+    trace: Sequence[TraceRecord],
+    log_dir: Path,
+    warmup_s: float,
+    done: dict[str, ArmResult],
+    not_run: dict[str, str],
+) -> None:
+    """Run one arm into `done`, or say in `not_run` why it did not run; print its line."""
+    result = harness.try_arm(
+        console, arm, not_run, lambda: run_arm(arm, fleet, trace, log_dir, warmup_s)
     )
-    total_s = warmup_s + duration_s
-    out: Path = args.out
-    log_dir = out.parent / out.stem
-    log_dir.mkdir(parents=True, exist_ok=True)
+    if result is None:
+        return
+    done[arm] = result
+    report.write_results_jsonl(log_dir / f"{arm}-requests.jsonl", result.results)
+    crit, std, c = result.summary("critical"), result.summary("standard"), result.counts("all")
+    console.print(
+        f"  {arm:<15} critical TTFT p50 {ms(crit.ttft_p50_ms):>6} p99 "
+        f"{ms(crit.ttft_p99_ms):>6} ms  standard p50 {ms(std.ttft_p50_ms):>6} "
+        f"p99 {ms(std.ttft_p99_ms):>6} ms  shed {c['shed']}  failed {c['failed']}"
+        f"  ({result.elapsed_s:.0f} s)"
+    )
 
-    trace = ct.critical_trace(ct.Mix(), total_s, args.seed, SERVICE_BOUND)
+
+def describe_trace(
+    console: Console, trace: Sequence[TraceRecord], warmup_s: float, total_s: float
+) -> tuple[ct.LoadEstimate, ct.Floor]:
+    """Print what the trace asks of the fleet and the floor no router beats; return both."""
     shapes = [ct.ReplicaShape(HBM_TOKENS, 0, False, PREFILL_TOKENS_PER_S)] * HBM_ONLY_REPLICAS
     shapes += [ct.ReplicaShape(HBM_TOKENS, CPU_TOKENS, True, PREFILL_TOKENS_PER_S)] * (
         OFFLOAD_REPLICAS
@@ -797,54 +755,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(
         "floor (perfect cache, no queue; no router beats it): TTFT p50 / p99 "
         + ", ".join(
-            f"{g} {_ms(floor.p(g, 50))} / {_ms(floor.p(g, 99))} ms" for g in (*ct.CLASSES, "all")
+            f"{g} {ms(floor.p(g, 50))} / {ms(floor.p(g, 99))} ms" for g in (*ct.CLASSES, "all")
         )
     )
+    return load, floor
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = harness.console(width=150)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        console.print(f"[red]bench_critical: unknown arms {unknown}; known: {', '.join(ARMS)}")
+        return 2
+    duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
+    warmup_s = (
+        args.warmup_s if args.warmup_s is not None else (QUICK_WARMUP_S if args.quick else WARMUP_S)
+    )
+    total_s = warmup_s + duration_s
+    out: Path = args.out
+    log_dir = harness.log_dir(out)
+
+    trace = ct.critical_trace(ct.Mix(), total_s, args.seed, SERVICE_BOUND)
+    load, floor = describe_trace(console, trace, warmup_s, total_s)
 
     not_run: dict[str, str] = {}
     for arm in arms:
         if arm in EXTERNAL_ARMS:
-            console.print(f"checking {arm}-router in .venv-routers/ (pip install on first use) ...")
-            error = ensure_installed(EXTERNAL_ARMS[arm].kind)
+            error = harness.peer_router_error(console, EXTERNAL_ARMS[arm].kind)
             if error:
                 not_run[arm] = error
-                console.print(f"[red]{arm}-router unavailable: {error}")
 
     started = time.perf_counter()
     done: dict[str, ArmResult] = {}
-    fleet: Fleet | None = None
-    try:
-        with sigterm_as_interrupt(), sim_fleet(log_dir) as fleet:
+    fleets: list[Fleet] = []
+
+    def run_arms() -> None:
+        with sim_fleet(log_dir) as fleet:
+            fleets.append(fleet)
             for arm in arms:
-                if arm in not_run:
-                    continue
-                try:
-                    result = run_arm(arm, fleet, trace, log_dir, warmup_s)
-                except (RuntimeError, OSError, httpx.HTTPError) as err:
-                    not_run[arm] = str(err).splitlines()[0]
-                    console.print(f"[red]{arm}: {err}")
-                    continue
-                done[arm] = result
-                report.write_results_jsonl(log_dir / f"{arm}-requests.jsonl", result.results)
-                crit, std, c = (
-                    result.summary("critical"),
-                    result.summary("standard"),
-                    result.counts("all"),
-                )
-                console.print(
-                    f"  {arm:<15} critical TTFT p50 {_ms(crit.ttft_p50_ms):>6} p99 "
-                    f"{_ms(crit.ttft_p99_ms):>6} ms  standard p50 {_ms(std.ttft_p50_ms):>6} "
-                    f"p99 {_ms(std.ttft_p99_ms):>6} ms  shed {c['shed']}  failed {c['failed']}"
-                    f"  ({result.elapsed_s:.0f} s)"
-                )
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; every process was stopped")
-        return 130
-    except RuntimeError as err:  # the sim fleet did not start
-        console.print(f"[red]bench_critical: {err}")
-        return 1
+                if arm not in not_run:
+                    run_one(console, arm, fleet, trace, log_dir, warmup_s, done, not_run)
+
+    # RuntimeError out of run_arms: the sim fleet did not start (an arm's own is caught by it)
+    code = harness.run_arms(console, "bench_critical", run_arms)
+    if code:
+        return code
     wall_s = time.perf_counter() - started
-    assert fleet is not None
+    fleet = fleets[0]
     console.print(results_table(done, not_run))
     if done:
         console.print(where_table(done, fleet))
@@ -855,15 +814,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "not_run": not_run,
         "wall_time_s": wall_s,
     }
-    report.write_json(out, payload)
-    png = out.with_suffix(".png")
-    plot(
-        png,
-        done,
+    title = (
         f"latency-critical tenants, {duration_s:.0f} s per arm after a {warmup_s:.0f} s warm-up "
-        "(simulated fleet)",
+        "(simulated fleet)"
     )
-    console.print(f"wrote {out} and {png} in {wall_s:.0f} s; logs in {log_dir}/")
+    harness.write_results(
+        console, out, payload, lambda png: plot(png, done, title), wall_s, log_dir
+    )
     return 1 if any(a in not_run for a in CACHELANE_ARMS if a in arms) else 0
 
 

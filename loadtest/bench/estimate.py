@@ -45,12 +45,11 @@ from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
-from loadtest.bench import report
+from loadtest.bench import figures, harness
 from loadtest.bench.processes import (
     free_port,
     gateway_from_config,
     loopback_urls,
-    sigterm_as_interrupt,
     sim_from_config,
 )
 from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_body, sse_data
@@ -693,11 +692,7 @@ def rolling_p90(values: Sequence[float | None], window: int) -> tuple[list[int],
 
 
 def plot(path: Path, results: Mapping[float, Mapping[str, ArmResult]]) -> None:
-    import matplotlib  # imported here so that `cachelane serve` never loads it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     panels = max(1, len(results))
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False, sharey=True)
     for ax, (speed, arms) in zip(axes[0], results.items(), strict=False):
@@ -711,26 +706,23 @@ def plot(path: Path, results: Mapping[float, Mapping[str, ArmResult]]) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     axes[0][0].set_ylabel(f"|est - obs| / obs, rolling p90 ({ROLLING_WINDOW} requests)")
-    fig.suptitle("cachelane TTFT estimate error by calibration mode (simulated fleet)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = "cachelane TTFT estimate error by calibration mode (simulated fleet)"
+    figures.save_figure(fig, path, title=title)
 
 
 # --- CLI -------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.estimate",
-        description="TTFT estimate error per calibration mode on fleets slower than the defaults.",
+    p = harness.parser(
+        "estimate",
+        "TTFT estimate error per calibration mode on fleets slower than the defaults.",
+        quick=f"{QUICK_DURATION_S:.0f} s per arm",
     )
     add = p.add_argument
-    add("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per arm")
     add("--duration-s", type=float, default=None, help="per arm (default: 30, --quick 4)")
     add("--speeds", default=",".join(f"{s:g}" for s in SPEEDS), help="(default: %(default)s)")
-    add("--modes", default=",".join(MODES), help="routing.calibration (default: %(default)s)")
+    harness.add_names(p, "--modes", MODES, "routing.calibration")
     add(
         "--index",
         choices=("precise", "approximate"),
@@ -740,13 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--no-true", action="store_true", help=f"skip the `{TRUE_ARM}` reference arm")
     add("--rate", type=float, default=None, help="req/s (default: from the slowest speed)")
-    add("--seed", type=int, default=1)
-    add(
-        "--out",
-        type=Path,
-        default=Path("results/bench_estimate.json"),
-        help="(default: %(default)s)",
-    )
+    harness.add_seed_and_out(p, Path("results/bench_estimate.json"))
     return p
 
 
@@ -782,7 +768,7 @@ def payload(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = harness.console(width=160)
     try:
         speeds = _parse_speeds(args.speeds)
     except ValueError as err:
@@ -796,8 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arms = ([] if args.no_true else [TRUE_ARM]) + modes
     duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
     out: Path = args.out
-    log_dir = out.parent / out.stem
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = harness.log_dir(out)
     slowest = max(speeds)
     tokenizer = None
     setup = Setup()
@@ -829,22 +814,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     started = time.perf_counter()
     results: dict[float, dict[str, ArmResult]] = {}
-    try:
-        with sigterm_as_interrupt():
-            for speed in speeds:
-                results[speed] = run_speed(console, setup, speed, arms, trace, log_dir, tokenizer)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; every process was stopped")
-        return 130
-    except (RuntimeError, httpx.HTTPError) as err:
-        console.print(f"[red]bench_estimate: {err}")
-        return 1
+
+    def run_arms() -> None:
+        for speed in speeds:
+            results[speed] = run_speed(console, setup, speed, arms, trace, log_dir, tokenizer)
+
+    code = harness.run_arms(console, "bench_estimate", run_arms, (RuntimeError, httpx.HTTPError))
+    if code:
+        return code
     wall_s = time.perf_counter() - started
     console.print(table(results))
-    report.write_json(out, payload(setup, results, info, wall_s))
-    png = out.with_suffix(".png")
-    plot(png, results)
-    console.print(f"wrote {out} and {png} in {wall_s:.0f} s; logs in {log_dir}/")
+    summary = payload(setup, results, info, wall_s)
+    harness.write_results(console, out, summary, lambda png: plot(png, results), wall_s, log_dir)
     return 0
 
 

@@ -20,7 +20,6 @@ one run.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -32,10 +31,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench import report
+from loadtest.bench import harness, report
 from loadtest.bench.overhead import baseline_tree, closed_loop
 from loadtest.bench.peer_routers import RouterSpec, running_router
 from loadtest.bench.processes import SimFleetSettings, sim_fleet
@@ -157,17 +155,14 @@ def table(rows: Sequence[dict[str, Any]], duration_s: float) -> Table:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.gc_pauses",
-        description="Full garbage collections in the gateway under load.",
-    )
+    parser = harness.parser("gc_pauses", "Full garbage collections in the gateway under load.")
     parser.add_argument("--baseline", metavar="REF", help="also run the gateway at git REF")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s each")
     parser.add_argument("--duration-s", type=float, default=None)
     parser.add_argument("--out", type=Path, default=OUT_PATH)
     args = parser.parse_args(argv)
     duration_s = args.duration_s or (QUICK_DURATION_S if args.quick else DURATION_S)
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    console = harness.console(width=120)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-gc-"))
     specs = [RouterSpec("cachelane", "cache_aware")]
     if args.baseline:

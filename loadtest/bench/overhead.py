@@ -20,7 +20,6 @@ within one run, not the absolute numbers across machines.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -40,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.index.redis_backend import RedisIndex
-from loadtest.bench import report
+from loadtest.bench import figures, harness, report
 from loadtest.bench.peer_routers import (
     RouterSpec,
     ensure_installed,
@@ -463,18 +462,11 @@ def _f(value: Any, digits: int = 2) -> str:
 
 def print_tables(console: Console, payload: dict[str, Any]) -> None:
     t = Table(title="added latency vs direct (router percentile - direct percentile, ms)")
-    for c in (
-        "router",
-        "mode",
-        "rate/s",
-        "TTFT p50",
-        "TTFT p99",
-        "e2e p50",
-        "e2e p99",
-        "achieved/s",
+    columns: tuple[str, ...] = (
+        "router", "mode", "rate/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "achieved/s",
         "err",
-    ):
-        t.add_column(c, justify="left" if c in ("router", "mode") else "right")
+    )  # fmt: skip
+    report.add_columns(t, columns, left=("router", "mode"))
     for r in payload["added"]:
         t.add_row(
             r["router"], "stream" if r["stream"] else "plain", str(r["rate_per_s"]),
@@ -483,8 +475,8 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
         )  # fmt: skip
     console.print(t)
     t = Table(title=f"max throughput, closed loop, {CONCURRENCY} in flight, non-streaming")
-    for c in ("target", "req/s", "router CPU s", "req per router CPU-second", "errors"):
-        t.add_column(c, justify="left" if c == "target" else "right")
+    columns = ("target", "req/s", "router CPU s", "req per router CPU-second", "errors")
+    report.add_columns(t, columns, left=("target",))
     for label, r in payload["http"]["throughput"].items():
         t.add_row(
             label, _f(r["requests_per_s"], 0), _f(r["router_cpu_s"]),
@@ -492,19 +484,11 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
         )  # fmt: skip
     console.print(t)
     t = Table(title="routing decision in-process: prompt text + hash + lookup + decide (ms)")
-    for c in (
-        "index",
-        "tokens",
-        "replicas",
-        "n",
-        "hash p50",
-        "lookup p50",
-        "decide p50",
-        "total p50",
-        "total p99",
-        "unique prompt: hash p50",
-    ):
-        t.add_column(c, justify="left" if c == "index" else "right")
+    columns = (
+        "index", "tokens", "replicas", "n", "hash p50", "lookup p50", "decide p50", "total p50",
+        "total p99", "unique prompt: hash p50",
+    )  # fmt: skip
+    report.add_columns(t, columns, left=("index",))
     for r in payload["decision"]:
         t.add_row(
             r["backend"], str(r["prompt_tokens"]), str(r["replicas"]), str(r["iterations"]),
@@ -517,8 +501,7 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
 
 
 def plot(path: Path, payload: dict[str, Any]) -> None:
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=False)
     for ax, stream in zip(axes, (False, True), strict=True):
         for label in sorted({r["router"] for r in payload["added"]}):
@@ -535,19 +518,16 @@ def plot(path: Path, payload: dict[str, Any]) -> None:
         ax.axhline(5, color="tab:red", linewidth=0.8, linestyle=":")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figures.save_figure(fig, path, dpi=100)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.overhead",
-        description="Gateway-added latency and throughput vs direct and vs sglang-router and "
+    parser = harness.parser(
+        "overhead",
+        "Gateway-added latency and throughput vs direct and vs sglang-router and "
         "vllm-router; routing decision time in-process.",
+        quick="fewer rates, shorter runs",
     )
-    parser.add_argument("--quick", action="store_true", help="fewer rates, shorter runs")
     parser.add_argument("--skip-http", action="store_true", help="only the decision benchmark")
     parser.add_argument(
         "--workers",

@@ -51,6 +51,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
+from loadtest.bench import harness
 from loadtest.bench.processes import (
     gateway_from_config,
     loopback_urls,
@@ -319,11 +320,11 @@ def markdown_table(rows: list[dict[str, Any]], kind: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.plan_validation",
-        description="The planner's prediction vs the simulated fleet, for three set-ups.",
+    p = harness.parser(
+        "plan_validation",
+        "The planner's prediction vs the simulated fleet, for three set-ups.",
+        quick=f"{QUICK_DURATION_S:.0f} s per set-up",
     )
-    p.add_argument("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per set-up")
     p.add_argument("--duration-s", type=float, default=None, help=f"(default {DURATION_S:.0f})")
     p.add_argument("--out", type=Path, default=OUT_JSON, help="(default: %(default)s)")
     p.add_argument("--log-dir", type=Path, default=Path("results/plan_validation"))

@@ -114,6 +114,18 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """End a child that is still running: SIGTERM, then SIGKILL if it outlives `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class ManagedProcess:
     """One child process with its own log file; stop() is idempotent."""
 

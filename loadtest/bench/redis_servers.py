@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 from urllib.parse import quote
 
-from loadtest.bench.processes import free_port
+from loadtest.bench.processes import free_port, terminate
 
 START_TIMEOUT_S = 10.0  # a cold redis-server answers PING in ~10 ms; 10 s covers a loaded CI box
 CLUSTER_OK_TIMEOUT_S = 20.0  # cluster_state:ok follows slot assignment within ~1-2 s locally
@@ -57,6 +58,28 @@ def _cli(port: int, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+class _Throwaway:
+    """Started on entering a `with`, stopped (and removed) on leaving it."""
+
+    def start(self) -> object:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
 def _wait_until(what: str, timeout_s: float, predicate: Callable[[], bool]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -66,7 +89,7 @@ def _wait_until(what: str, timeout_s: float, predicate: Callable[[], bool]) -> N
     raise RuntimeError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-class RedisServer:
+class RedisServer(_Throwaway):
     """One redis-server on 127.0.0.1:<port>; use as a context manager or call start()/stop()."""
 
     def __init__(
@@ -173,30 +196,14 @@ class RedisServer:
         return self.cli("PING").stdout.strip() == "PONG"
 
     def _terminate(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            terminate(self._proc, STOP_TIMEOUT_S)
         self._proc = None
 
     def stop(self) -> None:
         self._terminate()
         if self._dir != Path():
             shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def make_tls_files(directory: Path) -> None:
@@ -223,7 +230,7 @@ def make_tls_files(directory: Path) -> None:
     )  # fmt: skip
 
 
-class RedisClusterProcs:
+class RedisClusterProcs(_Throwaway):
     """A 3-master Redis Cluster on loopback, no replicas."""
 
     def __init__(self) -> None:
@@ -260,14 +267,3 @@ class RedisClusterProcs:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
-
-    def __enter__(self) -> RedisClusterProcs:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

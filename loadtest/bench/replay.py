@@ -15,10 +15,19 @@ served it (the gateway's x-cachelane-replica header, or the base URL when going 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -67,16 +76,22 @@ ResultCallback = Callable[[RequestResult], None]
 
 
 def request_body(record: TraceRecord, model: str) -> dict[str, Any]:
+    return streaming_body(record, model, record["max_tokens"])
+
+
+def streaming_body(request: Mapping[str, Any], model: str, max_tokens: int) -> dict[str, Any]:
+    """The OpenAI body of a streamed request (usage in its last chunk) for a trace record or a
+    session's request: its messages for chat, its prompt for completions."""
     body: dict[str, Any] = {
         "model": model,
-        "max_tokens": record["max_tokens"],
+        "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if record["endpoint"] == "chat":
-        body["messages"] = record["messages"]
+    if request["endpoint"] == "chat":
+        body["messages"] = request["messages"]
     else:
-        body["prompt"] = record["prompt"]
+        body["prompt"] = request["prompt"]
     return body
 
 
@@ -109,24 +124,36 @@ async def sse_data(lines: AsyncIterable[str | bytes]) -> AsyncIterator[dict[str,
         yield json.loads(data)
 
 
-async def _send(
-    client: httpx.AsyncClient, record: TraceRecord, model: str, result: RequestResult
+async def stream_into(
+    client: httpx.AsyncClient,
+    record: TraceRecord,
+    body: dict[str, Any],
+    result: RequestResult,
+    *,
+    headers: dict[str, str] | None = None,
+    default_replica: str = "",
+    on_headers: Callable[[httpx.Response], None] | None = None,
 ) -> None:
+    """Stream one record's request and fill `result`: status, replica and reason from the
+    headers (then `on_headers` reads any others), TTFT, end-to-end time, usage or the error.
+    The benchmarks' one streaming client."""
     started = time.perf_counter()
-    path = PATHS[record["endpoint"]]
-    async with client.stream("POST", path, json=request_body(record, model)) as resp:
+    endpoint = record["endpoint"]
+    async with client.stream("POST", PATHS[endpoint], json=body, headers=headers) as resp:
         result.status = resp.status_code
-        result.replica = resp.headers.get(REPLICA_HEADER, str(client.base_url))
+        result.replica = resp.headers.get(REPLICA_HEADER, default_replica)
         result.reason = resp.headers.get(REASON_HEADER, "")
+        if on_headers is not None:
+            on_headers(resp)
         if resp.status_code != 200:
-            body = (await resp.aread()).decode(errors="replace")
-            result.error = f"HTTP {resp.status_code}: {body[:300]}"
+            body_text = (await resp.aread()).decode(errors="replace")
+            result.error = f"HTTP {resp.status_code}: {body_text[:300]}"
             return
         async for chunk in sse_chunks(resp):
             if "error" in chunk:
                 result.error = f"stream error: {str(chunk['error'])[:300]}"
                 break
-            if result.ttft_s is None and has_text(chunk, record["endpoint"]):
+            if result.ttft_s is None and has_text(chunk, endpoint):
                 result.ttft_s = time.perf_counter() - started
             usage = chunk.get("usage")
             if usage:
@@ -137,6 +164,34 @@ async def _send(
     result.e2e_s = time.perf_counter() - started
     if result.error is None and not result.prompt_tokens:
         result.error = "no usage chunk in the stream"
+
+
+def open_client(
+    base_url: str,
+    connections: int,
+    timeout: httpx.Timeout,
+    *,
+    headers: dict[str, str] | None = None,
+    trust_env: bool = True,
+) -> httpx.AsyncClient:
+    """A replay's client: up to `connections` connections, all kept alive between requests."""
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(
+        base_url=base_url, limits=limits, timeout=timeout, headers=headers, trust_env=trust_env
+    )
+
+
+@contextlib.contextmanager
+def errors_into(result: RequestResult, cancelled: str) -> Iterator[None]:
+    """A request's failure becomes its result's error instead of ending the replay; a
+    cancellation (the deadline) is recorded as `cancelled` and goes on."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        result.error = cancelled
+        raise
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
+        result.error = f"{type(err).__name__}: {err}"
 
 
 async def replay(
@@ -152,28 +207,27 @@ async def replay(
     """Send every record at its offset; returns one result per record, in trace order."""
     results = [RequestResult(i, r["tenant"], r["endpoint"], r["t_s"]) for i, r in enumerate(trace)]
     slots = asyncio.Semaphore(max_in_flight)
-    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     timeout = httpx.Timeout(
         connect=CONNECT_TIMEOUT_S, read=drain_timeout_s, write=drain_timeout_s, pool=None
     )
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async with httpx.AsyncClient(
-        base_url=base_url, limits=limits, timeout=timeout, headers=headers
-    ) as client:
+    async with open_client(base_url, max_in_flight, timeout, headers=headers) as client:
         loop = asyncio.get_running_loop()
 
         async def one(i: int, record: TraceRecord, due_s: float) -> None:
             result = results[i]
             try:
-                async with slots:
-                    result.send_lag_s = max(0.0, loop.time() - due_s)
-                    await _send(client, record, model, result)
-            except asyncio.CancelledError:
-                result.error = "cancelled at the replay deadline"
-                raise
-            except (httpx.HTTPError, json.JSONDecodeError, ValueError) as err:
-                result.error = f"{type(err).__name__}: {err}"
+                with errors_into(result, "cancelled at the replay deadline"):
+                    async with slots:
+                        result.send_lag_s = max(0.0, loop.time() - due_s)
+                        await stream_into(
+                            client,
+                            record,
+                            request_body(record, model),
+                            result,
+                            default_replica=str(client.base_url),
+                        )
             finally:
                 if on_result is not None:
                     on_result(result)

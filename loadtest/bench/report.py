@@ -13,14 +13,27 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.bench import figures
 from loadtest.bench.replay import RequestResult, Summary
 
 BASELINE = "round_robin"
 CANDIDATE = "cache_aware"
 
 
-def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:,.0f}"
+def ms(value: float | None) -> str:
+    """Milliseconds in a table: "-" when there are none (None or NaN)."""
+    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
+
+
+def ttft_ms(*groups: Summary) -> list[str]:
+    """TTFT p50 and p99 of each group, in that order: the cells of a table's row."""
+    return [ms(v) for g in groups for v in (g.ttft_p50_ms, g.ttft_p99_ms)]
+
+
+def add_columns(table: Table, columns: Sequence[str], left: Sequence[str]) -> None:
+    """Columns named in `left` (the row's labels) left-aligned, the numbers right-aligned."""
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right")
 
 
 def comparison_table(summaries: Mapping[str, Summary], ideal_hit_rate: float) -> Table:
@@ -29,19 +42,18 @@ def comparison_table(summaries: Mapping[str, Summary], ideal_hit_rate: float) ->
         box=box.SIMPLE_HEAD,
         caption="max/mean: busiest replica's requests / mean requests per replica",
     )
-    for column in (
+    columns = (
         "policy", "hit rate", "ideal", "TTFT p50", "TTFT p99", "e2e p99", "req/s", "errors",
         "max/mean",
-    ):  # fmt: skip
-        table.add_column(column, justify="left" if column == "policy" else "right")
+    )  # fmt: skip
+    add_columns(table, columns, left=("policy",))
     for policy, s in summaries.items():
         table.add_row(
             policy,
             f"{s.hit_rate:.1%}",
             f"{ideal_hit_rate:.1%}",
-            _ms(s.ttft_p50_ms),
-            _ms(s.ttft_p99_ms),
-            _ms(s.e2e_p99_ms),
+            *ttft_ms(s),
+            ms(s.e2e_p99_ms),
             f"{s.throughput_req_per_s:.1f}",
             str(s.errors),
             f"{s.max_mean_ratio:.2f}",
@@ -111,11 +123,7 @@ def plot(
     ideal_hit_rate: float,
 ) -> None:
     """TTFT CDF per policy (log x) and prefix hit rate per policy with the ideal as a line."""
-    import matplotlib  # imported here so that `cachelane serve` never loads it
-
-    matplotlib.use("Agg")  # files only, no display: must precede pyplot's import
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, (cdf_ax, bar_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
 
     for policy, rs in results.items():
@@ -140,7 +148,4 @@ def plot(
     bar_ax.set_title("Prefix hit rate")
     bar_ax.legend()
 
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save_figure(fig, path)

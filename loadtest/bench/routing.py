@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import re
 import sys
 import time
@@ -39,17 +40,17 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench import report
+from loadtest.bench import figures, harness, report
 from loadtest.bench.peer_routers import (
     CACHELANE_POLICIES,
     EXTERNAL_POLICIES,
     RouterSpec,
-    ensure_installed,
     running_router,
     with_workers,
 )
 from loadtest.bench.processes import ManagedProcess, free_port, free_port_run, wait_ready
 from loadtest.bench.replay import RequestResult, Summary, replay, summarize
+from loadtest.bench.report import ms
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.workloads import scenarios, traces
 from routing.cost import PREFILL_TOKENS_PER_S
@@ -332,10 +333,6 @@ def run_one(scenario: Scenario, spec: RouterSpec, fleet: Fleet, log_dir: Path) -
 # --- output ----------------------------------------------------------------------------------
 
 
-def _ms(value: float) -> str:
-    return "-" if value != value else f"{value:,.0f}"  # NaN != NaN
-
-
 def scenario_table(
     name: str, ideal: float, runs: dict[str, RunResult], failures: dict[str, str]
 ) -> Table:
@@ -350,7 +347,7 @@ def scenario_table(
     best_other = min((v for v in others if v == v), default=float("nan"))
     for label, run in runs.items():
         s = run.summary
-        p99 = _ms(s.ttft_p99_ms)
+        p99 = ms(s.ttft_p99_ms)
         if (
             label.startswith("cachelane")
             and best_other == best_other
@@ -361,19 +358,19 @@ def scenario_table(
             label,
             f"{s.hit_rate:.1%}",
             f"{s.hit_rate / ideal:.2f}" if ideal else "-",
-            _ms(s.ttft_p50_ms),
-            _ms(s.ttft_p90_ms),
+            ms(s.ttft_p50_ms),
+            ms(s.ttft_p90_ms),
             p99,
-            _ms(s.e2e_p50_ms),
-            _ms(s.e2e_p99_ms),
+            ms(s.e2e_p50_ms),
+            ms(s.e2e_p99_ms),
             f"{s.throughput_req_per_s:.1f}",
             str(s.errors),
             f"{s.max_mean_ratio:.2f}",
         )
         for tenant, ts in run.by_tenant.items():
             table.add_row(
-                f"  {tenant}", f"{ts.hit_rate:.1%}", "", _ms(ts.ttft_p50_ms), _ms(ts.ttft_p90_ms),
-                _ms(ts.ttft_p99_ms), _ms(ts.e2e_p50_ms), _ms(ts.e2e_p99_ms), "", str(ts.errors), "",
+                f"  {tenant}", f"{ts.hit_rate:.1%}", "", ms(ts.ttft_p50_ms), ms(ts.ttft_p90_ms),
+                ms(ts.ttft_p99_ms), ms(ts.e2e_p50_ms), ms(ts.e2e_p99_ms), "", str(ts.errors), "",
             )  # fmt: skip
     for label, why in failures.items():
         table.add_row(label, f"[red]not run: {why[:90]}[/]", *[""] * (len(columns) - 2))
@@ -381,8 +378,7 @@ def scenario_table(
 
 
 def plot_scenario(path: Path, name: str, ideal: float, runs: dict[str, RunResult]) -> None:
-    import matplotlib.pyplot as plt  # report imported matplotlib with the Agg backend
-
+    plt = figures.pyplot()
     fig, (cdf_ax, bar_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
     for label, run in runs.items():
         ttft = sorted(r.ttft_s * 1000 for r in run.results if r.ok and r.ttft_s is not None)
@@ -407,16 +403,12 @@ def plot_scenario(path: Path, name: str, ideal: float, runs: dict[str, RunResult
     bar_ax.set_ylabel("prefix hit rate (cached / prompt tokens)")
     bar_ax.set_title(f"{name}: hit rate vs ideal")
     bar_ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figures.save_figure(fig, path, dpi=100)
 
 
 def plot_summary(path: Path, payload: dict[str, Any]) -> None:
     """Hit rate / ideal and TTFT p99 per router, one group of bars per scenario."""
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     names = [n for n, s in payload["scenarios"].items() if s["routers"]]
     labels = sorted({k for n in names for k in payload["scenarios"][n]["routers"]})
     fig, (hit_ax, p99_ax) = plt.subplots(2, 1, figsize=(14, 8))
@@ -444,10 +436,7 @@ def plot_summary(path: Path, payload: dict[str, Any]) -> None:
     p99_ax.set_ylabel("TTFT p99 (ms, log)")
     p99_ax.set_yscale("log")
     hit_ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, 1.25))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figures.save_figure(fig, path, dpi=100)
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -469,6 +458,64 @@ def select_routers(text: str | None) -> list[RouterSpec]:
     return [known[w] for w in wanted]
 
 
+def run_scenario(
+    console: Console,
+    scenario: Scenario,
+    duration_s: float,
+    log_dir: Path,
+    install_errors: dict[str, str],
+    plot_dir: Path,
+) -> tuple[Table, dict[str, Any]]:
+    """Every router of one scenario on one fleet: its table (printed), its plot and its
+    section of the results."""
+    ideal = traces.ideal_hits(scenario.trace).hit_rate
+    runs: dict[str, RunResult] = {}
+    failures: dict[str, str] = {}
+    console.print(
+        f"[bold]{scenario.name}[/]: {len(scenario.trace)} requests over {duration_s:.0f} s,"
+        f" ideal hit rate {ideal:.1%}, {len(scenario.routers)} routers"
+    )
+    with sim_fleet(scenario.shape, log_dir) as fleet:
+        for spec in scenario.routers:
+            if spec.kind in install_errors:
+                failures[spec.label] = install_errors[spec.kind]
+                continue
+            result = harness.try_arm(
+                console,
+                spec.label,
+                failures,
+                functools.partial(run_one, scenario, spec, fleet, log_dir),
+                indent="  ",
+            )
+            if result is None:
+                continue
+            runs[spec.label] = result
+            s = result.summary
+            console.print(
+                f"  {spec.label:<26} hit {s.hit_rate:6.1%}"
+                f"  TTFT p50 {ms(s.ttft_p50_ms):>6} p99 {ms(s.ttft_p99_ms):>6} ms"
+                f"  errors {s.errors}"
+                f"  max/mean {s.max_mean_ratio:.2f}"
+            )
+    table = scenario_table(scenario.name, ideal, runs, failures)
+    console.print(table)
+    if runs:
+        plot_scenario(plot_dir / f"{scenario.name}.png", scenario.name, ideal, runs)
+    return table, {
+        "requests": len(scenario.trace),
+        "ideal_hit_rate": ideal,
+        "fleet": dataclasses.asdict(scenario.shape),
+        "routers": {k: r.summary.to_dict() for k, r in runs.items()},
+        "by_tenant": {
+            k: {t: s.to_dict() for t, s in r.by_tenant.items()}
+            for k, r in runs.items()
+            if r.by_tenant
+        },
+        "not_run": failures,
+        "cachelane_configs": scenario.configs,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(width=160)
     duration_s = QUICK_DURATION_S if args.quick else args.duration_s
@@ -484,11 +531,9 @@ def run(args: argparse.Namespace) -> int:
 
     install_errors: dict[str, str] = {}
     for kind in sorted({r.kind for r in routers} - {"cachelane"}):
-        console.print(f"checking {kind}-router in .venv-routers/ (pip install on first use) ...")
-        error = ensure_installed(kind)
+        error = harness.peer_router_error(console, kind)
         if error:
             install_errors[kind] = error
-            console.print(f"[red]{kind}-router unavailable: {error}")
 
     started = time.perf_counter()
     payload: dict[str, Any] = {
@@ -511,53 +556,13 @@ def run(args: argparse.Namespace) -> int:
     tables: list[Table] = []
     try:
         for scenario in built:
-            ideal = traces.ideal_hits(scenario.trace).hit_rate
-            runs: dict[str, RunResult] = {}
-            failures: dict[str, str] = {}
-            console.print(
-                f"[bold]{scenario.name}[/]: {len(scenario.trace)} requests over {duration_s:.0f} s,"
-                f" ideal hit rate {ideal:.1%}, {len(scenario.routers)} routers"
+            table, payload["scenarios"][scenario.name] = run_scenario(
+                console, scenario, duration_s, log_dir, install_errors, args.plot_dir
             )
-            with sim_fleet(scenario.shape, log_dir) as fleet:
-                for spec in scenario.routers:
-                    if spec.kind in install_errors:
-                        failures[spec.label] = install_errors[spec.kind]
-                        continue
-                    try:
-                        result = run_one(scenario, spec, fleet, log_dir)
-                    except (RuntimeError, OSError, httpx.HTTPError) as err:
-                        failures[spec.label] = str(err).splitlines()[0]
-                        console.print(f"  [red]{spec.label}: {err}")
-                        continue
-                    runs[spec.label] = result
-                    s = result.summary
-                    console.print(
-                        f"  {spec.label:<26} hit {s.hit_rate:6.1%}"
-                        f"  TTFT p50 {_ms(s.ttft_p50_ms):>6} p99 {_ms(s.ttft_p99_ms):>6} ms"
-                        f"  errors {s.errors}"
-                        f"  max/mean {s.max_mean_ratio:.2f}"
-                    )
-            table = scenario_table(scenario.name, ideal, runs, failures)
             tables.append(table)
-            console.print(table)
-            payload["scenarios"][scenario.name] = {
-                "requests": len(scenario.trace),
-                "ideal_hit_rate": ideal,
-                "fleet": dataclasses.asdict(scenario.shape),
-                "routers": {k: r.summary.to_dict() for k, r in runs.items()},
-                "by_tenant": {
-                    k: {t: s.to_dict() for t, s in r.by_tenant.items()}
-                    for k, r in runs.items()
-                    if r.by_tenant
-                },
-                "not_run": failures,
-                "cachelane_configs": scenario.configs,
-            }
-            if runs:
-                plot_scenario(args.plot_dir / f"{scenario.name}.png", scenario.name, ideal, runs)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; every process was stopped")
-        return 130
+        return harness.INTERRUPTED
 
     payload["wall_time_s"] = time.perf_counter() - started
     report.write_json(args.out, payload)
@@ -572,12 +577,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.routing",
-        description="Replay seeded traces open-loop through cachelane (each policy), sglang-router "
+    parser = harness.parser(
+        "routing",
+        "Replay seeded traces open-loop through cachelane (each policy), sglang-router "
         "and vllm-router on a simulated fleet; print hit rate vs ideal, TTFT, balance.",
+        quick=f"{QUICK_DURATION_S:.0f} s per run",
     )
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per run")
     parser.add_argument("--duration-s", type=float, default=DURATION_S, help="trace length per run")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(

@@ -57,6 +57,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.bench import figures
 from loadtest.bench.processes import (
     ManagedProcess,
     gateway_from_config,
@@ -580,11 +581,7 @@ def table(s: dict[str, Any]) -> Table:
 
 
 def plot(path: Path, s: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, (rss_ax, ttft_ax, hit_ax) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     rss_ax.plot([t for t, _ in s["rss"]], [m for _, m in s["rss"]], color="tab:blue")
     rss_ax.set_ylabel("gateway RSS (MiB)")
@@ -612,10 +609,7 @@ def plot(path: Path, s: dict[str, Any]) -> None:
             color="tab:red",
         )
     rss_ax.set_title(f"soak: {s['minutes']:g} min at {s['rate_per_s']:g} req/s (dashed: faults)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save_figure(fig, path)
 
 
 async def soak(run: Run, log_dir: Path) -> dict[str, Any]:

@@ -11,16 +11,14 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from loadtest.bench import figures, report
+from loadtest.bench.report import ms
 from loadtest.bench.tier_experiment import ArmResult
 
 GB = 1e9
 WRITTEN = "cachelane_sim_remote_bytes_written"
 FETCHED = "cachelane_sim_remote_fetch_tokens"
 SWAPPED = "cachelane_sim_swap_in_tokens"
-
-
-def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:,.0f}"
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -48,19 +46,16 @@ def pinning_table(arms: Mapping[str, ArmResult]) -> Table:
         caption="fallbacks: cachelane_critical_fallbacks_total (spill + reject); off-pinned: "
         "critical requests served outside the pinned pool",
     )
-    for column in (
+    columns = (
         "arm", "critical p50", "critical p99", "standard p50", "standard p99", "standard req/s",
         "standard hit", "errors", "fallbacks", "off-pinned",
-    ):  # fmt: skip
-        table.add_column(column, justify="left" if column == "arm" else "right")
+    )  # fmt: skip
+    report.add_columns(table, columns, left=("arm",))
     for name, arm in arms.items():
         crit, std = arm.groups["critical"], arm.groups["standard"]
         table.add_row(
             name,
-            _ms(crit.ttft_p50_ms),
-            _ms(crit.ttft_p99_ms),
-            _ms(std.ttft_p50_ms),
-            _ms(std.ttft_p99_ms),
+            *report.ttft_ms(crit, std),
             f"{std.throughput_req_per_s:.2f}",
             f"{std.hit_rate:.1%}",
             str(crit.errors + std.errors),
@@ -112,9 +107,9 @@ def reuse_table(workloads: Mapping[str, Mapping[str, ArmResult]]) -> Table:
                 str(int(counter(arm.gateway, "cachelane_remote_admission", verdict="refused"))),
                 f"{s.hit_rate:.1%}",
                 f"{arm.sims.get(FETCHED, 0.0) / 1000:,.0f}",
-                _ms(s.ttft_p50_ms),
-                _ms(s.ttft_p90_ms),
-                _ms(s.ttft_p99_ms),
+                ms(s.ttft_p50_ms),
+                ms(s.ttft_p90_ms),
+                ms(s.ttft_p99_ms),
                 str(s.errors),
             )
         table.add_section()
@@ -141,11 +136,7 @@ def plot(
 ) -> None:
     """Left: TTFT p50/p99 per tenant group and arm. Middle and right: GB written to the remote
     tier and hit rate per workload and remote_write mode."""
-    import matplotlib  # imported here so that `cachelane serve` never loads it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     panels = (1 if pinning else 0) + (2 if reuse else 0)
     if not panels:
         return
@@ -163,7 +154,7 @@ def plot(
             ]
             xs = [x + i * width for x in range(len(labels))]
             bars = ax.bar(xs, values, width, label=name)
-            ax.bar_label(bars, labels=[_ms(v) for v in values], fontsize=7)
+            ax.bar_label(bars, labels=[ms(v) for v in values], fontsize=7)
         ax.set_xticks([x + width * (len(pinning) - 1) / 2 for x in range(len(labels))], labels)
         ax.set_ylabel("TTFT (ms)")
         ax.set_title("(a) critical tenant under a standard burst")
@@ -192,9 +183,4 @@ def plot(
             ax.set_title(name)
             ax.legend(title="remote_write")
         hit_ax.set_ylim(0, 1)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save_figure(fig, path, title=title)

@@ -25,8 +25,7 @@ from typing import Any
 
 from rich.console import Console
 
-from loadtest.bench import report, tier_report
-from loadtest.bench.processes import sigterm_as_interrupt
+from loadtest.bench import harness, tier_report
 from loadtest.bench.tier_experiment import (
     ArmResult,
     PinningSetup,
@@ -48,20 +47,19 @@ MODES = ("never", "always", "reuse")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.tiers",
-        description="Pinned HBM-only pools and remote-tier admission on the simulated fleet.",
+    p = harness.parser(
+        "tiers",
+        "Pinned HBM-only pools and remote-tier admission on the simulated fleet.",
+        quick=f"{QUICK_DURATION_S:.0f} s per arm",
     )
     add = p.add_argument
-    add("--quick", action="store_true", help=f"{QUICK_DURATION_S:.0f} s per arm")
     add("--pinning-duration-s", type=float, default=None, help="(default: 20, --quick 4)")
     add("--reuse-duration-s", type=float, default=None, help="(default: 20, --quick 4)")
-    add("--shapes", default=",".join(tier_traces.REUSE_SHAPES), help="(default: %(default)s)")
-    add("--modes", default=",".join(MODES), help="remote_write modes (default: %(default)s)")
+    harness.add_names(p, "--shapes", tier_traces.REUSE_SHAPES, "")
+    harness.add_names(p, "--modes", MODES, "remote_write modes")
     add("--skip-pinning", action="store_true")
     add("--skip-reuse", action="store_true")
-    add("--seed", type=int, default=1)
-    add("--out", type=Path, default=Path("results/bench_tiers.json"), help="(default: %(default)s)")
+    harness.add_seed_and_out(p, Path("results/bench_tiers.json"))
     return p
 
 
@@ -167,7 +165,7 @@ def payload(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console() if sys.stdout.isatty() else Console(width=140)
+    console = harness.console(width=140)
     shapes = [s for s in args.shapes.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     bad = [s for s in shapes if s not in tier_traces.REUSE_SHAPES] + [
@@ -177,36 +175,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[red]bench_tiers: unknown shapes or modes {bad}")
         return 2
     out: Path = args.out
-    log_dir = out.parent / out.stem
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = harness.log_dir(out)
     started = time.perf_counter()
     pinning: dict[str, ArmResult] = {}
     reuse: dict[str, dict[str, ArmResult]] = {}
     pinning_info: dict[str, Any] = {}
     reuse_info: dict[str, Any] = {}
-    try:
-        with sigterm_as_interrupt():
-            if not args.skip_pinning:
-                duration = _duration(args.pinning_duration_s, args.quick, PINNING_DURATION_S)
-                pinning, pinning_info = run_pinning_section(console, duration, args.seed, log_dir)
-                console.print(tier_report.pinning_table(pinning))
-            if not args.skip_reuse:
-                duration = _duration(args.reuse_duration_s, args.quick, REUSE_DURATION_S)
-                reuse, reuse_info = run_reuse_section(
-                    console, shapes, modes, duration, args.seed, log_dir
-                )
-                console.print(tier_report.reuse_table(reuse))
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; every process was stopped")
-        return 130
-    except RuntimeError as err:
-        console.print(f"[red]bench_tiers: {err}")
-        return 1
+
+    def run_arms() -> None:
+        if not args.skip_pinning:
+            duration = _duration(args.pinning_duration_s, args.quick, PINNING_DURATION_S)
+            ran, info = run_pinning_section(console, duration, args.seed, log_dir)
+            pinning.update(ran)
+            pinning_info.update(info)
+            console.print(tier_report.pinning_table(pinning))
+        if not args.skip_reuse:
+            duration = _duration(args.reuse_duration_s, args.quick, REUSE_DURATION_S)
+            ran_reuse, info = run_reuse_section(
+                console, shapes, modes, duration, args.seed, log_dir
+            )
+            reuse.update(ran_reuse)
+            reuse_info.update(info)
+            console.print(tier_report.reuse_table(reuse))
+
+    code = harness.run_arms(console, "bench_tiers", run_arms)
+    if code:
+        return code
     wall_s = time.perf_counter() - started
-    report.write_json(out, payload(pinning, pinning_info, reuse, reuse_info, wall_s))
-    png = out.with_suffix(".png")
-    tier_report.plot(png, pinning, reuse, title="cachelane tier decisions (simulated fleet)")
-    console.print(f"wrote {out} and {png} in {wall_s:.0f} s; logs in {log_dir}/")
+    harness.write_results(
+        console,
+        out,
+        payload(pinning, pinning_info, reuse, reuse_info, wall_s),
+        lambda png: tier_report.plot(
+            png, pinning, reuse, title="cachelane tier decisions (simulated fleet)"
+        ),
+        wall_s,
+        log_dir,
+    )
     return 0
 
 

@@ -16,7 +16,6 @@ Clients: httpx with its default transport (httpcore), httpx with the aiohttp tra
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -31,7 +30,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench import report
+from loadtest.bench import harness, report
 from loadtest.bench.overhead import _body, zero_delay_fleet
 
 OUT_PATH = Path("results/bench_upstream.json")
@@ -121,12 +120,12 @@ async def run_one(url: str, name: str, stream: bool, requests: int) -> dict[str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.upstream",
-        description="CPU per proxied request of httpx (httpcore), httpx with the aiohttp "
+    parser = harness.parser(
+        "upstream",
+        "CPU per proxied request of httpx (httpcore), httpx with the aiohttp "
         "transport, and aiohttp, against one zero-delay simulated replica.",
+        quick="fewer requests per round",
     )
-    parser.add_argument("--quick", action="store_true", help="fewer requests per round")
     parser.add_argument("--out", type=Path, default=OUT_PATH)
     args = parser.parse_args(argv)
     console = Console(width=150)

@@ -19,12 +19,11 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest.bench import report
+from loadtest.bench import harness, report
 from loadtest.bench.processes import (
     SimFleet,
     SimFleetSettings,
     gateway,
-    sigterm_as_interrupt,
     sim_fleet,
 )
 from loadtest.bench.replay import RequestResult, Summary, replay, summarize
@@ -161,34 +160,32 @@ def run_demo(args: argparse.Namespace) -> int:
 
     summaries: dict[str, Summary] = {}
     results: dict[str, list[RequestResult]] = {}
-    tiers: dict[str, Any] | None = None
-    try:
-        with sigterm_as_interrupt():
-            with sim_fleet(settings, out_dir) as fleet:
-                names = [u.removeprefix("http://") for u in fleet.urls]
-                for policy in policies:
-                    rs, replay_s = _run_policy(console, fleet, policy, trace, out_dir)
-                    results[policy] = rs
-                    summaries[policy] = summarize(rs, replay_s, names)
-                    report.write_results_jsonl(out_dir / f"requests-{policy}.jsonl", rs)
-            report.print_comparison(console, summaries, ideal.hit_rate)
-            report.plot(out_dir / "demo.png", results, summaries, ideal.hit_rate)
-            if not args.skip_tiers:
-                from loadtest.demo.tier_section import run_tiers_section
+    tiers: dict[str, Any] = {}
 
-                tiers = run_tiers_section(console, out_dir, args.seed)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; every process was stopped")
-        return 130
-    except RuntimeError as err:
-        console.print(f"[red]cachelane demo: {err}")
-        return 1
+    def run_arms() -> None:
+        with sim_fleet(settings, out_dir) as fleet:
+            names = [u.removeprefix("http://") for u in fleet.urls]
+            for policy in policies:
+                rs, replay_s = _run_policy(console, fleet, policy, trace, out_dir)
+                results[policy] = rs
+                summaries[policy] = summarize(rs, replay_s, names)
+                report.write_results_jsonl(out_dir / f"requests-{policy}.jsonl", rs)
+        report.print_comparison(console, summaries, ideal.hit_rate)
+        report.plot(out_dir / "demo.png", results, summaries, ideal.hit_rate)
+        if not args.skip_tiers:
+            from loadtest.demo.tier_section import run_tiers_section
+
+            tiers.update(run_tiers_section(console, out_dir, args.seed))
+
+    code = harness.run_arms(console, "cachelane demo", run_arms)
+    if code:
+        return code
     wall_s = time.perf_counter() - started
     payload = _payload(args, settings, trace, ideal, summaries, wall_s)
-    if tiers is not None:
+    if not args.skip_tiers:
         payload["tiers"] = tiers
     report.write_json(out_dir / "demo.json", payload)
-    pngs = "demo.png" + ("" if tiers is None else " and demo-tiers.png")
+    pngs = "demo.png" + ("" if args.skip_tiers else " and demo-tiers.png")
     console.print(f"wrote {out_dir / 'demo.json'} and {pngs} in {wall_s:.0f} s")
     return 0
 

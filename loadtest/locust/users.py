@@ -25,12 +25,10 @@ from typing import Any, ClassVar
 from locust import HttpUser, between, tag, task
 from requests.exceptions import RequestException
 
-from loadtest.bench.replay import has_text
+from loadtest.bench.replay import PATHS, has_text, streaming_body
 from loadtest.locust.outcomes import OUTCOMES
 from loadtest.workloads import traces
 from loadtest.workloads.scenarios import voice_session
-
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 VOICE_MAX_TOKENS = 16  # a voice answer starts speaking after a few tokens; TTFT is what counts
 
@@ -77,16 +75,7 @@ class StreamingUser(HttpUser):
     def send_turn(self) -> None:
         request = self.next_request()
         endpoint = request["endpoint"]
-        body: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": self.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if endpoint == "chat":
-            body["messages"] = request["messages"]
-        else:
-            body["prompt"] = request["prompt"]
+        body = streaming_body(request, self.model, self.max_tokens)
         self.stream(PATHS[endpoint], endpoint, body)
 
     def stream(self, path: str, endpoint: str, body: dict[str, Any]) -> None:

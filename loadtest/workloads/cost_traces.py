@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from loadtest.workloads.traces import TraceRecord, words_text
+from loadtest.workloads.traces import TraceRecord, words_text, zipf_weights
 
 TENANT_CLASSES = {"agents": "standard", "bulk": "batch", "voice": "critical"}
 
@@ -40,7 +40,7 @@ def cost_trace(
     rng = random.Random(seed)
     shares = shares or SHARES
     docs = [words_text(rng, rng.randint(*AGENT_DOC_TOKENS)) for _ in range(AGENT_DOCS)]
-    weights = [1 / (rank + 1) ** AGENT_ZIPF_S for rank in range(AGENT_DOCS)]
+    weights = zipf_weights(AGENT_DOCS, AGENT_ZIPF_S)
     voice_system = words_text(rng, VOICE_SYSTEM_TOKENS)
     tenants, tenant_weights = list(shares), list(shares.values())
     out: list[TraceRecord] = []

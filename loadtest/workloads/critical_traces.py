@@ -27,10 +27,22 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.sim.tiers import BlockLRU
-from loadtest.workloads.traces import ServiceBound, TraceRecord, prompt_text, words_text
+from loadtest.workloads.traces import (
+    AGENT_TOOLS_HEAD,
+    CHAT_SYSTEM_HEAD,
+    DOCUMENT_HEAD,
+    ServiceBound,
+    TraceRecord,
+    between,
+    numbered_texts,
+    prompt_text,
+    unique_text,
+    words_text,
+    zipf_weights,
+)
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, block_hashes
 from routing.prompt import approx_tokens
+from routing.whatif.cache import BlockLRU
 from routing.whatif.summary import percentile
 
 # --- tenants ---------------------------------------------------------------------------------
@@ -125,25 +137,11 @@ class _Shared:
         voice = "You are the voice agent of a train operator. " + words_text(
             rng, VOICE_SYSTEM_TOKENS
         )
-        tools = [
-            f"Agent {i}. Tools available:\n" + words_text(rng, _between(rng, AGENT_TOOLS_TOKENS))
-            for i in range(AGENT_APPS)
-        ]
-        chats = [
-            f"You are the assistant of app {i}. "
-            + words_text(rng, _between(rng, CHAT_SYSTEM_TOKENS))
-            for i in range(CHAT_APPS)
-        ]
-        docs = [
-            f"Document {i}:\n" + words_text(rng, _between(rng, RAG_DOCUMENT_TOKENS))
-            for i in range(RAG_DOCUMENTS)
-        ]
-        weights = [1.0 / (rank + 1) ** RAG_ZIPF_S for rank in range(RAG_DOCUMENTS)]
+        tools = numbered_texts(rng, AGENT_APPS, AGENT_TOOLS_HEAD, AGENT_TOOLS_TOKENS)
+        chats = numbered_texts(rng, CHAT_APPS, CHAT_SYSTEM_HEAD, CHAT_SYSTEM_TOKENS)
+        docs = numbered_texts(rng, RAG_DOCUMENTS, DOCUMENT_HEAD, RAG_DOCUMENT_TOKENS)
+        weights = zipf_weights(RAG_DOCUMENTS, RAG_ZIPF_S)
         return cls(voice, tools, chats, docs, weights)
-
-
-def _between(rng: random.Random, bounds: tuple[int, int]) -> int:
-    return rng.randint(bounds[0], bounds[1])
 
 
 # --- sessions: each yields (endpoint, messages or prompt, max_tokens) per turn ----------------
@@ -154,39 +152,39 @@ Session = Iterator[Turn]
 
 def _voice_call(rng: random.Random, shared: _Shared) -> Session:
     messages = [{"role": "system", "content": shared.voice_system}]
-    for turn in range(_between(rng, VOICE_TURNS)):
+    for turn in range(between(rng, VOICE_TURNS)):
         if turn:
             messages.append({"role": "assistant", "content": words_text(rng, VOICE_REPLY_TOKENS)})
-        user = words_text(rng, _between(rng, VOICE_USER_TOKENS))
+        user = words_text(rng, between(rng, VOICE_USER_TOKENS))
         messages.append({"role": "user", "content": user})
         yield "chat", list(messages), VOICE_MAX_TOKENS
 
 
 def _agent_loop(rng: random.Random, shared: _Shared) -> Session:
     tools = shared.agent_tools[rng.randrange(len(shared.agent_tools))]
-    prompt = tools + "\nTask: " + words_text(rng, _between(rng, AGENT_TASK_TOKENS))
-    for _ in range(_between(rng, AGENT_STEPS)):
+    prompt = tools + "\nTask: " + words_text(rng, between(rng, AGENT_TASK_TOKENS))
+    for _ in range(between(rng, AGENT_STEPS)):
         prompt += "\nThought:"
         yield "completions", prompt, AGENT_MAX_TOKENS
         prompt += " " + words_text(rng, AGENT_THOUGHT_TOKENS)
-        prompt += "\nObservation: " + words_text(rng, _between(rng, AGENT_OBSERVATION_TOKENS))
+        prompt += "\nObservation: " + words_text(rng, between(rng, AGENT_OBSERVATION_TOKENS))
 
 
 def _chat_session(rng: random.Random, shared: _Shared) -> Session:
     system = shared.chat_systems[rng.randrange(len(shared.chat_systems))]
     messages = [{"role": "system", "content": system}]
-    for turn in range(_between(rng, CHAT_TURNS)):
+    for turn in range(between(rng, CHAT_TURNS)):
         if turn:
             messages.append({"role": "assistant", "content": words_text(rng, CHAT_REPLY_TOKENS)})
         messages.append(
-            {"role": "user", "content": words_text(rng, _between(rng, CHAT_USER_TOKENS))}
+            {"role": "user", "content": words_text(rng, between(rng, CHAT_USER_TOKENS))}
         )
         yield "chat", list(messages), CHAT_MAX_TOKENS
 
 
 def _rag_question(rng: random.Random, shared: _Shared) -> Session:
     doc = rng.choices(shared.documents, weights=shared.doc_weights)[0]
-    question = words_text(rng, _between(rng, RAG_QUESTION_TOKENS))
+    question = words_text(rng, between(rng, RAG_QUESTION_TOKENS))
     messages = [
         {"role": "system", "content": "Answer from the document below."},
         {"role": "user", "content": f"{doc}\n\nQuestion: {question}"},
@@ -195,7 +193,7 @@ def _rag_question(rng: random.Random, shared: _Shared) -> Session:
 
 
 def _bulk_prompt(rng: random.Random, shared: _Shared) -> Session:
-    text = f"Request {rng.getrandbits(64):016x}. " + words_text(rng, _between(rng, BULK_TOKENS))
+    text = unique_text(rng, BULK_TOKENS)
     yield "chat", [{"role": "user", "content": text}], BULK_MAX_TOKENS
 
 

@@ -21,7 +21,15 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loadtest.workloads.traces import TraceRecord, words_text
+from loadtest.workloads.traces import (
+    DOCUMENT_HEAD,
+    TraceRecord,
+    between,
+    numbered_texts,
+    unique_text,
+    words_text,
+    zipf_weights,
+)
 
 VOICE_SYSTEM_TOKENS = 600
 # A voice agent's instructions (persona, tone, tools): a few hundred tokens, far shorter than the
@@ -101,10 +109,6 @@ def arrivals(rate: Rate, duration_s: float, rng: random.Random) -> list[float]:
     return out
 
 
-def _between(rng: random.Random, bounds: tuple[int, int]) -> int:
-    return rng.randint(bounds[0], bounds[1])
-
-
 def _chat(t_s: float, tenant: str, system: str, user: str, max_tokens: int) -> TraceRecord:
     messages = [{"role": "user", "content": user}]
     if system:
@@ -119,21 +123,12 @@ def _chat(t_s: float, tenant: str, system: str, user: str, max_tokens: int) -> T
     }
 
 
-def _unique(rng: random.Random, bounds: tuple[int, int]) -> str:
-    """A prompt unique from its first block on (its first words are a random id)."""
-    return f"Request {rng.getrandbits(64):016x}. " + words_text(rng, _between(rng, bounds))
-
-
-def _documents(rng: random.Random, count: int, bounds: tuple[int, int]) -> list[str]:
-    return [f"Document {i}:\n" + words_text(rng, _between(rng, bounds)) for i in range(count)]
-
-
 def voice(rate_per_s: float, duration_s: float, seed: int) -> list[TraceRecord]:
     rng = random.Random(f"voice-{seed}")
     system = "You are the voice agent of a train operator. " + words_text(rng, VOICE_SYSTEM_TOKENS)
     return [
         _chat(
-            t, "voice", system, words_text(rng, _between(rng, VOICE_USER_TOKENS)), VOICE_MAX_TOKENS
+            t, "voice", system, words_text(rng, between(rng, VOICE_USER_TOKENS)), VOICE_MAX_TOKENS
         )
         for t in arrivals(Rate(rate_per_s), duration_s, rng)
     ]
@@ -141,14 +136,15 @@ def voice(rate_per_s: float, duration_s: float, seed: int) -> list[TraceRecord]:
 
 def standard_burst(rate: Rate, duration_s: float, seed: int) -> list[TraceRecord]:
     rng = random.Random(f"standard-{seed}")
-    docs = _documents(random.Random(f"standard-docs-{seed}"), STANDARD_DOCS, STANDARD_DOC_TOKENS)
+    docs_rng = random.Random(f"standard-docs-{seed}")
+    docs = numbered_texts(docs_rng, STANDARD_DOCS, DOCUMENT_HEAD, STANDARD_DOC_TOKENS)
     trace: list[TraceRecord] = []
     for t in arrivals(rate, duration_s, rng):
         if rng.random() < STANDARD_UNIQUE_SHARE:
-            text = _unique(rng, STANDARD_UNIQUE_TOKENS)
+            text = unique_text(rng, STANDARD_UNIQUE_TOKENS)
             trace.append(_chat(t, "web", "", text, STANDARD_MAX_TOKENS))
             continue
-        question = words_text(rng, _between(rng, STANDARD_QUESTION_TOKENS))
+        question = words_text(rng, between(rng, STANDARD_QUESTION_TOKENS))
         trace.append(_chat(t, "web", rng.choice(docs), question, STANDARD_MAX_TOKENS))
     return trace
 
@@ -162,8 +158,8 @@ class _Corpus:
     @classmethod
     def build(cls, seed: int) -> _Corpus:
         rng = random.Random(f"reuse-docs-{seed}")
-        docs = _documents(rng, HIGH_REUSE_DOCS, REUSE_DOC_TOKENS)
-        weights = [1.0 / (rank + 1) ** HIGH_REUSE_ZIPF_S for rank in range(HIGH_REUSE_DOCS)]
+        docs = numbered_texts(rng, HIGH_REUSE_DOCS, DOCUMENT_HEAD, REUSE_DOC_TOKENS)
+        weights = zipf_weights(HIGH_REUSE_DOCS, HIGH_REUSE_ZIPF_S)
         header = "Summarise the document below for a support agent. " + words_text(
             rng, SHARED_HEADER_TOKENS
         )
@@ -173,7 +169,7 @@ class _Corpus:
 def _low(rng: random.Random, corpus: _Corpus) -> tuple[str, str]:
     if rng.random() < LOW_REUSE_REPEAT_SHARE:
         return corpus.docs[rng.randrange(LOW_REUSE_DOCS)], _question(rng)
-    return "", _unique(rng, REUSE_UNIQUE_TOKENS)
+    return "", unique_text(rng, REUSE_UNIQUE_TOKENS)
 
 
 def _high(rng: random.Random, corpus: _Corpus) -> tuple[str, str]:
@@ -181,11 +177,11 @@ def _high(rng: random.Random, corpus: _Corpus) -> tuple[str, str]:
 
 
 def _low_shared_header(rng: random.Random, corpus: _Corpus) -> tuple[str, str]:
-    return corpus.header, words_text(rng, _between(rng, REUSE_UNIQUE_TOKENS))
+    return corpus.header, words_text(rng, between(rng, REUSE_UNIQUE_TOKENS))
 
 
 def _question(rng: random.Random) -> str:
-    return "Question: " + words_text(rng, _between(rng, REUSE_QUESTION_TOKENS))
+    return "Question: " + words_text(rng, between(rng, REUSE_QUESTION_TOKENS))
 
 
 REUSE_SHAPES: dict[str, Callable[[random.Random, _Corpus], tuple[str, str]]] = {

@@ -80,6 +80,9 @@ AGENT_THOUGHT_TOKENS = 80  # placeholder model output per step (thought + action
 AGENT_OBSERVATION_TOKENS = (500, 1_500)  # tool output appended per step
 AGENT_STEPS = (4, 16)
 
+CHAT_SYSTEM_HEAD = "You are the assistant of app {i}. "
+AGENT_TOOLS_HEAD = "Agent {i}. Tools available:\n"
+DOCUMENT_HEAD = "Document {i}:\n"
 RAG_DOCUMENTS = 80
 RAG_DOCUMENT_TOKENS = (1_000, 3_000)
 RAG_ZIPF_S = 1.1  # document popularity ~ 1 / rank^s; s ~ 1 is the classic web/document skew
@@ -160,8 +163,25 @@ def words_text(rng: random.Random, n_tokens: int) -> str:
     return text[:-1] + "." if text.endswith(" ") else text
 
 
-def _between(rng: random.Random, bounds: tuple[int, int]) -> int:
+def between(rng: random.Random, bounds: tuple[int, int]) -> int:
+    """A length drawn uniformly from `bounds` (both ends included)."""
     return rng.randint(bounds[0], bounds[1])
+
+
+def numbered_texts(rng: random.Random, count: int, head: str, bounds: tuple[int, int]) -> list[str]:
+    """`count` texts (system prompts, tools, documents): the i-th is `head` with {i} filled in,
+    then a length drawn from `bounds` of words."""
+    return [head.format(i=i) + words_text(rng, between(rng, bounds)) for i in range(count)]
+
+
+def unique_text(rng: random.Random, bounds: tuple[int, int]) -> str:
+    """A prompt unique from its first block on (its first words are a random id)."""
+    return f"Request {rng.getrandbits(64):016x}. " + words_text(rng, between(rng, bounds))
+
+
+def zipf_weights(count: int, s: float) -> list[float]:
+    """Popularity of ranks 1..count ~ 1 / rank^s."""
+    return [1.0 / (rank + 1) ** s for rank in range(count)]
 
 
 # --- sessions --------------------------------------------------------------------------------
@@ -182,20 +202,10 @@ class _Shared:
 
     @classmethod
     def build(cls, rng: random.Random) -> _Shared:
-        chat = [
-            f"You are the assistant of app {i}. "
-            + words_text(rng, _between(rng, CHAT_SYSTEM_TOKENS))
-            for i in range(CHAT_APPS)
-        ]
-        tools = [
-            f"Agent {i}. Tools available:\n" + words_text(rng, _between(rng, AGENT_TOOLS_TOKENS))
-            for i in range(AGENT_APPS)
-        ]
-        docs = [
-            f"Document {i}:\n" + words_text(rng, _between(rng, RAG_DOCUMENT_TOKENS))
-            for i in range(RAG_DOCUMENTS)
-        ]
-        weights = [1.0 / (rank + 1) ** RAG_ZIPF_S for rank in range(RAG_DOCUMENTS)]
+        chat = numbered_texts(rng, CHAT_APPS, CHAT_SYSTEM_HEAD, CHAT_SYSTEM_TOKENS)
+        tools = numbered_texts(rng, AGENT_APPS, AGENT_TOOLS_HEAD, AGENT_TOOLS_TOKENS)
+        docs = numbered_texts(rng, RAG_DOCUMENTS, DOCUMENT_HEAD, RAG_DOCUMENT_TOKENS)
+        weights = zipf_weights(RAG_DOCUMENTS, RAG_ZIPF_S)
         shared = "You are a helpful assistant. " + words_text(rng, SHARED_SYSTEM_TOKENS)
         return cls(chat, tools, docs, weights, shared)
 
@@ -207,36 +217,36 @@ def _chat_session(
     for turn in range(turns):
         if turn:
             messages.append({"role": "assistant", "content": words_text(rng, REPLY_TOKENS)})
-        messages.append({"role": "user", "content": words_text(rng, _between(rng, user_tokens))})
+        messages.append({"role": "user", "content": words_text(rng, between(rng, user_tokens))})
         yield {"endpoint": "chat", "tenant": tenant, "messages": list(messages)}
 
 
 def chat_session(rng: random.Random, shared: _Shared) -> Session:
     app = rng.randrange(len(shared.chat_systems))
-    turns = _between(rng, CHAT_TURNS)
+    turns = between(rng, CHAT_TURNS)
     return _chat_session(rng, f"chat-app-{app}", shared.chat_systems[app], CHAT_USER_TOKENS, turns)
 
 
 def shared_system_session(rng: random.Random, shared: _Shared) -> Session:
-    turns = _between(rng, SHARED_TURNS)
+    turns = between(rng, SHARED_TURNS)
     return _chat_session(rng, "assistant", shared.shared_system, SHARED_USER_TOKENS, turns)
 
 
 def agentic_session(rng: random.Random, shared: _Shared) -> Session:
     agent = rng.randrange(len(shared.agent_tools))
     prompt = (
-        shared.agent_tools[agent] + "\nTask: " + words_text(rng, _between(rng, AGENT_TASK_TOKENS))
+        shared.agent_tools[agent] + "\nTask: " + words_text(rng, between(rng, AGENT_TASK_TOKENS))
     )
-    for _ in range(_between(rng, AGENT_STEPS)):
+    for _ in range(between(rng, AGENT_STEPS)):
         prompt += "\nThought:"
         yield {"endpoint": "completions", "tenant": f"agent-{agent}", "prompt": prompt}
         prompt += " " + words_text(rng, AGENT_THOUGHT_TOKENS)
-        prompt += "\nObservation: " + words_text(rng, _between(rng, AGENT_OBSERVATION_TOKENS))
+        prompt += "\nObservation: " + words_text(rng, between(rng, AGENT_OBSERVATION_TOKENS))
 
 
 def rag_session(rng: random.Random, shared: _Shared) -> Session:
     doc = rng.choices(shared.documents, weights=shared.doc_weights)[0]
-    question = words_text(rng, _between(rng, RAG_QUESTION_TOKENS))
+    question = words_text(rng, between(rng, RAG_QUESTION_TOKENS))
     content = f"{doc}\n\nQuestion: {question}"
     yield {
         "endpoint": "chat",
@@ -249,7 +259,7 @@ def rag_session(rng: random.Random, shared: _Shared) -> Session:
 
 
 def unique_session(rng: random.Random, shared: _Shared) -> Session:
-    text = f"Request {rng.getrandbits(64):016x}. " + words_text(rng, _between(rng, UNIQUE_TOKENS))
+    text = unique_text(rng, UNIQUE_TOKENS)
     yield {"endpoint": "chat", "tenant": "oneoff", "messages": [{"role": "user", "content": text}]}
 
 

@@ -29,7 +29,10 @@ from dataclasses import dataclass
 
 
 class BlockLRU:
-    """Which block hashes a tier holds; capacity in blocks (0 holds nothing)."""
+    """Which block hashes a tier holds; capacity in blocks (0 holds nothing).
+
+    The one block LRU of the project: the what-if replay's tiers here and the simulated replica's
+    tiers (loadtest/sim/tiers.py) both use it, so a plan and a simulated run evict alike."""
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 0:
@@ -60,7 +63,11 @@ class BlockLRU:
 
     def insert(self, hashes: Iterable[int]) -> list[int]:
         """Add or refresh `hashes` in order (the last is the most recent); return the evicted,
-        least recent first. Eviction runs after all are added."""
+        least recent first.
+
+        Eviction runs after all are added, so inserting more blocks than the capacity evicts the
+        earliest-inserted of them too.
+        """
         for h in hashes:
             self._blocks[h] = None
             self._blocks.move_to_end(h)
@@ -68,6 +75,9 @@ class BlockLRU:
         while len(self._blocks) > self.capacity_blocks:
             evicted.append(self._blocks.popitem(last=False)[0])
         return evicted
+
+    def clear(self) -> None:
+        self._blocks.clear()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,11 +5,11 @@ with its chart. Checks that it runs and what it writes; the numbers are docs/cos
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.bench_cli import run_ok
 
 BENCH_TIMEOUT_S = 90  # ~15 s here: two process start-ups, 30 requests at 8 req/s, the report
 
@@ -20,14 +20,7 @@ def test_bench_costs_runs_and_reports(tmp_path: Path) -> None:
     args = [
         "--requests", "30", "--seed", "2", "--out-dir", str(tmp_path), "--png", str(png),
     ]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench.costs", *args],
-        capture_output=True,
-        text=True,
-        timeout=BENCH_TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_ok(["-m", "loadtest.bench.costs", *args], BENCH_TIMEOUT_S)
     result = json.loads((tmp_path / "costs.json").read_text())
     assert result["requests"] == 30 and result["errors"] == 0
     checks = {c["quantity"]: c for c in result["checks"]}

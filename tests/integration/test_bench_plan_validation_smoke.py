@@ -9,11 +9,11 @@ routes and hits as the gateway did is tests/integration/test_capture.py's.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.bench_cli import run_ok
 
 BENCH_TIMEOUT_S = 150  # ~40 s here: 3 set-ups of 7 s (5 s of warm-up) plus start-ups
 
@@ -22,17 +22,10 @@ BENCH_TIMEOUT_S = 150  # ~40 s here: 3 set-ups of 7 s (5 s of warm-up) plus star
 def test_plan_validation_runs_and_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "plan_validation.json"
     args = [
-        sys.executable, "-m", "loadtest.bench.plan_validation",
+        "-m", "loadtest.bench.plan_validation",
         "--duration-s", "7", "--out", str(out), "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip
-    done = subprocess.run(
-        args,
-        capture_output=True,
-        text=True,
-        timeout=BENCH_TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_ok(args, BENCH_TIMEOUT_S)
     assert "| set-up | class |" in done.stdout  # the markdown tables docs/planning.md shows
 
     data = json.loads(out.read_text())

@@ -6,11 +6,11 @@ Checks only that it runs and that the JSON has its shape; the numbers are the be
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.bench_cli import run_ok
 
 BENCH_TIMEOUT_S = 90  # ~25 s here: 4 arms of 2 s plus two fleets' and four gateways' start-up
 
@@ -22,14 +22,7 @@ def test_bench_tiers_runs_and_writes_results(tmp_path: Path) -> None:
         "--pinning-duration-s", "2", "--reuse-duration-s", "2",
         "--shapes", "high", "--modes", "always,reuse", "--seed", "3",
     ]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench.tiers", *args, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=BENCH_TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_ok(["-m", "loadtest.bench.tiers", *args, "--out", str(out)], BENCH_TIMEOUT_S)
 
     data = json.loads(out.read_text())
     pinning = data["pinning"]

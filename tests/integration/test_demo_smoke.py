@@ -6,11 +6,11 @@ Checks only that it runs and writes sane results; the timing story is the full d
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.bench_cli import run_ok
 
 DEMO_TIMEOUT_S = 120  # ~4 s of trace per policy plus process start-up; generous for CI
 
@@ -20,14 +20,7 @@ def test_demo_runs_and_writes_results(tmp_path: Path) -> None:
     out_dir = tmp_path / "demo"
     # the tier section is the bench's (tests/integration/test_bench_tiers_smoke.py)
     args = ["--duration-s", "4", "--rate", "6", "--replicas", "2", "--seed", "3", "--skip-tiers"]
-    done = subprocess.run(
-        [sys.executable, "-m", "gateway", "demo", *args, "--out-dir", str(out_dir)],
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_ok(["-m", "gateway", "demo", *args, "--out-dir", str(out_dir)], DEMO_TIMEOUT_S)
 
     data = json.loads((out_dir / "demo.json").read_text())
     assert list(data["policies"]) == ["round_robin", "cache_aware"]

@@ -1,10 +1,12 @@
-"""BlockLRU: the simulated replica's tier bookkeeping (loadtest/sim/tiers.py)."""
+"""BlockLRU: the one block LRU (routing/whatif/cache.py) behind the what-if replay's tiers and the
+simulated replica's (loadtest/sim/tiers.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtest.sim.tiers import BlockLRU
+from loadtest.sim import tiers as sim_tiers
+from routing.whatif.cache import BlockLRU
 
 
 def lru(capacity_blocks: int, *inserted: int) -> BlockLRU:
@@ -92,3 +94,7 @@ def test_clear_empties_the_tier() -> None:
 def test_negative_capacity_is_rejected() -> None:
     with pytest.raises(ValueError, match="capacity_blocks"):
         BlockLRU(-1)
+
+
+def test_the_simulator_uses_the_same_lru() -> None:
+    assert sim_tiers.BlockLRU is BlockLRU

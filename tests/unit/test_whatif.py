@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from routing.cost import CostTerms, PoolCosts
-from routing.whatif.cache import BlockLRU, RemoteTier, ReplicaCache
+from routing.whatif.cache import RemoteTier, ReplicaCache
 from routing.whatif.capture import (
     VERSION,
     CapturedRequest,
@@ -37,29 +37,6 @@ from routing.whatif.summary import percentile, replicas_needed, summarize
 BS = 16
 
 # --- the cache model ---------------------------------------------------------------------------
-
-
-def test_lru_evicts_least_recently_used_first() -> None:
-    lru = BlockLRU(3)
-    assert lru.insert([1, 2, 3]) == []
-    lru.touch([1])  # 2 is now the least recent
-    assert lru.insert([4]) == [2]
-    assert lru.insert([5, 6]) == [3, 1]
-    assert [h in lru for h in (4, 5, 6)] == [True, True, True]
-
-
-def test_lru_prefix_stops_at_first_miss() -> None:
-    lru = BlockLRU(10)
-    lru.insert([1, 2, 4])
-    assert lru.prefix_len([1, 2, 3, 4]) == 2
-    assert lru.prefix_len([1, 2, 3, 4], start=3) == 1
-    assert lru.prefix_len([9, 1]) == 0
-
-
-def test_lru_of_capacity_zero_holds_nothing() -> None:
-    lru = BlockLRU(0)
-    assert lru.insert([1, 2]) == [1, 2]
-    assert len(lru) == 0
 
 
 def test_hbm_overflow_is_demoted_to_cpu_tail_first() -> None:
