@@ -218,10 +218,12 @@ def create_app(
             }
             for r in gw.registry.replicas.values()
         }
-        ok = any(r.healthy for r in gw.registry.replicas.values())
+        # no key is served before the tenants in Redis were read once (gateway/tenant_store.py)
+        ok = gw.tenants.loaded and any(r.healthy for r in gw.registry.replicas.values())
         body = {
             "ready": ok,
             "index": gw.index_status(),
+            "tenants": gw.tenants.status(),
             "replicas": replicas,
         }
         if gw.kv_events is not None:
