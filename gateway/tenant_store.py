@@ -33,7 +33,7 @@ from gateway.config import TenantConfig
 from gateway.errors import ApiError
 from gateway.keys import Keyring
 from gateway.tenant_records import Record, RecordError, dump, load, tombstone
-from gateway.tenants import ANONYMOUS, Tenant
+from gateway.tenants import ANONYMOUS, Tenant, name_key
 
 log = logging.getLogger("cachelane.tenants")
 
@@ -46,6 +46,11 @@ _REJECTED_REMEMBERED = 1024  # bad records logged once each; the memory of them 
 
 class KeyInUse(Exception):
     """PUT of a key another tenant (or the admin) already has."""
+
+
+class NameTaken(Exception):
+    """PUT of a new name equal to a live tenant's after case- and width-folding (the live one's
+    name is the message)."""
 
 
 class TenantStoreRefused(RuntimeError):
@@ -126,7 +131,14 @@ class TenantStore:
         return sorted((_tenant(r) for r in self._by_digest.values()), key=lambda t: t.name)
 
     async def put(self, config: TenantConfig) -> Tenant:
-        """Create or replace a tenant. Raises KeyInUse, or StoreUnavailable (see there)."""
+        """Create or replace a tenant. Raises KeyInUse, NameTaken, or StoreUnavailable."""
+        folded = name_key(config.name)
+        lookalike = next(
+            (r.name for r in self._live() if r.name != config.name and name_key(r.name) == folded),
+            None,
+        )
+        if lookalike is not None:
+            raise NameTaken(lookalike)
         record = record_of(config, self._keyring, self._next_at(config.name))
         owner = self._by_digest.get(record.digest or "")
         if record.digest in self._reserved or (owner is not None and owner.name != config.name):
@@ -193,8 +205,11 @@ class TenantStore:
             if self._open:
                 log.warning("Redis did not answer at start: %r", err)
                 return
-            self._health.failed(err, "could not read the tenants in Redis at start; no API key "
-                                "is served until it answers")
+            self._health.failed(
+                err,
+                "could not read the tenants in Redis at start; no API key "
+                "is served until it answers",
+            )
             return
         if not self._open:
             self._health.succeeded()
@@ -246,12 +261,14 @@ class TenantStore:
         now = self._clock()
         return now if last is None or now > last.at else last.at + 0.001
 
+    def _live(self) -> list[Record]:
+        return [r for r in {**self._file, **self._known}.values() if not r.deleted]
+
     def _rebuild(self) -> None:
-        live = {**self._file, **self._known}
         by_digest: dict[str, Record] = {}
         # one key, two tenants (a race between gateways): the first to take it keeps it
-        for record in sorted(live.values(), key=lambda r: (r.at, r.name)):
-            if not record.deleted and record.digest is not None:
+        for record in sorted(self._live(), key=lambda r: (r.at, r.name)):
+            if record.digest is not None:
                 by_digest.setdefault(record.digest, record)
         self._by_digest = by_digest
 
