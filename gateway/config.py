@@ -30,9 +30,9 @@ from gateway import config_env
 from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
 from gateway.body_fields import ENGINE_CONTROL_FIELDS
 from gateway.example_keys import example_keys_in
-from gateway.tenants import name_key, name_problem
 from gateway.extras import OTEL_MODULES, PRECISE_MODULES, missing_message, missing_modules
 from gateway.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS, sha256_hex
+from gateway.tenants import name_key, name_problem
 from routing.cost import (
     FIXED_S,
     HBM_CAPACITY_TOKENS,
