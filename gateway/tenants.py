@@ -8,7 +8,7 @@ so it is held to one rule (name_problem), in config files and the admin API alik
 1 to MAX_TENANT_NAME_CHARS characters, each a letter, a combining mark or a decimal digit (any
 script) or one of `-_.`, the first a letter or digit; in Unicode NFC. Control, format (bidi
 overrides, zero-width spaces and joiners), space and symbol characters are thereby excluded. Two
-names that are equal after NFKC case-folding (`Acme`, `ACME`, full-width `acme` at U+FF41..) are one:
+names equal after NFKC case-folding (`Acme`, `ACME`, `acme` in full-width letters) are one name:
 the second is refused (name_key gives the folded form), so no tenant can look like another.
 """
 
