@@ -42,6 +42,7 @@ from gateway.planner import Plan
 from gateway.proxy import RelayResponse
 from gateway.registry import Reservation
 from gateway.reload import install_sighup
+from gateway.request_schema import check_request
 from gateway.state import Dispatch, Gateway, served_at_asked_class
 from gateway.tenants import ANONYMOUS, Tenant
 from gateway.upstream import AiohttpUpstream
@@ -379,6 +380,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         await gw.limits.admit_request(tenant)
         body = await _read_json(request, gw.config.max_body_bytes)
         check_fields(body, gw.denied_fields[tenant.tenant_class])
+        check_request(endpoint, body)  # one schema for chat, completions, responses
         model = body.get("model")
         plan = await gw.planner.plan(endpoint, body, tenant, received_s=started)
         await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
