@@ -34,7 +34,7 @@ VALID = [
     ("chat", chat()),
     ("chat", chat(stream=True, stream_options={"include_usage": True}, tools=[TOOL])),
     ("chat", chat(tool_choice="auto", stop=["a"], temperature=0, top_p=0.5, n=1, seed=3)),
-    ("chat", user([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}])),
+    ("chat", user([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": "u"}])),
     ("chat", user([{"type": "input_audio", "input_audio": {"data": "d", "format": "wav"}}])),
     ("chat", user(None, name="n")),
     ("chat", chat(messages=[{"role": "assistant", "content": None, "tool_calls": [
