@@ -261,8 +261,8 @@ class TenantStore:
         now = self._clock()
         return now if last is None or now > last.at else last.at + 0.001
 
-    def _live(self) -> list[Record]:
-        return [r for r in {**self._file, **self._known}.values() if not r.deleted]
+    def _live(self) -> tuple[Record, ...]:
+        return tuple(r for r in {**self._file, **self._known}.values() if not r.deleted)
 
     def _rebuild(self) -> None:
         by_digest: dict[str, Record] = {}

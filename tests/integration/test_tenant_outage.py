@@ -8,6 +8,7 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -32,7 +33,7 @@ from tests.integration.test_tenant_security import (
 
 ACME_KEY = "acme-key-" + "c" * 32
 ACME = {"name": "acme", "api_key": ACME_KEY, "class": "standard"}
-TENANTS = {"tenants": [WEB, ACME], "admin": {"api_key": ADMIN_KEY}}
+TENANTS: dict[str, Any] = {"tenants": [WEB, ACME], "admin": {"api_key": ADMIN_KEY}}
 
 
 @contextmanager
