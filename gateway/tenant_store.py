@@ -177,15 +177,15 @@ class TenantStore:
             mine = self._known.get(name)
             if mine is None or record.newer_than(mine):
                 self._known[name] = record
+        self._rebuild()  # what was read is served, whether the write-back below works or not
         behind = [r for name, r in self._known.items() if stored.get(name) != r]
         if behind:
+            await self._write(behind)
             log.warning(
-                "re-writing %d tenant record(s) missing, older or unreadable in Redis "
+                "re-wrote %d tenant record(s) missing, older or unreadable in Redis "
                 "(restarted without persistence, or changed by hand)",
                 len(behind),
             )
-            await self._write(behind)
-        self._rebuild()
 
     async def load(self) -> None:
         """The first refresh, before the gateway serves: a tenant deleted elsewhere stays deleted
@@ -194,40 +194,43 @@ class TenantStore:
         but its PING still finds a wrong password at start."""
         if self._redis is None:
             return
-        try:
-            await (self._redis.ping() if self._open else self.refresh())
-        except Exception as err:
-            if _refused(err):
-                raise TenantStoreRefused(
-                    f"Redis refused the gateway's credentials ({err}): check the password or "
-                    "user in index.redis_url (or index.redis_url_file)"
-                ) from err
-            if self._open:
+        if self._open:
+            try:
+                await self._redis.ping()
+            except Exception as err:
+                _raise_if_refused(err)
                 log.warning("Redis did not answer at start: %r", err)
-                return
-            self._health.failed(
-                err,
-                "could not read the tenants in Redis at start; no API key "
-                "is served until it answers",
-            )
             return
-        if not self._open:
-            self._health.succeeded()
+        failed = await self._refresh_once(
+            "could not read the tenants in Redis at start; no API key is served until it answers"
+        )
+        if failed is not None:
+            _raise_if_refused(failed)
 
     async def run(self) -> None:
         if self._redis is None or self._open:
             return
         while True:
             await asyncio.sleep(REFRESH_S)
-            try:
-                await self.refresh()
-            except Exception as err:  # Redis away: keep the last view
-                what = "tenant refresh failed, " + (
-                    "keeping the last view" if self._health.loaded else "no API key is served yet"
-                )
-                self._health.failed(err, what)
-            else:
-                self._health.succeeded()
+            await self._refresh_once(
+                "tenant refresh failed, "
+                + ("keeping the last view" if self._health.loaded else "no API key is served yet")
+            )
+
+    async def _refresh_once(self, failure: str) -> Exception | None:
+        """One refresh, its outcome told to the health; returns the error, if any. A failed read
+        is `failure`; a read that worked but whose write-back Redis refused counts as read."""
+        try:
+            await self.refresh()
+        except StoreUnavailable as err:
+            cause = err.__cause__ if isinstance(err.__cause__, Exception) else err
+            self._health.read_not_written(cause)
+            return cause
+        except Exception as err:
+            self._health.failed(err, failure)
+            return err
+        self._health.succeeded()
+        return None
 
     def _trusted(self, field: bytes | str, value: bytes | str) -> Record | None:
         try:
@@ -307,15 +310,22 @@ class RefreshHealth:
 
     def failed(self, err: Exception, what: str) -> None:
         self.failures += 1
-        self.last_error = repr(err)
+        self.last_error = f"{type(err).__name__}: {err}"  # redis-py's repr drops the message
         self._on_refresh(_kind(err))
         now = self._clock()
         if self._logged_at is not None and now - self._logged_at < REFRESH_LOG_EVERY_S:
             self._unlogged += 1
             return
         more = f" ({self._unlogged} more failure(s) not logged)" if self._unlogged else ""
-        log.warning("%s: %r%s", what, err, more)
+        log.warning("%s: %s%s", what, self.last_error, more)
         self._logged_at, self._unlogged = now, 0
+
+    def read_not_written(self, err: Exception) -> None:
+        """The tenants were read (and are served), but Redis refused the write-back."""
+        if not self.loaded:
+            self.loaded = True
+            self._on_refresh(None)
+        self.failed(err, "could not re-write tenant records to Redis")
 
     def succeeded(self) -> None:
         if self.failures:
@@ -326,6 +336,14 @@ class RefreshHealth:
 
     def status(self) -> dict[str, Any]:
         return {"loaded": self.loaded, "failures": self.failures, "last_error": self.last_error}
+
+
+def _raise_if_refused(err: Exception) -> None:
+    if _refused(err):
+        raise TenantStoreRefused(
+            f"Redis refused the gateway's credentials ({err}): check the password or user in "
+            "index.redis_url (or index.redis_url_file)"
+        ) from err
 
 
 def _refused(err: Exception) -> bool:
