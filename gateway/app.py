@@ -255,6 +255,7 @@ def create_app(
         body = await _read_json(request, gw.config.max_body_bytes)
         endpoint = "chat" if "messages" in body else "completions"
         endpoint = "responses" if "input" in body and "prompt" not in body else endpoint
+        check_request(endpoint, body)  # the body as the endpoint itself would check it
         plan = await gw.planner.plan(endpoint, body, tenant, dry_run=True)
         return explain(plan) | {"load": gw.loads(), "costs": gw.learner.describe()}
 
