@@ -7,7 +7,9 @@
                                    (gateway/reload.py); 400 with every error when it is invalid
 
 Guarded by its own key (config `admin`); without one configured the admin API answers 404.
-A new key has at least MIN_API_KEY_CHARS characters and belongs to no other tenant (409).
+A new key has at least MIN_API_KEY_CHARS characters and belongs to no other tenant (409). A name
+follows gateway/tenants.py's rule (400 `invalid_request`, param `name`) and is not another live
+tenant's once case- and width-folded (400 `tenant_name_taken`).
 With the Redis index, changes are stored in Redis and every gateway sees them within ~1 s; while
 Redis cannot be written, changes answer 503 with Retry-After and nothing changes.
 """
@@ -24,7 +26,7 @@ from gateway.body import BodyError, parse_body
 from gateway.config import ConfigError, TenantConfig
 from gateway.errors import ApiError, bad_request
 from gateway.reload import NoConfigFile, Reloader
-from gateway.tenant_store import KeyInUse, StoreUnavailable
+from gateway.tenant_store import KeyInUse, NameTaken, StoreUnavailable
 from gateway.tenants import Tenant
 
 admin_router = APIRouter(prefix="/admin")
@@ -107,6 +109,13 @@ async def put_tenant(name: str, request: Request) -> dict[str, Any]:
         raise ApiError(
             409, "this API key belongs to another tenant; give a new one", code="key_in_use"
         ) from None
+    except NameTaken as err:
+        raise bad_request(
+            f"invalid tenant: the name is the same as tenant {str(err)!a}'s once case- and "
+            "width-folded (gateway/tenants.py); choose another",
+            code="tenant_name_taken",
+            param="name",
+        ) from None
     except StoreUnavailable as err:
         raise _store_down(err) from None
     return _public(tenant)
@@ -120,7 +129,7 @@ async def delete_tenant(name: str, request: Request) -> Response:
     except StoreUnavailable as err:
         raise _store_down(err) from None
     if not removed:
-        raise ApiError(404, f"no tenant named {name!r}", code="not_found")
+        raise ApiError(404, f"no tenant named {name!a}", code="not_found")
     return Response(status_code=204)
 
 

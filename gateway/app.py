@@ -42,6 +42,7 @@ from gateway.planner import Plan
 from gateway.proxy import RelayResponse
 from gateway.registry import Reservation
 from gateway.reload import install_sighup
+from gateway.request_schema import check_request
 from gateway.state import Dispatch, Gateway, served_at_asked_class
 from gateway.tenants import ANONYMOUS, Tenant
 from gateway.upstream import AiohttpUpstream
@@ -218,10 +219,12 @@ def create_app(
             }
             for r in gw.registry.replicas.values()
         }
-        ok = any(r.healthy for r in gw.registry.replicas.values())
+        # no key is served before the tenants in Redis were read once (gateway/tenant_store.py)
+        ok = gw.tenants.loaded and any(r.healthy for r in gw.registry.replicas.values())
         body = {
             "ready": ok,
             "index": gw.index_status(),
+            "tenants": gw.tenants.status(),
             "replicas": replicas,
         }
         if gw.kv_events is not None:
@@ -252,6 +255,7 @@ def create_app(
         body = await _read_json(request, gw.config.max_body_bytes)
         endpoint = "chat" if "messages" in body else "completions"
         endpoint = "responses" if "input" in body and "prompt" not in body else endpoint
+        check_request(endpoint, body)  # the body as the endpoint itself would check it
         plan = await gw.planner.plan(endpoint, body, tenant, dry_run=True)
         return explain(plan) | {"load": gw.loads(), "costs": gw.learner.describe()}
 
@@ -377,6 +381,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         await gw.limits.admit_request(tenant)
         body = await _read_json(request, gw.config.max_body_bytes)
         check_fields(body, gw.denied_fields[tenant.tenant_class])
+        check_request(endpoint, body)  # one schema for chat, completions, responses
         model = body.get("model")
         plan = await gw.planner.plan(endpoint, body, tenant, received_s=started)
         await gw.limits.admit_tokens(tenant, plan.prompt_tokens)

@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     HttpUrl,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -31,6 +32,7 @@ from gateway.body_fields import ENGINE_CONTROL_FIELDS
 from gateway.example_keys import example_keys_in
 from gateway.extras import OTEL_MODULES, PRECISE_MODULES, missing_message, missing_modules
 from gateway.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS, sha256_hex
+from gateway.tenants import name_key, name_problem
 from routing.cost import (
     FIXED_S,
     HBM_CAPACITY_TOKENS,
@@ -446,6 +448,14 @@ class TenantConfig(Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        problem = name_problem(name)
+        if problem is not None:
+            raise ValueError(f"tenant name {name!a} {problem} (gateway/tenants.py)")
+        return name
+
     @model_validator(mode="after")
     def _one_key(self) -> TenantConfig:
         if (self.api_key is None) == (self.api_key_sha256 is None):
@@ -768,8 +778,15 @@ class GatewayConfig(Strict):
                     f"remote_tiers {sorted(tiers)}"
                 )
         tenant_names = [t.name for t in self.tenants]
-        if len(set(tenant_names)) != len(tenant_names):
-            raise ValueError(f"tenants: duplicate tenant name in {tenant_names}")
+        folded: dict[str, int] = {}
+        for i, name in enumerate(tenant_names):
+            first = folded.setdefault(name_key(name), i)
+            if first != i:
+                raise ValueError(
+                    f"tenants.{i}.name: {name!a} is the same name as tenants.{first}.name "
+                    f"{tenant_names[first]!a} (names are compared case- and width-folded, "
+                    "gateway/tenants.py)"
+                )
         _check_auth(self)
         _check_exposure(self)
         urls = [str(u) for p in self.pools for u in p.replicas]

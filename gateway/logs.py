@@ -10,6 +10,13 @@
   sent), e2e ms, prompt tokens (the engine's usage, else the gateway's count), cached tokens (the
   engine's usage), expected cached tokens. Probes (/health, /ready, /metrics) log it at DEBUG.
 - httpx's and httpcore's per-request INFO lines (every health check and scrape) are silenced.
+- No client can write a line of its own (a forged record) into the log. In the text format a
+  record is one line: every access field that holds anything but printable ASCII other than
+  space, `"`, `=` and `\\` is written as a JSON string (control characters, newlines, tabs,
+  quotes and every non-ASCII character escaped), and control, format (bidi, zero-width) and
+  line-separator characters in any other message are escaped (`\\n`, `\\x1b`, `\\u202e`); a
+  traceback's lines follow indented, so a line that starts with a timestamp is always a record.
+  The JSON format writes one JSON object a line, its strings escaped by json.dumps.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import logging
 import re
 import sys
 import time
+import unicodedata
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -192,7 +200,7 @@ class RequestContext:
             level = logging.DEBUG if access.path in PROBE_PATHS else logging.INFO
             if access_log.isEnabledFor(level):  # the line is built only when it is written
                 fields = access.fields(time.perf_counter() - access.started_s)
-                access_log.log(level, _key_values(fields), extra={"access": fields})
+                access_log.log(level, key_values(fields), extra={"access": fields})
             _current.reset(token)
 
 
@@ -207,14 +215,40 @@ def _error_code(body: bytes) -> str | None:
     return None
 
 
-def _key_values(fields: dict[str, Any]) -> str:
+_BARE_VALUE = re.compile(r"[!#-<>-\[\]-~]+")  # printable ASCII but space, `"`, `=`, `\`
+
+
+def key_values(fields: dict[str, Any]) -> str:
     def show(value: Any) -> str:
         if value is None:
             return "-"
         text = str(value)
-        return json.dumps(text) if not text or any(c in text for c in ' "=') else text
+        return text if _BARE_VALUE.fullmatch(text) else json.dumps(text, ensure_ascii=True)
 
     return " ".join(f"{k}={show(v)}" for k, v in fields.items())
+
+
+_UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def one_line(text: str) -> str:
+    """`text` with every control, format (bidi, zero-width), line or paragraph separator and
+    surrogate character escaped: it cannot end its log line or make the rest read otherwise."""
+    if text.isascii() and text.isprintable():
+        return text
+    out = []
+    for c in text:
+        if c.isascii() and c.isprintable():
+            out.append(c)
+        elif c in _NAMED_ESCAPES:
+            out.append(_NAMED_ESCAPES[c])
+        elif unicodedata.category(c) in _UNPRINTABLE_CATEGORIES:
+            code = ord(c)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(c)
+    return "".join(out)
 
 
 class RequestIdFilter(logging.Filter):
@@ -227,17 +261,25 @@ class RequestIdFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    """`2026-01-01 12:00:00,000 INFO cachelane.proxy: message request_id=...`; the access line's
-    message is already its key=value fields."""
+    """`2026-01-01 12:00:00,000 INFO cachelane.proxy: message request_id=...`, one line a record
+    (one_line); the access line's message is already its key=value fields. A traceback follows
+    on lines indented by TRACE_INDENT, each escaped the same way."""
 
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    TRACE_INDENT = "  "
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        record.message = record.getMessage()
+        record.asctime = self.formatTime(record, self.datefmt)
+        line = f"{record.asctime} {record.levelname} {record.name}: {one_line(record.message)}"
         request_id = getattr(record, "request_id", None)
         if request_id is not None and not hasattr(record, "access"):
-            line += f" request_id={request_id}"
+            line += f" request_id={one_line(str(request_id))}"
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        stack = self.formatStack(record.stack_info) if record.stack_info else ""
+        for text in (record.exc_text or "", stack):
+            for extra in text.splitlines():
+                line += "\n" + self.TRACE_INDENT + one_line(extra)
         return line
 
 

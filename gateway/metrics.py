@@ -111,6 +111,17 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.tenants_loaded = Gauge(
+            "cachelane_tenants_loaded",
+            "1 once the tenants in Redis were read (or no Redis); 0 before: no key is served",
+            registry=r,
+        )
+        self.tenant_refresh_errors = Counter(
+            "cachelane_tenant_refresh_errors",
+            "Failed reads of the tenants in Redis, by kind (timeout, connection, auth, other)",
+            ["kind"],
+            registry=r,
+        )
         self.decisions = Counter(
             "cachelane_decisions",
             "Routing decisions by policy, reason and replica",

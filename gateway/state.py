@@ -196,7 +196,9 @@ class Gateway:
             redis=self.redis,
             reserved_digests=[self.admin_digest] if self.admin_digest else [],
             on_rejected=lambda reason: self.metrics.tenant_records_rejected.labels(reason).inc(),
+            on_refresh=self._tenant_refresh,
         )
+        self.metrics.tenants_loaded.set(1 if self.tenants.loaded else 0)
         if not self.tenants.open_mode and not (config.tenants or admin.configured or self.redis):
             log.warning(
                 "auth.mode is keys but no tenant or admin key is configured: every request "
@@ -423,6 +425,12 @@ class Gateway:
             except Exception as err:
                 self.metrics.index_errors.labels("drop_replica").inc()
                 log.warning("could not drop %s from the index: %r", replica.name, err)
+
+    def _tenant_refresh(self, error_kind: str | None) -> None:
+        if error_kind is None:
+            self.metrics.tenants_loaded.set(1)
+        else:
+            self.metrics.tenant_refresh_errors.labels(error_kind).inc()
 
     def authenticate(self, request: Request) -> Tenant:
         """The request's tenant, served at the class it asks for (lower only)."""

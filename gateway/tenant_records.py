@@ -8,7 +8,8 @@ it, including the deletion of a tenant its config file names. `at` (seconds sinc
 written by the gateway that made the change) orders two records of one name: the later wins.
 
 `load` raises RecordError with a short reason for anything it cannot trust: not JSON, wrong shape,
-an unknown class, no signature or a bad one (written by someone without the secret).
+an unknown class, a name that is not a tenant name (gateway/tenants.py), no signature or a bad
+one (written by someone without the secret).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.keys import Keyring
+from gateway.tenants import name_problem
 from routing.types import TenantClass
 
 VERSION = 1
@@ -89,6 +91,9 @@ def load(name: str, value: str, keyring: Keyring) -> Record:
 
 
 def _fields(name: str, d: dict[str, Any]) -> Record:
+    problem = name_problem(name)
+    if problem is not None:
+        raise RecordError("malformed", f"the name {problem}")
     if d.get("v") != VERSION:
         raise RecordError("malformed", f"version {d.get('v')!r}, expected {VERSION}")
     deleted, at = d.get("deleted", False), d.get("at")

@@ -19,6 +19,11 @@ CHARS_PER_TOKEN = 4
 # ("one token is roughly 4 characters", help.openai.com "What are tokens and how to count them").
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")
+# Chat's text part and the Responses API's input and output text parts: the same text to the
+# engine (vLLM renders a Responses request as the chat it stands for), so the same prompt here.
+
+
 class PromptError(ValueError):
     """The request has no usable prompt; the message says which field is wrong."""
 
@@ -29,7 +34,7 @@ def _render_part(part: Any) -> str:
     if not isinstance(part, Mapping):
         raise PromptError("content parts must be strings or objects")
     kind = part.get("type")
-    if kind == "text":
+    if kind in TEXT_PARTS:
         return _text(part.get("text", ""), "a text part's 'text'")
     if kind in ("image_url", "input_image"):
         image = part.get("image_url", part.get("input_image"))

@@ -1,11 +1,12 @@
-"""Property-based fuzz of the request bodies: whatever a client sends to the chat and
-completions endpoints, the gateway answers below 500, every error in the OpenAI envelope, and
-keeps serving. Real gateways (approximate and precise mode) in front of simulated replicas on
-loopback; hypothesis draws bodies shaped like the OpenAI schema with any JSON in any place, lone
-surrogates, numbers past every limit, deep nesting and bytes that are not JSON.
+"""Property-based fuzz of the request bodies: whatever a client sends to the chat, completions
+and responses endpoints, the gateway answers below 500, every error in the OpenAI envelope, and
+keeps serving; and the one request schema (gateway/request_schema.py) holds on all three: every
+body it refuses gets a 400. Real gateways (approximate and precise mode) in front of simulated
+replicas on loopback; hypothesis draws bodies shaped like the OpenAI schema with any JSON in any
+place, lone surrogates, numbers past every limit, deep nesting and bytes that are not JSON.
 
-Bounded: a fixed number of examples and a deadline per example (the module runs in ~20 s). A
-failure prints the falsifying body and a blob to reproduce it (@reproduce_failure)."""
+Bounded: a fixed number of examples and a deadline per example. A failure prints the falsifying
+body and a blob to reproduce it (@reproduce_failure)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import httpx
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from gateway.body import BodyError, parse_body
+from gateway.request_schema import schema_problem
 from loadtest.sim.tiny_tokenizer import TinyTokenizerFiles
 from tests.integration.fleet import MODEL, fleet
 from tests.integration.test_input import errors_by_code, is_envelope
@@ -26,7 +29,8 @@ from tests.integration.test_precise import precise_fleet, tokenizer_files
 
 __all__ = ["tokenizer_files"]  # the precise fleet's fixture, used here too
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+ENDPOINT_OF = {CHAT: "chat", COMPLETIONS: "completions", RESPONSES: "responses"}
 
 
 class Raw(str):
@@ -87,7 +91,12 @@ def either(*typical: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 
 PART = either(
-    st.fixed_dictionaries({"type": st.just("text"), "text": either(TEXT)}),
+    st.fixed_dictionaries(
+        {
+            "type": either(st.sampled_from(["text", "input_text", "output_text"])),
+            "text": either(TEXT),
+        }
+    ),
     st.fixed_dictionaries(
         {
             "type": st.sampled_from(["image_url", "input_image"]),
@@ -126,6 +135,33 @@ MESSAGE = either(
         },
     )
 )
+FUNCTION = st.fixed_dictionaries(
+    {"name": either(TEXT)}, optional={"parameters": either(st.just({"type": "object"}))}
+)
+CHAT_TOOL = either(
+    st.fixed_dictionaries({"type": st.just("function"), "function": either(FUNCTION)})
+)
+RESPONSES_TOOL = either(FUNCTION.map(lambda f: {"type": "function", **f}))
+RESPONSES_ITEM = either(
+    st.fixed_dictionaries(
+        {
+            "role": either(st.sampled_from(["system", "user", "assistant", "developer"])),
+            "content": either(TEXT, st.lists(PART, max_size=3)),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": either(TEXT),
+            "name": either(TEXT),
+            "arguments": either(TEXT),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": either(TEXT), "output": either(TEXT)}
+    ),
+)
+INPUT = either(TEXT, st.lists(RESPONSES_ITEM, min_size=1, max_size=3))
 TOKEN = st.integers(-5, 200_000) | st.integers() | BIG
 PROMPT = either(
     TEXT,
@@ -160,9 +196,10 @@ EXTRA = st.dictionaries(st.sampled_from(EXTRA_KEYS) | TEXT, either(st.booleans()
 @st.composite
 def request_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     """(path, raw body): an OpenAI-shaped body with anything anywhere, or bytes."""
-    shape = draw(st.sampled_from(["chat"] * 4 + ["completions"] * 4 + ["bytes", "json"]))
+    shape = draw(st.sampled_from(["chat", "completions", "responses"] * 3 + ["bytes", "json"]))
     # mostly the endpoint the body is for
-    path = draw(mostly(st.just(COMPLETIONS if shape == "completions" else CHAT), st.just(CHAT)))
+    home = {"chat": CHAT, "completions": COMPLETIONS, "responses": RESPONSES}.get(shape, CHAT)
+    path = draw(mostly(st.just(home), st.sampled_from([CHAT, COMPLETIONS, RESPONSES])))
     if shape == "bytes":
         return path, draw(st.binary(max_size=64))
     if shape == "json":
@@ -170,9 +207,14 @@ def request_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     body: dict[str, Any] = {"model": draw(mostly(st.just(MODEL), ANY))}
     if shape == "chat":
         body["messages"] = draw(either(st.lists(MESSAGE, min_size=1, max_size=3)))
+        body["tools"] = draw(mostly(st.none(), either(st.lists(CHAT_TOOL, max_size=2)), 3))
+    elif shape == "responses":
+        body["input"] = draw(INPUT)
+        body["tools"] = draw(mostly(st.none(), either(st.lists(RESPONSES_TOOL, max_size=2)), 3))
     else:
         body["prompt"] = draw(PROMPT)
-    body["max_tokens"] = draw(MAX_TOKENS)
+    body["max_output_tokens" if shape == "responses" else "max_tokens"] = draw(MAX_TOKENS)
+    body["stream"] = draw(mostly(st.just(False), either(st.booleans()), 4))
     body |= {k: v for k, v in draw(EXTRA).items() if k not in body}
     return path, dump(body).encode()
 
@@ -200,6 +242,9 @@ async def fuzz(gateway_url: str, examples: int) -> None:
                 path, raw = case
                 r = h.post(path, content=raw, headers={"content-type": "application/json"})
                 assert r.status_code < 500, (r.status_code, r.text[:300])
+                problem = schema_of(path, raw)
+                if problem is not None:  # the schema holds on every endpoint
+                    assert r.status_code == 400, (problem, r.status_code, r.text[:300])
                 if r.status_code >= 400:
                     assert is_envelope(r.json()), r.text[:300]
                     event(f"{r.status_code} {r.json()['error']['code']}")
@@ -209,6 +254,16 @@ async def fuzz(gateway_url: str, examples: int) -> None:
             no_5xx()
 
     await asyncio.to_thread(run)
+
+
+def schema_of(path: str, raw: bytes) -> str | None:
+    """What the request schema refuses in this body (None: it passes, or it is not JSON)."""
+    try:
+        body = parse_body(raw)
+    except BodyError:
+        return None
+    problem = schema_problem(ENDPOINT_OF[path], body)
+    return None if problem is None else problem.param
 
 
 async def check_still_serving(gateway_url: str) -> None:

@@ -103,11 +103,12 @@ async def test_gateways_share_tenants_and_index_through_a_secured_redis(
         assert "cl:tenants" in keys
 
 
-async def test_a_gateway_without_the_password_is_refused_by_redis(tmp_path: Path) -> None:
+async def test_a_gateway_without_the_password_does_not_start(tmp_path: Path) -> None:
+    """A wrong password is a start-up error (gateway/tenant_store.py TenantStoreRefused), not a
+    gateway that serves its file's tenants while ignoring the revocations in Redis."""
     with RedisServer(password="the-real-password") as server:
         wrong = server.url.replace("the-real-password", "a-wrong-password")
-        async with gateways(wrong, tmp_path, n=1) as (url,), httpx.AsyncClient() as h:
-            put = await h.put(f"{url}/admin/tenants/new", json={"api_key": NEW_KEY}, headers=ADMIN)
-            assert put.status_code == 503
-            assert put.json()["error"]["code"] == "store_unavailable"
+        with pytest.raises(RuntimeError, match=r"exited \(3\)"):  # uvicorn: STARTUP_FAILURE
+            async with gateways(wrong, tmp_path, n=1):
+                pass
         assert server.cli("HLEN", "cl:tenants").stdout.strip() == "0"

@@ -157,8 +157,9 @@ async def served(replicas: list[str], *args: str) -> AsyncIterator[tuple[str, li
     """`cachelane serve` in a subprocess; yields its URL and a list that, once the block has
     ended and the gateway exited, holds its stderr lines."""
     port = free_port()
-    cmd = [sys.executable, "-m", "gateway", "serve", "--replicas", ",".join(replicas)]
-    cmd += ["--port", str(port), *args]
+    cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), *args]
+    if replicas:  # else `args` give a --config
+        cmd += ["--replicas", ",".join(replicas)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     lines: list[str] = []
     url = f"http://127.0.0.1:{port}"

@@ -359,3 +359,50 @@ async def test_admin_changes_answer_503_while_redis_is_down(own_redis: RedisServ
         assert await status_of(h, url, WEB_KEY) == 200
         assert await status_of(h, url, LATE_KEY) == 401
         assert (await h.get(f"{url}/admin/tenants", headers=ADMIN)).status_code == 200
+
+
+# ---- issue 29, item 4: tenant names are a safe identifier ------------------------------------
+
+LOOK_KEY = "lookalike-key-" + "k" * 32
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["ev%00il", "ev%0Ail", "we%E2%80%AEb", "w%E2%80%8Beb", "x" * 5000, ".web", "a%20b"],
+    ids=["nul", "newline", "rlo", "zwsp", "5000", "dot-first", "space"],
+)
+async def test_the_admin_api_refuses_unsafe_tenant_names(name: str) -> None:
+    async with (
+        fleet(1, tenants=[WEB], admin={"api_key": ADMIN_KEY}) as f,
+        httpx.AsyncClient(timeout=30) as h,
+    ):
+        url = f"{f.gateway_url}/admin/tenants/{name}"
+        r = await h.put(url, json={"api_key": LOOK_KEY}, headers=ADMIN)
+        assert r.status_code in (400, 404), r.text  # 404: the router's, for a path too long
+        if r.status_code == 400:
+            error = r.json()["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", "name"), error
+        listed = (await h.get(f"{f.gateway_url}/admin/tenants", headers=ADMIN)).json()["data"]
+        assert [t["name"] for t in listed] == ["web"]
+        assert "\x00" not in (await h.get(f"{f.gateway_url}/metrics")).text
+
+
+@pytest.mark.parametrize("name", ["WEB", "Web", "%EF%BD%97%EF%BD%85%EF%BD%82"], ids=str)
+async def test_the_admin_api_refuses_a_lookalike_of_a_live_tenant(name: str) -> None:
+    async with (
+        fleet(1, tenants=[WEB], admin={"api_key": ADMIN_KEY}) as f,
+        httpx.AsyncClient(timeout=30) as h,
+    ):
+        url = f"{f.gateway_url}/admin/tenants/{name}"
+        r = await h.put(url, json={"api_key": LOOK_KEY}, headers=ADMIN)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "tenant_name_taken"
+        assert r.json()["error"]["param"] == "name"
+        # the live tenant itself may still be replaced, and once it is gone the name is free
+        body = {"api_key": WEB_KEY, "class": "batch"}
+        again = await h.put(f"{f.gateway_url}/admin/tenants/web", json=body, headers=ADMIN)
+        assert again.status_code == 200, again.text
+        gone = await h.delete(f"{f.gateway_url}/admin/tenants/web", headers=ADMIN)
+        assert gone.status_code == 204
+        r = await h.put(url, json={"api_key": LOOK_KEY}, headers=ADMIN)
+        assert r.status_code == 200, r.text

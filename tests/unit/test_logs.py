@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from gateway.logs import (
     JsonFormatter,
     RequestIdFilter,
     TextFormatter,
     clean_request_id,
+    key_values,
     upstream_headers,
 )
 
@@ -64,3 +67,59 @@ def test_json_lines_carry_a_traceback() -> None:
 def test_text_lines_end_with_the_request_id() -> None:
     assert TextFormatter().format(record(request_id="r1")).endswith("hello world request_id=r1")
     assert TextFormatter().format(record(request_id=None)).endswith("hello world")
+
+
+FORGED = "x\n2026-12-04 18:31:00,000\tWARNING\tcachelane.tenants:\tforged"
+HOSTILE = [
+    FORGED,
+    "a\rb",
+    "a\x00b",
+    "\x1b[31mred",
+    "rlo\u202eevil",
+    "zw\u200bsp",
+    "ls\u2028x",
+    'q"=',
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE, ids=range(len(HOSTILE)))
+def test_every_access_value_is_one_escaped_token(value: str) -> None:
+    fields = {"path": value, "tenant": value, "status": 400}
+    text = TextFormatter().format(record(key_values(fields), (), access=fields))
+    assert len(text.splitlines()) == 1, text
+    assert text.isascii() and text.isprintable(), text
+    assert text.endswith(f"path={json.dumps(value)} tenant={json.dumps(value)} status=400")
+
+
+@pytest.mark.parametrize("value", HOSTILE, ids=range(len(HOSTILE)))
+def test_every_other_message_is_one_line(value: str) -> None:
+    text = TextFormatter().format(record("asked for %s", (value,), request_id="r1"))
+    assert len(text.splitlines()) == 1, text
+    assert "\t" not in text and "\x1b" not in text and "\u202e" not in text
+    assert text.endswith(" request_id=r1")
+
+
+def test_a_traceback_follows_indented_and_escaped() -> None:
+    try:
+        raise ValueError(FORGED)
+    except ValueError:
+        import sys
+
+        r = record(exc_info=sys.exc_info())
+    lines = TextFormatter().format(r).splitlines()
+    assert lines[0].endswith("hello world")
+    assert all(line.startswith(TextFormatter.TRACE_INDENT) for line in lines[1:]), lines
+    assert "\t" not in "".join(lines)
+
+
+@pytest.mark.parametrize("value", HOSTILE, ids=range(len(HOSTILE)))
+def test_json_lines_stay_one_json_object(value: str) -> None:
+    text = JsonFormatter().format(record("asked for %s", (value,), request_id="r1"))
+    assert len(text.splitlines()) == 1
+    assert json.loads(text)["msg"] == f"asked for {value}"
+
+
+def test_plain_values_stay_bare() -> None:
+    assert key_values({"a": "/v1/chat/completions", "b": None, "c": 3.5, "d": ""}) == (
+        'a=/v1/chat/completions b=- c=3.5 d=""'
+    )

@@ -1,6 +1,12 @@
 import pytest
 
-from routing.prompt import PromptError, approx_tokens, chat_text, completion_text
+from routing.prompt import (
+    PromptError,
+    approx_tokens,
+    chat_text,
+    completion_text,
+    responses_messages,
+)
 
 
 def test_chat_text_is_prefix_stable_as_a_conversation_grows() -> None:
@@ -72,3 +78,13 @@ def test_completion_text_rejects(prompt: object) -> None:
 @pytest.mark.parametrize(("chars", "tokens"), [(0, 0), (1, 1), (4, 1), (5, 2), (4000, 1000)])
 def test_approx_tokens(chars: int, tokens: int) -> None:
     assert approx_tokens("x" * chars) == tokens
+
+
+def test_responses_text_parts_render_as_chat_text_parts() -> None:
+    chat = chat_text([{"role": "user", "content": [{"type": "text", "text": "hello"}]}])
+    for kind in ("input_text", "output_text"):
+        item = {"role": "user", "content": [{"type": kind, "text": "hello"}]}
+        assert chat_text(responses_messages([item])) == chat
+        item["content"] = [{"type": kind, "text": 5}]
+        with pytest.raises(PromptError):
+            chat_text(responses_messages([item]))
