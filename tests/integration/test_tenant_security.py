@@ -361,7 +361,7 @@ async def test_admin_changes_answer_503_while_redis_is_down(own_redis: RedisServ
         assert (await h.get(f"{url}/admin/tenants", headers=ADMIN)).status_code == 200
 
 
-# ---- issue 29, item 4: tenant names are a safe identifier ------------------------------------
+# ---- tenant names are a safe identifier ----------------------------------------------------------
 
 LOOK_KEY = "lookalike-key-" + "k" * 32
 
