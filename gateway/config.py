@@ -21,7 +21,9 @@ from pydantic import (
     ConfigDict,
     Field,
     HttpUrl,
+    SecretStr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -257,6 +259,33 @@ def nameserver_address(server: str) -> tuple[str, int]:
     return host, int(port)
 
 
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")  # RFC 9110 section 5.6.2 token
+UNFORWARDABLE_HEADERS = frozenset(
+    {
+        # the client's credentials for the gateway, and the gateway's own for the replica
+        "authorization",
+        "proxy-authorization",
+        "cookie",
+        # set by the gateway for the body it sends, its request id and its trace
+        "content-type",
+        "content-length",
+        "content-encoding",
+        "host",
+        "x-request-id",
+        "traceparent",
+        "tracestate",
+        # hop-by-hop (RFC 9110 section 7.6.1)
+        "connection",
+        "proxy-connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+
 class PoolConfig(Strict):
     name: str
     replicas: list[HttpUrl] = Field(default_factory=list)  # or discovery
@@ -327,6 +356,35 @@ class PoolConfig(Strict):
         description="Precise mode: the served model's tokenizer and chat template, so the "
         "gateway hashes the engine's own token ids.",
     )
+
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="The key the pool's replicas require (vLLM `--api-key`, or an "
+        "authenticating proxy in front of the engine), sent as `Authorization: Bearer` on "
+        "every call the gateway makes to them: proxied requests, health checks (/v1/models), "
+        "metrics scrapes and warms. Give it as api_key_file or ${VAR}; it is never logged.",
+    )
+    forward_headers: list[str] = Field(
+        default_factory=list,
+        description="Client request headers passed on to the pool's replicas as they came "
+        "(e.g. [openai-organization, x-user-id]); every other client header stays in the "
+        "gateway. Names the gateway sets itself, hop-by-hop headers and credentials cannot "
+        "be listed.",
+    )
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, names: list[str]) -> list[str]:
+        lowered = [n.strip().lower() for n in names]
+        for name in lowered:
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an HTTP header name")
+            if name in UNFORWARDABLE_HEADERS or name.startswith("x-cachelane-"):
+                raise ValueError(
+                    f"{name!r} cannot be forwarded: the gateway sets it, it belongs to one "
+                    "connection, or it carries the client's credentials"
+                )
+        return lowered
 
     @model_validator(mode="after")
     def _replicas_or_discovery(self) -> PoolConfig:
@@ -411,6 +469,35 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 class ListenConfig(Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list,
+        description="Peers trusted to say who the client is (X-Forwarded-For, "
+        "X-Forwarded-Proto): addresses or networks of the load balancer or ingress in front, "
+        'e.g. [10.0.0.0/8], or ["*"] to trust any peer. The failed-authentication limit '
+        "counts requests without a valid key by that client address. Empty (the default): "
+        "no peer is trusted, not even loopback, and the peer's own address counts.",
+    )
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _addresses(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            if entry == "*":
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r} is not an IP address or network (or '*' for any peer)"
+                ) from None
+        return entries
+
+    @property
+    def trusted_proxies(self) -> str:
+        """uvicorn's forwarded_allow_ips: "" trusts no peer (uvicorn's own default trusts
+        loopback, which lets any local process forge a client address)."""
+        return ",".join(self.forwarded_allow_ips)
+
     header_timeout_s: PositiveFloat = Field(
         default=DEFAULT_HEADER_TIMEOUT_S,
         description="A connection that has not sent a whole request line and headers this long "
