@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import __version__, logs, tracing
+from gateway import __version__, logs, replica_auth, tracing
 from gateway.admin import _require_admin, admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.body_fields import check_fields
@@ -374,6 +374,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     try:
         tenant = gw.authenticate(request)
         logs.note_tenant(tenant)
+        replica_auth.remember_client_headers(request.headers)  # pools[].forward_headers
         await gw.limits.admit_request(tenant)
         body = await _read_json(request, gw.config.max_body_bytes)
         check_fields(body, gw.denied_fields[tenant.tenant_class])
