@@ -53,6 +53,9 @@ def _serve(args: argparse.Namespace) -> int:
         "log_config": None,  # uvicorn's lines go through the root handler, in --log-format
         "access_log": False,  # cachelane.access writes one line per request instead
         "http": HTTP_PROTOCOL,  # uvicorn's, with a deadline on a request's headers
+        # X-Forwarded-For only from the proxies the config names ("": none, not even loopback;
+        # uvicorn's FORWARDED_ALLOW_IPS environment variable is not read)
+        "forwarded_allow_ips": config.listen.trusted_proxies,
     }
     if args.workers == 1:
         app = create_app(config, config_path=_config_path(args))

@@ -680,11 +680,11 @@ class RateLimitsConfig(Strict):
     )
     failed_auth_per_min: Annotated[int, Field(ge=0)] = Field(
         default=DEFAULT_FAILED_AUTH_PER_MIN,
-        description="Failed authentications (401) a client address may make a minute; past "
-        "it, every request from that address gets 429 with Retry-After until the minute "
-        "allows more. Behind a load balancer set FORWARDED_ALLOW_IPS to its addresses (uvicorn "
-        "then takes the client's from X-Forwarded-For), or every client shares its address. "
-        "0: no limit.",
+        description="Failed authentications (401) a client address, or a key, may make a "
+        "minute; past it, its requests without a valid key get 429 with Retry-After until the "
+        "minute allows more. A valid key is never refused by this limit. Behind a load "
+        "balancer set listen.forwarded_allow_ips to its addresses (the client's is then taken "
+        "from X-Forwarded-For), or every client without a key shares its address. 0: no limit.",
     )
 
 
