@@ -322,3 +322,27 @@ def test_compose_config_renders() -> None:
         assert "gateway-a" in done.stdout and "sim-offload" in done.stdout
         if profiles:
             assert "vllm-offload" in done.stdout
+
+
+def test_gateways_trust_forwarded_for_from_nginxs_network_only(
+    compose: dict[str, Any], services: dict[str, Any]
+) -> None:
+    """nginx sets X-Forwarded-For; the gateways believe it from the `edge` network alone, and
+    only nginx and the gateways are on that network."""
+    (subnet,) = [c["subnet"] for c in compose["networks"]["edge"]["ipam"]["config"]]
+    on_edge = {name for name, s in services.items() if "edge" in s.get("networks", [])}
+    on_edge |= {"gateway-a", "gateway-b"} if "edge" in compose["x-gateway"]["networks"] else set()
+    assert on_edge == {"lb", "gateway-a", "gateway-b"}
+    assert services["lb"]["networks"] == ["edge"]
+    for path in GATEWAY_CONFIGS:
+        assert load_config(path, _gateway_env()).listen.forwarded_allow_ips == [subnet], path
+
+
+def test_engine_images_name_a_release() -> None:
+    """No `latest` (or untagged) image: the default of every ${..._TAG} is a release."""
+    text = COMPOSE_FILE.read_text()
+    images = re.findall(r"^\s*image:\s*(\S+)", text, re.MULTILINE)
+    assert images
+    for image in images:
+        tag = re.sub(r"\$\{[A-Z_]+:-(.*?)\}", r"\1", image).rpartition(":")[2]
+        assert tag and tag != "latest" and "/" not in tag, image

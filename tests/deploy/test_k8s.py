@@ -195,7 +195,9 @@ def test_ports_match_the_configs_listen_port(target: Path) -> None:
     assert [p["containerPort"] for p in container["ports"]] == [port]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert _resolve(container[probe]["httpGet"]["port"], container) == port, probe
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # ready while the process serves, even if only JSON 503s (deploy/README.md: readiness;
+    # tests/integration/test_readiness.py); /ready's 503 would empty the Service in an outage
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     (service_port,) = objects[("Service", "cachelane")]["spec"]["ports"]
     assert _resolve(service_port["targetPort"], container) == port
@@ -385,3 +387,35 @@ def test_rendered_dashboard_config_map(rendered: list[dict[str, Any]]) -> None:
     dashboard = json.loads(cm["data"]["cachelane.json"])
     compose = COMPOSE_DIR / "grafana" / "dashboards" / "cachelane.json"
     assert dashboard == json.loads(compose.read_text())
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=rel)
+def test_the_gateway_trusts_forwarded_for_from_the_pod_network_only(target: Path) -> None:
+    trusted = _gateway_config(target).listen.forwarded_allow_ips
+    assert trusted and "*" not in trusted  # the ingress's pods, never any peer
+
+
+def test_no_engine_image_floats() -> None:
+    """Every image under deploy/k8s names a release tag, never `latest` (or none at all): in
+    the manifest, or in the base kustomization's `images` (the gateway's own)."""
+    tagged = {
+        i["name"]: i["newTag"]
+        for i in load_one(K8S_DIR / "base" / "kustomization.yaml")["images"]
+        if i.get("newTag")
+    }
+    for path in yaml_files(K8S_DIR):
+        for doc in load_docs(path):
+            for image in _images(doc):
+                if image in tagged:
+                    image = f"{image}:{tagged[image]}"
+                name, _, tag = image.rpartition(":")
+                assert name and tag and tag != "latest", f"{rel(path)}: {image}"
+
+
+def _images(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [v for k, v in node.items() if k == "image" and isinstance(v, str)]
+        return found + [i for v in node.values() for i in _images(v)]
+    if isinstance(node, list):
+        return [i for v in node for i in _images(v)]
+    return []
