@@ -948,6 +948,20 @@ def _url_key(url: str) -> str:
     return url.rstrip("/")
 
 
+def no_tenant_warning(config: GatewayConfig) -> str:
+    """What a gateway in auth mode keys without a tenant does: refuse every request."""
+    how = (
+        "add one with the admin API (PUT /admin/tenants/NAME) or under `tenants:`"
+        if config.admin.configured
+        else "add one under `tenants:` (or set admin.api_key to add them at run time)"
+    )
+    return (
+        "no request can be served: auth.mode is keys (the default for a config file) and no "
+        f"tenant has a key, so every request is refused 401; {how}, or set auth.mode: open "
+        "to serve everyone as the anonymous tenant (as `cachelane serve --replicas` does)"
+    )
+
+
 class ConfigError(Exception):
     """The config file is missing, not YAML, or fails validation; the message names the key."""
 

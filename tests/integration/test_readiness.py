@@ -5,7 +5,10 @@ clients then get the gateway's JSON 503 with Retry-After instead of the load bal
 
 from __future__ import annotations
 
+import logging
+
 import httpx
+import pytest
 
 from gateway.app import create_app
 from tests.helpers.ports import free_port
@@ -27,3 +30,14 @@ async def test_with_no_replica_healthy_the_gateway_stays_ready_and_answers_json_
         assert resp.status_code == 503
         assert int(resp.headers["retry-after"]) >= 1
         assert resp.json()["error"]["code"]
+
+
+async def test_a_gateway_without_a_tenant_says_at_start_that_it_serves_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="cachelane")
+    down = f"http://127.0.0.1:{free_port()}"
+    app = create_app(gateway_config([down], auth={"mode": "keys"}))
+    async with running_app(app) as url, httpx.AsyncClient(base_url=url, trust_env=False) as h:
+        assert (await h.get("/v1/models")).status_code == 401
+    assert any("no request can be served" in m for m in caplog.messages)
