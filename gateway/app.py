@@ -24,7 +24,7 @@ from gateway import __version__, logs, replica_auth, tracing
 from gateway.admin import _require_admin, admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.body_fields import check_fields
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, no_tenant_warning
 from gateway.costs import costs_router
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, bad_request
@@ -99,6 +99,8 @@ def create_app(
             await gw.health.check_all()
             stop_sighup = install_sighup(gw.reloader) if config_path else None
             await gw.tenants.load()
+            if not gw.tenants.open_mode and not gw.tenants.list():  # say it, do not guess
+                log.warning("%s", no_tenant_warning(config))
             tasks = [
                 asyncio.create_task(gw.health.run(), name="health-checks"),
                 asyncio.create_task(gw.tenants.run(), name="tenant-refresh"),
