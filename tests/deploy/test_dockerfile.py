@@ -288,6 +288,19 @@ def test_image_entrypoint_starts_and_passes_its_healthcheck(wheel: Path, tmp_pat
             check=True,
         ).stdout
         assert where.startswith(str(venv)), f"gateway imported from {where}, not the wheel"
+        hint = subprocess.run(
+            [
+                str(venv / "bin" / "python"),
+                "-c",
+                "from gateway.extras import install_hint; print(install_hint('sim'))",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert hint == f"pip install '{wheel}[sim]'"  # the wheel it came from, which has [sim]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
