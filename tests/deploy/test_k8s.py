@@ -419,3 +419,32 @@ def _images(node: Any) -> list[str]:
     if isinstance(node, list):
         return [i for v in node for i in _images(v)]
     return []
+
+
+ALERTS = {
+    "CachelaneNoHealthyReplica",
+    "CachelaneIndexDegraded",
+    "CachelaneEstimateErrorDrifting",
+    "CachelanePinnedPoolUndersized",
+    "CachelaneShedding",
+}
+
+
+def alert_rules(rule: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def test_the_alerts_cover_the_documented_failures_with_exported_metrics() -> None:
+    from tests.deploy.test_compose import _exported_metric_names
+
+    (rule,) = [o for o in _objects(K8S_DIR / "base").values() if o["kind"] == "PrometheusRule"]
+    rules = alert_rules(rule)
+    assert set(rules) == ALERTS
+    exported = _exported_metric_names()
+    for name, r in rules.items():
+        used = set(re.findall(r"\b(cachelane_[a-z0-9_]+)", r["expr"]))
+        assert used and used <= exported, (name, used - exported)
+        assert r["expr"].count("(") == r["expr"].count(")"), name
+        assert r["for"] and r["labels"]["severity"] in ("critical", "warning"), name
+        assert r["annotations"]["summary"] and r["annotations"]["description"], name
