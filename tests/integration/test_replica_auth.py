@@ -150,3 +150,56 @@ async def test_a_wrong_key_is_refused_by_the_simulator_in_openais_envelope() -> 
             assert resp.json()["error"]["code"] == "invalid_api_key"
         ok = await http.get(f"{url}/v1/models", headers={"authorization": f"Bearer {REPLICA_KEY}"})
         assert ok.status_code == 200
+
+
+async def test_a_warm_carries_the_pools_key() -> None:
+    """prewarm: a critical tenant's hot prefix is warmed on the other pinned replica, with the
+    pinned pool's key (the simulator refuses a warm without it)."""
+    async with AsyncExitStack() as stack:
+        recorders, urls = [], []
+        for i in range(2):
+            spec = SimReplicaSpec(
+                name=f"sim-{i}", port=0, costs=FAST_COSTS, itl_s=0.001, api_key=REPLICA_KEY
+            )
+            recorders.append(Recorder(create_sim_app(spec)))
+            urls.append(await stack.enter_async_context(running_app(recorders[-1])))
+        pinned = {
+            "name": "pinned",
+            "models": [MODEL],
+            "replicas": urls,
+            "pinned": True,
+            "hbm_only": True,
+            "api_key": REPLICA_KEY,
+        }
+        config = gateway_config(
+            urls,
+            tenants=[{"name": "voice", "api_key": TENANT_KEY, "class": "critical"}],
+            pools=[pinned],
+            prewarm={"enabled": True, "hot_after": 2, "method": "prefetch", "max_per_s": 50},
+        )
+        app = create_app(config)
+        gateway_url = await stack.enter_async_context(running_app(app))
+        gw = app.state.gw
+        await until(lambda: all(r.healthy for r in gw.registry.replicas.values()), "healthy")
+        system = "You are the voice agent of a railway. " * 40
+        async with AsyncOpenAI(
+            base_url=f"{gateway_url}/v1", api_key=TENANT_KEY, max_retries=0
+        ) as oai:
+            for question in ("one", "two", "three"):
+                await oai.chat.completions.create(
+                    model=MODEL,
+                    messages=[
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": question},
+                    ],
+                    max_tokens=2,
+                )
+
+        def warms() -> list[dict[str, str]]:
+            return [h for r in recorders for h in r.headers_of("/prefetch")]
+
+        await until(lambda: bool(warms()) and gw.prewarmer.idle, "a warm is sent")
+        assert all(h.get("authorization") == f"Bearer {REPLICA_KEY}" for h in warms())
+        assert gw.metrics.registry.get_sample_value(
+            "cachelane_prewarms_total", {"trigger": "critical", "outcome": "warmed"}
+        )
