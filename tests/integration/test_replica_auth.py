@@ -26,6 +26,7 @@ from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 
 REPLICA_KEY = "replica-key-" + "7" * 40
 TENANT_KEY = "tenant-key-" + "3" * 40
+ADMIN_KEY = "admin-key-" + "4" * 40
 WAIT_S = 10.0  # for health checks and scrapes on 0.2 s intervals
 
 
@@ -61,6 +62,7 @@ async def keyed_fleet(pool: dict[str, Any]) -> AsyncIterator[tuple[str, Recorder
             [url],
             engine_metrics={"enabled": True, "interval_s": 0.2, "timeout_s": 1.0},
             tenants=[{"name": "acme", "api_key": TENANT_KEY}],
+            admin={"api_key": ADMIN_KEY},
             pools=[pool_config],
         )
         app = create_app(config)
@@ -104,6 +106,18 @@ async def test_the_pools_key_goes_on_every_call_and_the_clients_stays_in_the_gat
             )
             chunks = [c async for c in stream]
             assert chunks
+        admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+        async with httpx.AsyncClient(base_url=gateway_url, trust_env=False) as http:
+            route = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+            pages = [
+                await http.post("/debug/route", json=route, headers=admin),
+                await http.get("/debug/costs", headers=admin),
+                await http.get("/ready"),
+                await http.get("/metrics"),
+            ]
+        for page in pages:  # what the gateway shows of itself never holds the replicas' key
+            assert page.status_code == 200, page.text
+            assert REPLICA_KEY not in page.text
     bearer = f"Bearer {REPLICA_KEY}"
     for path in ("/v1/models", "/metrics", "/v1/chat/completions"):
         seen = recorder.headers_of(path)
