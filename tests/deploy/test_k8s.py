@@ -294,6 +294,7 @@ def test_the_pod_reads_its_keys_from_the_secret(target: Path, tmp_path: Path) ->
     assert config.tenants and config.admin.api_key
     text = load_one(kustomize_check.check(target).generators[CONFIG][-1])
     keys = [t.get("api_key_file") for t in text["tenants"]] + [text["admin"].get("api_key_file")]
+    keys += [p.get("api_key_file") for p in text["pools"]]  # the replicas' key (overlays/vllm)
     secret_files = {f.name for f in kustomize_check.check(target).generators[SECRETS]}
     referenced = {Path(k).name for k in keys if k}
     referenced |= {Path(text["auth"]["secret_file"]).name} if "auth" in text else set()
@@ -448,3 +449,25 @@ def test_the_alerts_cover_the_documented_failures_with_exported_metrics() -> Non
         assert r["expr"].count("(") == r["expr"].count(")"), name
         assert r["for"] and r["labels"]["severity"] in ("critical", "warning"), name
         assert r["annotations"]["summary"] and r["annotations"]["description"], name
+
+
+def test_the_vllm_replicas_require_the_key_the_gateway_sends() -> None:
+    """overlays/vllm: each engine takes --api-key from the Secret vllm-api-key, made of the file
+    the gateway's pools read as api_key_file (from cachelane-secrets)."""
+    target = K8S_DIR / "overlays" / "vllm"
+    config = _gateway_config(target)
+    generators = kustomize_check.check(target).generators
+    (engine_file,) = generators["vllm-api-key"]
+    assert engine_file in generators[SECRETS]
+    expected = engine_file.read_text().strip().replace("change-me", OPERATOR_VALUE)
+    for pool in config.pools:
+        assert pool.api_key is not None and pool.api_key.get_secret_value() == expected
+    engines = [o for o in _objects(target).values() if o["kind"] == "StatefulSet"]
+    engines = [e for e in engines if e["metadata"]["name"].startswith("vllm-")]
+    assert len(engines) == 2
+    for engine in engines:
+        (container,) = engine["spec"]["template"]["spec"]["containers"]
+        args = [str(a) for a in container["args"]]
+        assert args[args.index("--api-key") + 1] == "$(VLLM_API_KEY)"
+        (env,) = [e for e in container["env"] if e["name"] == "VLLM_API_KEY"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "vllm-api-key", "key": "api-key"}

@@ -176,3 +176,8 @@ def test_forwarded_allow_ips_become_uvicorns(given: list[str], uvicorn: str) -> 
 def test_forwarded_allow_ips_refuse_a_name() -> None:
     with pytest.raises(ConfigError, match="forwarded_allow_ips"):
         parse_config({**MINIMAL, "listen": {"forwarded_allow_ips": ["nginx"]}})
+
+
+def test_a_published_example_replica_key_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"pools.0 \('p'\).api_key"):
+        parse_config(_pool(api_key="change-me-vllm-api-key-000000000000000000"))
