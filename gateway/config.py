@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway import config_env
+from gateway import config_env, replica_auth
 from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
 from gateway.body_fields import ENGINE_CONTROL_FIELDS
 from gateway.example_keys import example_keys_in
@@ -259,33 +259,6 @@ def nameserver_address(server: str) -> tuple[str, int]:
     return host, int(port)
 
 
-_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")  # RFC 9110 section 5.6.2 token
-UNFORWARDABLE_HEADERS = frozenset(
-    {
-        # the client's credentials for the gateway, and the gateway's own for the replica
-        "authorization",
-        "proxy-authorization",
-        "cookie",
-        # set by the gateway for the body it sends, its request id and its trace
-        "content-type",
-        "content-length",
-        "content-encoding",
-        "host",
-        "x-request-id",
-        "traceparent",
-        "tracestate",
-        # hop-by-hop (RFC 9110 section 7.6.1)
-        "connection",
-        "proxy-connection",
-        "keep-alive",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-
-
 class PoolConfig(Strict):
     name: str
     replicas: list[HttpUrl] = Field(default_factory=list)  # or discovery
@@ -375,16 +348,7 @@ class PoolConfig(Strict):
     @field_validator("forward_headers")
     @classmethod
     def _forwardable(cls, names: list[str]) -> list[str]:
-        lowered = [n.strip().lower() for n in names]
-        for name in lowered:
-            if not _HEADER_NAME.fullmatch(name):
-                raise ValueError(f"{name!r} is not an HTTP header name")
-            if name in UNFORWARDABLE_HEADERS or name.startswith("x-cachelane-"):
-                raise ValueError(
-                    f"{name!r} cannot be forwarded: the gateway sets it, it belongs to one "
-                    "connection, or it carries the client's credentials"
-                )
-        return lowered
+        return [replica_auth.forwardable(name) for name in names]
 
     @model_validator(mode="after")
     def _replicas_or_discovery(self) -> PoolConfig:
