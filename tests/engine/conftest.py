@@ -121,7 +121,8 @@ def start_vllm(
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": str(i),  # one core each
+        # one core each, shared round the machine's cores when there are more replicas
+        "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
         "VLLM_SERVER_DEV_MODE": "1",  # for /reset_prefix_cache
         "NO_PROXY": "127.0.0.1,localhost",
     }

@@ -24,7 +24,7 @@ from tests.helpers.servers import running_app
 pytestmark = pytest.mark.engine
 
 REPLICA_KEY = "engine-key-" + "5" * 40
-REPLICA_INDEX = 2  # after the session's two replicas: its own core (VLLM_CPU_OMP_THREADS_BIND)
+REPLICA_INDEX = 2  # after the session's two replicas (its log name; its core: start_vllm)
 WAIT_S = 30.0
 
 
