@@ -20,11 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import __version__, logs, tracing
+from gateway import __version__, logs, replica_auth, tracing
 from gateway.admin import _require_admin, admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.body_fields import check_fields
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, no_tenant_warning
 from gateway.costs import costs_router
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, bad_request
@@ -100,6 +100,8 @@ def create_app(
             await gw.health.check_all()
             stop_sighup = install_sighup(gw.reloader) if config_path else None
             await gw.tenants.load()
+            if not gw.tenants.open_mode and not gw.tenants.list():  # say it, do not guess
+                log.warning("%s", no_tenant_warning(config))
             tasks = [
                 asyncio.create_task(gw.health.run(), name="health-checks"),
                 asyncio.create_task(gw.tenants.run(), name="tenant-refresh"),
@@ -378,6 +380,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     try:
         tenant = gw.authenticate(request)
         logs.note_tenant(tenant)
+        replica_auth.remember_client_headers(request.headers)  # pools[].forward_headers
         await gw.limits.admit_request(tenant)
         body = await _read_json(request, gw.config.max_body_bytes)
         check_fields(body, gw.denied_fields[tenant.tenant_class])

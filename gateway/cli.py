@@ -13,7 +13,13 @@ from typing import Any
 import httpx
 
 from gateway import report
-from gateway.config import ConfigError, GatewayConfig, load_config, quick_config
+from gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    load_config,
+    no_tenant_warning,
+    quick_config,
+)
 from gateway.extras import SIM_MODULES, missing_message, missing_modules
 from routing.decide import Policy
 
@@ -53,6 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
         "log_config": None,  # uvicorn's lines go through the root handler, in --log-format
         "access_log": False,  # cachelane.access writes one line per request instead
         "http": HTTP_PROTOCOL,  # uvicorn's, with a deadline on a request's headers
+        # X-Forwarded-For only from the proxies the config names ("": none, not even loopback;
+        # uvicorn's FORWARDED_ALLOW_IPS environment variable is not read)
+        "forwarded_allow_ips": config.listen.trusted_proxies,
     }
     if args.workers == 1:
         app = create_app(config, config_path=_config_path(args))
@@ -286,9 +295,15 @@ def _route_explain(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    path = args.file or os.environ.get(CONFIG_ENV)
+    if args.file and args.config and args.file != args.config:
+        print("cachelane: give the config once: FILE or --config FILE", file=sys.stderr)
+        return 2
+    path = args.config or args.file or os.environ.get(CONFIG_ENV)
     if not path:
-        print(f"cachelane: give a config FILE (or set {CONFIG_ENV})", file=sys.stderr)
+        print(
+            f"cachelane: give a config FILE (or --config FILE, or set {CONFIG_ENV})",
+            file=sys.stderr,
+        )
         return 2
     try:
         config = load_config(path)
@@ -303,6 +318,8 @@ def _check_config(args: argparse.Namespace) -> int:
         + f", {len(config.tenants)} tenant(s), auth {config.auth.mode}, routing "
         f"{config.routing.mode} {config.routing.policy.value}, index {config.index.backend}"
     )
+    if config.auth.mode == "keys" and not config.tenants:
+        print(f"cachelane: warning: {no_tenant_warning(config)}", file=sys.stderr)
     return 0
 
 
@@ -355,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         "0 when valid, 2 with every error",
     )
     check.add_argument("file", nargs="?", help=f"the config (default: ${CONFIG_ENV})")
+    check.add_argument("--config", help="the config, as `serve --config FILE` takes it")
     check.set_defaults(func=_check_config)
 
     explain = sub.add_parser(

@@ -21,12 +21,13 @@ from pydantic import (
     ConfigDict,
     Field,
     HttpUrl,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from gateway import config_env
+from gateway import config_env, replica_auth
 from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
 from gateway.body_fields import ENGINE_CONTROL_FIELDS
 from gateway.example_keys import example_keys_in
@@ -330,6 +331,26 @@ class PoolConfig(Strict):
         "gateway hashes the engine's own token ids.",
     )
 
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="The key the pool's replicas require (vLLM `--api-key`, or an "
+        "authenticating proxy in front of the engine), sent as `Authorization: Bearer` on "
+        "every call the gateway makes to them: proxied requests, health checks (/v1/models), "
+        "metrics scrapes and warms. Give it as api_key_file or ${VAR}; it is never logged.",
+    )
+    forward_headers: list[str] = Field(
+        default_factory=list,
+        description="Client request headers passed on to the pool's replicas as they came "
+        "(e.g. [openai-organization, x-user-id]); every other client header stays in the "
+        "gateway. Names the gateway sets itself, hop-by-hop headers and credentials cannot "
+        "be listed.",
+    )
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, names: list[str]) -> list[str]:
+        return [replica_auth.forwardable(name) for name in names]
+
     @model_validator(mode="after")
     def _replicas_or_discovery(self) -> PoolConfig:
         if bool(self.replicas) == (self.discovery is not None):
@@ -413,6 +434,35 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 class ListenConfig(Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list,
+        description="Peers trusted to say who the client is (X-Forwarded-For, "
+        "X-Forwarded-Proto): addresses or networks of the load balancer or ingress in front, "
+        'e.g. [10.0.0.0/8], or ["*"] to trust any peer. The failed-authentication limit '
+        "counts requests without a valid key by that client address. Empty (the default): "
+        "no peer is trusted, not even loopback, and the peer's own address counts.",
+    )
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _addresses(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            if entry == "*":
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r} is not an IP address or network (or '*' for any peer)"
+                ) from None
+        return entries
+
+    @property
+    def trusted_proxies(self) -> str:
+        """uvicorn's forwarded_allow_ips: "" trusts no peer (uvicorn's own default trusts
+        loopback, which lets any local process forge a client address)."""
+        return ",".join(self.forwarded_allow_ips)
+
     header_timeout_s: PositiveFloat = Field(
         default=DEFAULT_HEADER_TIMEOUT_S,
         description="A connection that has not sent a whole request line and headers this long "
@@ -603,11 +653,11 @@ class RateLimitsConfig(Strict):
     )
     failed_auth_per_min: Annotated[int, Field(ge=0)] = Field(
         default=DEFAULT_FAILED_AUTH_PER_MIN,
-        description="Failed authentications (401) a client address may make a minute; past "
-        "it, every request from that address gets 429 with Retry-After until the minute "
-        "allows more. Behind a load balancer set FORWARDED_ALLOW_IPS to its addresses (uvicorn "
-        "then takes the client's from X-Forwarded-For), or every client shares its address. "
-        "0: no limit.",
+        description="Failed authentications (401) a client address, or a key, may make a "
+        "minute; past it, its requests without a valid key get 429 with Retry-After until the "
+        "minute allows more. A valid key is never refused by this limit. Behind a load "
+        "balancer set listen.forwarded_allow_ips to its addresses (the client's is then taken "
+        "from X-Forwarded-For), or every client without a key shares its address. 0: no limit.",
     )
 
 
@@ -876,6 +926,20 @@ def _check_precise(pools: list[PoolConfig]) -> None:
 
 def _url_key(url: str) -> str:
     return url.rstrip("/")
+
+
+def no_tenant_warning(config: GatewayConfig) -> str:
+    """What a gateway in auth mode keys without a tenant does: refuse every request."""
+    how = (
+        "add one with the admin API (PUT /admin/tenants/NAME) or under `tenants:`"
+        if config.admin.configured
+        else "add one under `tenants:` (or set admin.api_key to add them at run time)"
+    )
+    return (
+        "no request can be served: auth.mode is keys (the default for a config file) and no "
+        f"tenant has a key, so every request is refused 401; {how}, or set auth.mode: open "
+        "to serve everyone as the anonymous tenant (as `cachelane serve --replicas` does)"
+    )
 
 
 class ConfigError(Exception):

@@ -42,6 +42,9 @@ def example_keys_in(config: GatewayConfig) -> list[str]:
         found.append("admin.api_key")
     if is_example(config.exposure.api_key) or is_example(config.exposure.api_key_sha256):
         found.append("exposure.api_key")
+    for i, pool in enumerate(config.pools):
+        if pool.api_key is not None and is_example(pool.api_key.get_secret_value()):
+            found.append(f"pools.{i} ({pool.name!r}).api_key")
     if is_example(config.auth.secret):
         found.append("auth.secret")
     if config.index.backend == "redis" and is_example(_password(config.index.redis_url)):

@@ -16,9 +16,10 @@ open after 60 s, under h11 and httptools alike. Two deadlines close that:
   BodyTimeout, answered 408 `request_timeout` with `connection: close` (uvicorn then closes the
   connection).
 
-Failed authentication: FailedAuthLimit counts 401 answers per client address (routing/ratelimit.py's
-GCRA, `rate_limits.failed_auth_per_min` a minute); once an address has used its budget, every
-request from it gets 429 with Retry-After, without being read, until one more failure would fit.
+Failed authentication: FailedAuthLimit counts 401 answers per client address and per credential
+presented (routing/ratelimit.py's GCRA, `rate_limits.failed_auth_per_min` a minute); once one has
+used its budget, its failures are answered 429 with Retry-After (a request without a key from a
+held address unread) until one more failure would fit. A valid key is never refused by it.
 
 Monitoring endpoints: `exposure.metrics_auth` / `ready_auth` put /metrics and /ready behind the
 monitoring key (`exposure.api_key`) or the admin key (require_monitoring).
@@ -27,6 +28,7 @@ monitoring key (`exposure.api_key`) or the admin key (require_monitoring).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import math
@@ -48,8 +50,9 @@ log = logging.getLogger("cachelane.exposure")
 
 POLICY_STATE_KEY = "cachelane_connections"  # the lifespan state entry the protocol reads
 MAX_TRACKED_ADDRESSES = 100_000
-# Failed-auth state kept for at most this many client addresses (least recently failed dropped):
-# ~100 bytes each, ~10 MB at most, whatever a flood of source addresses does.
+# Failed-auth state kept for at most this many client addresses and credential hashes (least
+# recently failed dropped): ~100 bytes each, ~10 MB at most, whatever a flood of source addresses
+# or of keys does.
 
 
 @dataclass(frozen=True)
@@ -161,33 +164,61 @@ class ReadDeadline:
 
 
 class AuthFailures:
-    """Failed authentications per client address, as routing/ratelimit.py's GCRA state: each
-    failure moves an address's state 60 / per_min seconds on; the address is held while one more
-    failure would not fit in the minute."""
+    """Failed authentications per client address and per credential presented (its SHA-256), as
+    routing/ratelimit.py's GCRA state: each failure moves a party's state 60 / per_min seconds on;
+    the party is held while one more failure would not fit in the minute."""
 
     def __init__(self, per_min: int) -> None:
         self.per_min = per_min
-        self._tat: OrderedDict[str, float] = OrderedDict()  # address -> GCRA state
+        self._tat: OrderedDict[str, float] = OrderedDict()  # party -> GCRA state
 
-    def held_for_s(self, address: str) -> float:
-        """0 if the address may send requests, else the seconds until it may."""
-        tat = self._tat.get(address)
+    def held_for_s(self, party: str) -> float:
+        """0 if the party (an address, or a credential's hash) may go on, else the seconds
+        until it may."""
+        tat = self._tat.get(party)
         if tat is None or self.per_min == 0:
             return 0.0
         window_s = 60.0 - 60.0 / self.per_min  # past it, one more failure would not fit
         return max(tat - time.time() - window_s, 0.0)
 
-    def failed(self, address: str) -> None:
-        self._tat[address] = charge(self._tat.get(address, 0.0), time.time(), 1, self.per_min)
-        self._tat.move_to_end(address)
+    def failed(self, party: str) -> None:
+        self._tat[party] = charge(self._tat.get(party, 0.0), time.time(), 1, self.per_min)
+        self._tat.move_to_end(party)
         while len(self._tat) > MAX_TRACKED_ADDRESSES:
             self._tat.popitem(last=False)
 
 
+def bearer_token(scope: Scope) -> bytes | None:
+    """The bearer token a request presents, or None when it presents none."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            token = token.strip()
+            return token if scheme.lower() == b"bearer" and token else None
+    return None
+
+
+def credential_party(token: bytes) -> str:
+    """A credential as the failures know it: its SHA-256, never the token."""
+    return "key:" + hashlib.sha256(token).hexdigest()
+
+
 class FailedAuthLimit:
-    """429 for every request of a client address that failed authentication more than
-    `failures.per_min` times a minute (401 answers, whatever the endpoint). The state is an
-    argument: the app builds this middleware twice (its hot path and the usual stack)."""
+    """Limits failed authentications (401 answers, whatever the endpoint) without ever refusing
+    a valid key. The state is an argument: the app builds this middleware twice (its hot path
+    and the usual stack).
+
+    - Every 401 counts against the client address and, when the request presented one, against
+      its credential (a hash of it).
+    - A request without a credential from an address that failed more than `failures.per_min`
+      times a minute gets 429 with Retry-After, unread.
+    - A request with a credential always reaches authentication, so a valid key is served
+      whatever its address or other keys did (behind a proxy every client may share one
+      address); an invalid one from a held address, or one itself held, gets the 429 instead
+      of its 401.
+
+    The client address is the peer's, or the one a trusted proxy names in X-Forwarded-For:
+    uvicorn rewrites it for peers in `listen.forwarded_allow_ips` only (none by default)."""
 
     def __init__(
         self, app: ASGIApp, *, failures: AuthFailures, on_refused: Callable[[], None]
@@ -202,26 +233,49 @@ class FailedAuthLimit:
             return
         client = scope.get("client")
         address = client[0] if client else ""
-        held_s = self._failures.held_for_s(address)
-        if held_s > 1e-9:
-            self._on_refused()
-            wait_s = max(1, math.ceil(held_s))
-            err = ApiError(
-                429,
-                f"too many failed authentications from this address: retry after {wait_s} s",
-                code="too_many_failed_auth",
-                type="requests",
-                headers={"retry-after": str(wait_s)},
-            )
-            await err.response()(scope, receive, send)
-            return
+        token = bearer_token(scope)
+        if token is None:
+            held_s = self._failures.held_for_s(address)
+            if held_s > 1e-9:
+                await self._refuse(held_s, scope, receive, send)
+                return
+        refused = False
 
         async def watched_send(message: Message) -> None:
+            nonlocal refused
+            if refused:  # the rest of the 401 the 429 replaced
+                return
             if message["type"] == "http.response.start" and message["status"] == 401:
+                credential = None if token is None else credential_party(token)
+                held_s = self._held_s(address, credential)
                 self._failures.failed(address)
+                if credential is not None:
+                    self._failures.failed(credential)
+                if held_s > 1e-9:
+                    refused = True
+                    await self._refuse(held_s, scope, receive, send)
+                    return
             await send(message)
 
         await self.app(scope, receive, watched_send)
+
+    def _held_s(self, address: str, credential: str | None) -> float:
+        held_s = self._failures.held_for_s(address)
+        if credential is not None:
+            held_s = max(held_s, self._failures.held_for_s(credential))
+        return held_s
+
+    async def _refuse(self, held_s: float, scope: Scope, receive: Receive, send: Send) -> None:
+        self._on_refused()
+        wait_s = max(1, math.ceil(held_s))
+        err = ApiError(
+            429,
+            f"too many failed authentications: retry after {wait_s} s",
+            code="too_many_failed_auth",
+            type="requests",
+            headers={"retry-after": str(wait_s)},
+        )
+        await err.response()(scope, receive, send)
 
 
 def require_monitoring(request: Request, gw: Any) -> None:

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.config import ClassesConfig
+from gateway.extras import install_hint
 from routing.cost import CostTerms
 from routing.whatif.capture import Capture, CaptureError, parse_capture
 from routing.whatif.replay import Outcome, replay
@@ -374,7 +375,7 @@ def run(argv: Sequence[str]) -> int:
         try:
             plot(result, args.png)
         except ImportError:
-            print("cachelane plan: --png needs matplotlib (pip install 'cachelane[sim]')")
+            print(f"cachelane plan: --png needs matplotlib ({install_hint('sim')})")
             return 2
         console.print(f"wrote {args.png}")
     return 0

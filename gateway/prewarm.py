@@ -188,7 +188,7 @@ class Prewarmer:
             resp = await self._client.post(
                 url,
                 content=json.dumps(body).encode(),
-                headers={"content-type": "application/json", **headers},
+                headers={"content-type": "application/json", **headers, **job.replica.auth_headers},
                 timeout=self._config.timeout_s,
             )
             resp.raise_for_status()

@@ -258,7 +258,7 @@ class Proxy:
                 reservation = self._reserve(plan, replica)
             url = replica.url + path
             body = upstream_body(plan, replica, raw_body)
-            headers = upstream_request_headers(plan)
+            headers = replica.request_headers(upstream_request_headers(plan))
             # a streamed answer's first byte is its first token; a whole answer's first byte
             # comes after the whole generation, so only upstream.read_timeout_s bounds it
             timeout_s = replica.pool.first_byte_timeout_s if plan.stream else None

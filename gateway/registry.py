@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
 import httpx
 
+from gateway import replica_auth
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.scraper import EngineLoad
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
@@ -62,6 +63,16 @@ class Replica:
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
     # Requests awaiting their first byte, keyed by id() of the reservation.
     joining: dict[int, Joining] = field(default_factory=dict)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The pool's credentials (pools[].api_key), on every call the gateway makes here."""
+        return replica_auth.credentials(self.pool)
+
+    def request_headers(self, own: Mapping[str, str]) -> dict[str, str]:
+        """A proxied request's headers: the client headers the pool forwards, then the
+        gateway's `own`, then the pool's credentials (a later one wins a name)."""
+        return replica_auth.forwarded(self.pool) | dict(own) | self.auth_headers
 
     @property
     def awaiting_first_byte(self) -> int:
@@ -413,10 +424,19 @@ async def probe(
 ) -> dict[str, dict[str, Any]]:
     """One active health check: GET /v1/models (any OpenAI-compatible server answers it).
     Returns the engine's entries by model id, as it sent them."""
-    resp = await client.get(f"{replica.url}/v1/models", timeout=timeout_s)
+    resp = await client.get(
+        f"{replica.url}/v1/models", timeout=timeout_s, headers=replica.auth_headers
+    )
     resp.raise_for_status()
     data = resp.json().get("data", [])
     return {str(m["id"]): m for m in data if isinstance(m, dict) and "id" in m}
+
+
+def _refused_credentials(err: Exception) -> int | None:
+    """401 or 403 when the replica answered a health check by refusing its caller."""
+    if isinstance(err, httpx.HTTPStatusError) and err.response.status_code in (401, 403):
+        return err.response.status_code
+    return None
 
 
 class HealthChecker:
@@ -447,7 +467,18 @@ class HealthChecker:
         try:
             cards = await probe(self._client, replica, self._timeout_s)
         except (httpx.HTTPError, ValueError, AttributeError) as err:
-            if not replica.answered_check and replica.last_error is None:  # said once
+            refused = _refused_credentials(err)
+            if refused is not None and replica.last_error != f"health check: {err!r}":
+                log.warning(  # said when it starts; the key itself is never logged
+                    "replica %s refused the gateway's credentials (%d): %s; it gets no "
+                    "traffic until it accepts them",
+                    replica.name,
+                    refused,
+                    "set the key it was started with (vLLM --api-key) as its pool's api_key"
+                    if replica.pool.api_key is None
+                    else "its pool's api_key is not the key the replica expects",
+                )
+            elif not replica.answered_check and replica.last_error is None:  # said once
                 log.warning(
                     "replica %s cannot be reached (%r); it gets no traffic until it answers",
                     replica.name,

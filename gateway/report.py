@@ -22,6 +22,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from gateway.extras import install_hint
 from gateway.findings import (
     Finding,
     by_class,
@@ -316,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
             draw(merged, args.png)
         except ImportError:
             print(
-                "cachelane report: --png needs matplotlib: pip install 'cachelane[report]'",
+                f"cachelane report: --png needs matplotlib: {install_hint('sim')}",
                 file=sys.stderr,
             )
             return 2

@@ -108,7 +108,9 @@ class Scraper:
 
     async def scrape(self, replica: Replica) -> None:
         try:
-            resp = await self._client.get(f"{replica.url}/metrics", timeout=self._timeout_s)
+            resp = await self._client.get(
+                f"{replica.url}/metrics", timeout=self._timeout_s, headers=replica.auth_headers
+            )
             resp.raise_for_status()
             scraped = replace(
                 parse_engine_load(resp.text, time.monotonic()),

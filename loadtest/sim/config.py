@@ -55,6 +55,7 @@ class SimReplicaSpec:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # required of callers (sim/auth.py)
 
     def __post_init__(self) -> None:
         _require(self.block_size_tokens > 0, "block_size_tokens must be > 0")

@@ -239,6 +239,11 @@ def build_parser(
         default=MAX_MODEL_LEN_TOKENS,
         help="context length; longer requests get HTTP 400 (default: %(default)s)",
     )
+    add(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on every path but /health, as vLLM's "
+        "--api-key (default: none required)",
+    )
     return parser
 
 
@@ -271,6 +276,7 @@ def fleet_specs(args: argparse.Namespace) -> tuple[list[SimReplicaSpec], RemoteT
             kv_replay_port=None if args.kv_replay_port is None else args.kv_replay_port + i,
             tokenizer_path=args.tokenizer,
             chat_template=args.chat_template,
+            api_key=args.api_key,
         )
         for i in range(args.replicas)
     ]

@@ -75,6 +75,7 @@ def specs_from_config(config: GatewayConfig) -> tuple[list[SimReplicaSpec], Remo
                     chat_template=tok.chat_template if tok else None,
                     bos_token=tok.bos_token if tok else None,
                     eos_token=tok.eos_token if tok else None,
+                    api_key=pool.api_key.get_secret_value() if pool.api_key else None,
                 )
             )
     if not replicas:

@@ -37,6 +37,7 @@ from prometheus_client.core import (
 
 from gateway.engines.tokenizer import PromptTokenizer, UnsupportedPrompt
 from loadtest.sim import protocol
+from loadtest.sim.auth import RequireKey
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.engine import ContextLengthExceeded, PrefillResult, Prompt, SimEngine
 from loadtest.sim.kv_publisher import KvEventPublisher
@@ -96,6 +97,8 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
             yield {"engine": engine, "registry": registry}
 
     app = FastAPI(title=f"cachelane simulated replica {spec.name}", lifespan=lifespan)
+    if spec.api_key is not None:
+        app.add_middleware(RequireKey, api_key=spec.api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:

@@ -22,7 +22,9 @@ from tests.deploy.util import COMPOSE_DIR, DEPLOY, load_one, rel, yaml_files
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yaml"
 GATEWAY_CONFIGS = sorted(COMPOSE_DIR.glob("gateway-*.yaml"))
 EXAMPLES = sorted((DEPLOY / "examples").glob("*.yaml"))
-CACHELANE_IMAGE = "cachelane:local"
+CACHELANE_IMAGE = "cachelane:local"  # the Dockerfile's runtime target: `cachelane ...`
+SIM_IMAGE = "cachelane-sim:local"  # its sim target: `cachelane sim ...`
+ENTRYPOINTS = {CACHELANE_IMAGE: [], SIM_IMAGE: ["sim"]}  # after `cachelane`
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +81,26 @@ def test_redis_takes_a_password_keeps_its_state_and_only_the_gateways_reach_it(
 
 
 def _command(service: dict[str, Any]) -> list[str]:
-    command = service.get("command", ["serve", "--config", "/etc/cachelane/config.yaml"])
+    """`cachelane`'s arguments: the image's entry point's, then the service's command."""
+    serve = ["serve", "--config", "/etc/cachelane/config.yaml"]
+    command = service.get(
+        "command", ["--host", "0.0.0.0"] if service["image"] == SIM_IMAGE else serve
+    )
     assert isinstance(command, list), "commands are lists: no shell splitting surprises"
-    return [str(c) for c in command]
+    return ENTRYPOINTS[service["image"]] + [str(c) for c in command]
 
 
 def _cachelane_services(services: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {n: s for n, s in services.items() if s.get("image") == CACHELANE_IMAGE}
+    return {n: s for n, s in services.items() if s.get("image") in ENTRYPOINTS}
+
+
+def test_gateways_run_the_serve_only_image_and_sims_the_sim_image(
+    services: dict[str, Any],
+) -> None:
+    for name, service in _cachelane_services(services).items():
+        target = "sim" if _command(service)[0] == "sim" else "runtime"
+        assert service["build"]["target"] == target, name
+        assert service["image"] == (SIM_IMAGE if target == "sim" else CACHELANE_IMAGE), name
 
 
 def test_cachelane_services_build_this_repository(services: dict[str, Any]) -> None:
@@ -322,3 +337,27 @@ def test_compose_config_renders() -> None:
         assert "gateway-a" in done.stdout and "sim-offload" in done.stdout
         if profiles:
             assert "vllm-offload" in done.stdout
+
+
+def test_gateways_trust_forwarded_for_from_nginxs_network_only(
+    compose: dict[str, Any], services: dict[str, Any]
+) -> None:
+    """nginx sets X-Forwarded-For; the gateways believe it from the `edge` network alone, and
+    only nginx and the gateways are on that network."""
+    (subnet,) = [c["subnet"] for c in compose["networks"]["edge"]["ipam"]["config"]]
+    on_edge = {name for name, s in services.items() if "edge" in s.get("networks", [])}
+    on_edge |= {"gateway-a", "gateway-b"} if "edge" in compose["x-gateway"]["networks"] else set()
+    assert on_edge == {"lb", "gateway-a", "gateway-b"}
+    assert services["lb"]["networks"] == ["edge"]
+    for path in GATEWAY_CONFIGS:
+        assert load_config(path, _gateway_env()).listen.forwarded_allow_ips == [subnet], path
+
+
+def test_engine_images_name_a_release() -> None:
+    """No `latest` (or untagged) image: the default of every ${..._TAG} is a release."""
+    text = COMPOSE_FILE.read_text()
+    images = re.findall(r"^\s*image:\s*(\S+)", text, re.MULTILINE)
+    assert images
+    for image in images:
+        tag = re.sub(r"\$\{[A-Z_]+:-(.*?)\}", r"\1", image).rpartition(":")[2]
+        assert tag and tag != "latest" and "/" not in tag, image

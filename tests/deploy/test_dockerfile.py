@@ -103,6 +103,45 @@ def test_runtime_installs_only_this_project_from_the_builders_wheels() -> None:
     assert not final.all("COPY"), "nothing from the build context in the runtime stage"
 
 
+def _stage(name: str) -> Stage:
+    (stage,) = [s for s in _stages()[1] if s.name == name]
+    return stage
+
+
+def _installed_extras(stage: Stage) -> set[str]:
+    (install,) = [r for r in stage.all("RUN") if "pip install" in r]
+    match = re.search(r"'cachelane\[([a-z,]+)\]'", install)
+    assert match, install
+    return set(match.group(1).split(","))
+
+
+def test_the_default_image_serves_only() -> None:
+    """The last stage (`docker build .`'s target) is the gateway: no simulator, demo or Locust."""
+    final = _stages()[1][-1]
+    assert final.name == "runtime"
+    assert _installed_extras(final) == {"precise", "otel"}
+    assert "matplotlib" not in " ".join(v for _, v in final.instructions).lower()
+
+
+def test_the_simulator_has_its_own_target() -> None:
+    sim = _stage("sim")
+    assert _installed_extras(sim) == {"sim"}
+    assert json.loads(sim.all("ENTRYPOINT")[-1]) == ["cachelane", "sim"]
+    assert sim.all("USER") and sim.all("USER")[-1].split(":")[0] not in ("root", "0")
+    (health,) = sim.all("HEALTHCHECK")
+    assert "127.0.0.1:9001/health" in health and sim.all("EXPOSE") == ["9001"]
+
+
+def test_license_ships_with_the_wheel(wheel: Path) -> None:
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text  # the full text, not a notice
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
+    with zipfile.ZipFile(wheel) as z:
+        (shipped,) = [n for n in z.namelist() if n.endswith("LICENSE") and ".dist-info/" in n]
+        assert z.read(shipped).decode() == license_text
+
+
 def test_healthcheck_entrypoint_and_port() -> None:
     final = _stages()[1][-1]
     (health,) = final.all("HEALTHCHECK")
@@ -249,6 +288,19 @@ def test_image_entrypoint_starts_and_passes_its_healthcheck(wheel: Path, tmp_pat
             check=True,
         ).stdout
         assert where.startswith(str(venv)), f"gateway imported from {where}, not the wheel"
+        hint = subprocess.run(
+            [
+                str(venv / "bin" / "python"),
+                "-c",
+                "from gateway.extras import install_hint; print(install_hint('sim'))",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert hint == f"pip install '{wheel}[sim]'"  # the wheel it came from, which has [sim]
     finally:
         proc.terminate()
         proc.wait(timeout=10)

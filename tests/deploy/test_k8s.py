@@ -195,7 +195,9 @@ def test_ports_match_the_configs_listen_port(target: Path) -> None:
     assert [p["containerPort"] for p in container["ports"]] == [port]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert _resolve(container[probe]["httpGet"]["port"], container) == port, probe
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # ready while the process serves, even if only JSON 503s (deploy/README.md: readiness;
+    # tests/integration/test_readiness.py); /ready's 503 would empty the Service in an outage
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     (service_port,) = objects[("Service", "cachelane")]["spec"]["ports"]
     assert _resolve(service_port["targetPort"], container) == port
@@ -292,6 +294,7 @@ def test_the_pod_reads_its_keys_from_the_secret(target: Path, tmp_path: Path) ->
     assert config.tenants and config.admin.api_key
     text = load_one(kustomize_check.check(target).generators[CONFIG][-1])
     keys = [t.get("api_key_file") for t in text["tenants"]] + [text["admin"].get("api_key_file")]
+    keys += [p.get("api_key_file") for p in text["pools"]]  # the replicas' key (overlays/vllm)
     secret_files = {f.name for f in kustomize_check.check(target).generators[SECRETS]}
     referenced = {Path(k).name for k in keys if k}
     referenced |= {Path(text["auth"]["secret_file"]).name} if "auth" in text else set()
@@ -385,3 +388,86 @@ def test_rendered_dashboard_config_map(rendered: list[dict[str, Any]]) -> None:
     dashboard = json.loads(cm["data"]["cachelane.json"])
     compose = COMPOSE_DIR / "grafana" / "dashboards" / "cachelane.json"
     assert dashboard == json.loads(compose.read_text())
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=rel)
+def test_the_gateway_trusts_forwarded_for_from_the_pod_network_only(target: Path) -> None:
+    trusted = _gateway_config(target).listen.forwarded_allow_ips
+    assert trusted and "*" not in trusted  # the ingress's pods, never any peer
+
+
+def test_no_engine_image_floats() -> None:
+    """Every image under deploy/k8s names a release tag, never `latest` (or none at all): in
+    the manifest, or in the base kustomization's `images` (the gateway's own)."""
+    tagged = {
+        i["name"]: i["newTag"]
+        for i in load_one(K8S_DIR / "base" / "kustomization.yaml")["images"]
+        if i.get("newTag")
+    }
+    for path in yaml_files(K8S_DIR):
+        for doc in load_docs(path):
+            for image in _images(doc):
+                if image in tagged:
+                    image = f"{image}:{tagged[image]}"
+                name, _, tag = image.rpartition(":")
+                assert name and tag and tag != "latest", f"{rel(path)}: {image}"
+
+
+def _images(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [v for k, v in node.items() if k == "image" and isinstance(v, str)]
+        return found + [i for v in node.values() for i in _images(v)]
+    if isinstance(node, list):
+        return [i for v in node for i in _images(v)]
+    return []
+
+
+ALERTS = {
+    "CachelaneNoHealthyReplica",
+    "CachelaneIndexDegraded",
+    "CachelaneEstimateErrorDrifting",
+    "CachelanePinnedPoolUndersized",
+    "CachelaneShedding",
+}
+
+
+def alert_rules(rule: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def test_the_alerts_cover_the_documented_failures_with_exported_metrics() -> None:
+    from tests.deploy.test_compose import _exported_metric_names
+
+    (rule,) = [o for o in _objects(K8S_DIR / "base").values() if o["kind"] == "PrometheusRule"]
+    rules = alert_rules(rule)
+    assert set(rules) == ALERTS
+    exported = _exported_metric_names()
+    for name, r in rules.items():
+        used = set(re.findall(r"\b(cachelane_[a-z0-9_]+)", r["expr"]))
+        assert used and used <= exported, (name, used - exported)
+        assert r["expr"].count("(") == r["expr"].count(")"), name
+        assert r["for"] and r["labels"]["severity"] in ("critical", "warning"), name
+        assert r["annotations"]["summary"] and r["annotations"]["description"], name
+
+
+def test_the_vllm_replicas_require_the_key_the_gateway_sends() -> None:
+    """overlays/vllm: each engine takes --api-key from the Secret vllm-api-key, made of the file
+    the gateway's pools read as api_key_file (from cachelane-secrets)."""
+    target = K8S_DIR / "overlays" / "vllm"
+    config = _gateway_config(target)
+    generators = kustomize_check.check(target).generators
+    (engine_file,) = generators["vllm-api-key"]
+    assert engine_file in generators[SECRETS]
+    expected = engine_file.read_text().strip().replace("change-me", OPERATOR_VALUE)
+    for pool in config.pools:
+        assert pool.api_key is not None and pool.api_key.get_secret_value() == expected
+    engines = [o for o in _objects(target).values() if o["kind"] == "StatefulSet"]
+    engines = [e for e in engines if e["metadata"]["name"].startswith("vllm-")]
+    assert len(engines) == 2
+    for engine in engines:
+        (container,) = engine["spec"]["template"]["spec"]["containers"]
+        args = [str(a) for a in container["args"]]
+        assert args[args.index("--api-key") + 1] == "$(VLLM_API_KEY)"
+        (env,) = [e for e in container["env"] if e["name"] == "VLLM_API_KEY"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "vllm-api-key", "key": "api-key"}

@@ -13,8 +13,18 @@ COMPOSE_DIR = DEPLOY / "compose"
 K8S_DIR = DEPLOY / "k8s"
 
 
+HELM_DIR = DEPLOY / "helm"
+
+
 def yaml_files(under: Path) -> list[Path]:
-    return sorted(p for ext in ("*.yaml", "*.yml") for p in under.rglob(ext))
+    """YAML files under `under`, without Helm templates (Go templates, YAML once rendered:
+    tests/deploy/test_helm.py)."""
+    return sorted(
+        p
+        for ext in ("*.yaml", "*.yml")
+        for p in under.rglob(ext)
+        if not (p.is_relative_to(HELM_DIR) and "templates" in p.relative_to(HELM_DIR).parts)
+    )
 
 
 def load_docs(path: Path) -> list[Any]:

@@ -77,7 +77,10 @@ def tiny_model(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
-def start_vllm(engine_python: str, model: Path, i: int, log_dir: Path) -> VllmReplica:
+def start_vllm(
+    engine_python: str, model: Path, i: int, log_dir: Path, *, api_key: str | None = None
+) -> VllmReplica:
+    """vLLM replica `i` (its log in `log_dir`); with `api_key`, started with --api-key."""
     port, pub, replay = free_port(), free_port(), free_port()
     events = {
         "enable_kv_cache_events": True,
@@ -113,10 +116,13 @@ def start_vllm(engine_python: str, model: Path, i: int, log_dir: Path) -> VllmRe
         "--kv-events-config",
         json.dumps(events),
     ]
+    if api_key is not None:
+        args += ["--api-key", api_key]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": str(i),  # one core each
+        # one core each, shared round the machine's cores when there are more replicas
+        "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
         "VLLM_SERVER_DEV_MODE": "1",  # for /reset_prefix_cache
         "NO_PROXY": "127.0.0.1,localhost",
     }
@@ -134,13 +140,17 @@ def start_vllm(engine_python: str, model: Path, i: int, log_dir: Path) -> VllmRe
     )
 
 
-def wait_ready(replica: VllmReplica) -> None:
+def wait_ready(replica: VllmReplica, api_key: str | None = None) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if replica.process.poll() is not None:
             raise RuntimeError(f"vLLM exited ({replica.process.returncode}):\n{replica.log_tail()}")
         try:
-            if httpx.get(f"{replica.url}/v1/models", timeout=2, trust_env=False).status_code == 200:
+            headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+            resp = httpx.get(
+                f"{replica.url}/v1/models", headers=headers, timeout=2, trust_env=False
+            )
+            if resp.status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -24,10 +24,17 @@ GRACEFUL_SHUTDOWN_S = 2  # open streams get this long before uvicorn cancels the
 
 @asynccontextmanager
 async def running_app(
-    app: Any, *, host: str = "127.0.0.1", port: int = 0, http: str = "auto"
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    http: str = "auto",
+    forwarded_allow_ips: str = "",
 ) -> AsyncIterator[str]:
     """Serve an ASGI app until the block exits; yields its base URL, e.g. http://127.0.0.1:41234.
-    `http`: uvicorn's HTTP protocol (gateway.exposure.HTTP_PROTOCOL: as `cachelane serve`)."""
+    `http`: uvicorn's HTTP protocol (gateway.exposure.HTTP_PROTOCOL: as `cachelane serve`);
+    `forwarded_allow_ips`: peers whose X-Forwarded-For is taken ("": none, as `cachelane serve`
+    by default: config listen.trusted_proxies)."""
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
@@ -38,6 +45,7 @@ async def running_app(
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=http,
+        forwarded_allow_ips=forwarded_allow_ips,
     )
     server = QuietServer(config)
     task = asyncio.create_task(serve_app(server, sock), name=f"uvicorn {host}:{bound_port}")

@@ -1,6 +1,7 @@
 """What the gateway exposes, on real servers: read deadlines against raw
 sockets that send half a request, keys on /metrics and /ready, the OpenAPI pages off by default,
-engine-control body fields refused, failed authentications limited per address, and the
+engine-control body fields refused, failed authentications limited per address and per key
+(never a valid key), X-Forwarded-For taken from trusted proxies only, and the
 published example keys refused at start."""
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ async def gateway(**extra: Any) -> AsyncIterator[tuple[str, Any]]:
         spec = SimReplicaSpec(name="sim-0", port=0, costs=FAST_COSTS, itl_s=0.0005)
         replica = await stack.enter_async_context(running_app(create_sim_app(spec)))
         extra.setdefault("tenants", TENANTS)
-        app = create_app(gateway_config([replica], **extra))
-        url = await stack.enter_async_context(running_app(app, http=HTTP_PROTOCOL))
+        config = gateway_config([replica], **extra)
+        app = create_app(config)
+        served = running_app(
+            app, http=HTTP_PROTOCOL, forwarded_allow_ips=config.listen.trusted_proxies
+        )  # as `cachelane serve` runs it
+        url = await stack.enter_async_context(served)
         yield url, app
 
 
@@ -185,25 +190,80 @@ async def test_engine_control_fields_are_refused_unless_the_class_may_send_them(
 # --- failed authentication ------------------------------------------------------------------
 
 
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+BAD = {"authorization": "Bearer wrong-key-0123456789abcdef0123456789"}
+GOOD = {"authorization": f"Bearer {KEY}"}
+
+
 async def test_an_address_that_fails_authentication_too_often_gets_429() -> None:
     async with gateway(rate_limits={"failed_auth_per_min": 3}) as (url, app):
         async with httpx.AsyncClient(base_url=url) as h:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-            bad = {"authorization": "Bearer wrong-key-0123456789abcdef0123456789"}
             for _ in range(3):
                 assert (
-                    await h.post("/v1/chat/completions", json=body, headers=bad)
+                    await h.post("/v1/chat/completions", json=CHAT, headers=BAD)
                 ).status_code == 401
-            throttled = await h.post("/v1/chat/completions", json=body, headers=bad)
+            throttled = await h.post("/v1/chat/completions", json=CHAT, headers=BAD)
             assert throttled.status_code == 429
             assert throttled.headers["retry-after"] == "20"  # one more failure fits in 60/3 s
             assert throttled.json()["error"]["code"] == "too_many_failed_auth"
-            good = {"authorization": f"Bearer {KEY}"}  # the address, not the key, is held
-            assert (await h.get("/v1/models", headers=good)).status_code == 429
-            # a client behind a trusted proxy (uvicorn trusts 127.0.0.1 by default) is its own
-            behind = {**good, "x-forwarded-for": "203.0.113.7"}
-            assert (await h.get("/v1/models", headers=behind)).status_code == 200
+            assert (await h.get("/v1/models")).status_code == 429  # no key: refused unread
         assert metric(app, "cachelane_auth_throttled_total") == 2
+
+
+async def test_a_valid_key_is_served_after_bad_keys_from_its_address() -> None:
+    """Behind a proxy every client shares its address: one client's bad keys must not lock out
+    a tenant whose key is valid (the default limit, 30 a minute, overrun)."""
+    async with gateway() as (url, _app):
+        async with httpx.AsyncClient(base_url=url) as h:
+            answers = [
+                (await h.post("/v1/chat/completions", json=CHAT, headers=BAD)).status_code
+                for _ in range(35)
+            ]
+            assert answers[:30] == [401] * 30 and set(answers[30:]) == {429}
+            assert (await h.get("/v1/models")).status_code == 429
+            served = await h.post("/v1/chat/completions", json=CHAT, headers=GOOD)
+            assert served.status_code == 200, served.text
+            voice = {"authorization": f"Bearer {VOICE_KEY}"}
+            assert (await h.get("/v1/models", headers=voice)).status_code == 200
+            # a fresh bad key from the held address: its failure is the 429, not a 401
+            other = {"authorization": "Bearer another-wrong-key-0123456789abcdef0123"}
+            assert (await h.get("/v1/models", headers=other)).status_code == 429
+
+
+async def test_a_bad_key_is_held_whatever_address_it_comes_from() -> None:
+    async with gateway(
+        rate_limits={"failed_auth_per_min": 3}, listen={"forwarded_allow_ips": ["127.0.0.1"]}
+    ) as (url, _app):
+        async with httpx.AsyncClient(base_url=url) as h:
+            for i in range(3):
+                hop = {**BAD, "x-forwarded-for": f"203.0.113.{i + 1}"}
+                assert (await h.get("/v1/models", headers=hop)).status_code == 401
+            fresh = {**BAD, "x-forwarded-for": "198.51.100.9"}  # a new address, the same key
+            assert (await h.get("/v1/models", headers=fresh)).status_code == 429
+
+
+async def test_a_forged_forwarded_for_from_an_untrusted_peer_is_ignored() -> None:
+    """No proxy is trusted by default, not even loopback: the peer's address counts."""
+    async with gateway(rate_limits={"failed_auth_per_min": 3}) as (url, _app):
+        async with httpx.AsyncClient(base_url=url) as h:
+            for i in range(3):
+                forged = {"x-forwarded-for": f"203.0.113.{i + 1}"}
+                assert (await h.get("/v1/models", headers=forged)).status_code == 401
+            escape = {"x-forwarded-for": "198.51.100.9"}
+            assert (await h.get("/v1/models", headers=escape)).status_code == 429
+
+
+async def test_a_trusted_proxys_forwarded_for_names_the_client() -> None:
+    async with gateway(
+        rate_limits={"failed_auth_per_min": 3}, listen={"forwarded_allow_ips": ["127.0.0.1"]}
+    ) as (url, _app):
+        async with httpx.AsyncClient(base_url=url) as h:
+            held = {"x-forwarded-for": "203.0.113.7"}
+            for _ in range(3):
+                assert (await h.get("/v1/models", headers=held)).status_code == 401
+            assert (await h.get("/v1/models", headers=held)).status_code == 429
+            other = {"x-forwarded-for": "198.51.100.9"}  # another client behind the proxy
+            assert (await h.get("/v1/models", headers=other)).status_code == 401
 
 
 # --- example keys ---------------------------------------------------------------------------

@@ -123,3 +123,61 @@ def test_a_discovered_precise_pool_takes_its_event_ports_by_offset(tmp_path: Pat
         parse_config(data)
     pool["kv_events"] = {"port_offset": 1}
     assert parse_config(data).pools[0].kv_events is not None
+
+
+REPLICA_KEY = "replica-secret-" + "9" * 30
+
+
+def _pool(**extra: object) -> dict[str, object]:
+    return {"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"], **extra}]}
+
+
+def test_a_pools_api_key_is_never_shown(tmp_path: Path) -> None:
+    key_file = tmp_path / "replica-key"
+    key_file.write_text(REPLICA_KEY + "\n")
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"pools:\n  - name: p\n    replicas: ['http://127.0.0.1:1']\n    api_key_file: {key_file}\n"
+    )
+    config = load_config(path)
+    pool = config.pools[0]
+    assert pool.api_key is not None and pool.api_key.get_secret_value() == REPLICA_KEY
+    assert REPLICA_KEY not in repr(config) and REPLICA_KEY not in str(
+        config.model_dump(mode="json")
+    )
+    with pytest.raises(ConfigError) as err:  # an error elsewhere in the pool never echoes it
+        parse_config(_pool(api_key=REPLICA_KEY, first_byte_timeout_s=-1))
+    assert REPLICA_KEY not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["authorization", "Cookie", "content-length", "x-cachelane-class", "connection", "a b"]
+)
+def test_forward_headers_refuse_credentials_the_gateways_own_and_hop_by_hop(name: str) -> None:
+    with pytest.raises(ConfigError, match="forward_headers"):
+        parse_config(_pool(forward_headers=[name]))
+
+
+def test_forward_headers_are_lowercased() -> None:
+    config = parse_config(_pool(forward_headers=["OpenAI-Organization", "x-user-id"]))
+    assert config.pools[0].forward_headers == ["openai-organization", "x-user-id"]
+
+
+@pytest.mark.parametrize(
+    ("given", "uvicorn"),
+    [([], ""), (["10.0.0.0/8", "::1"], "10.0.0.0/8,::1"), (["*"], "*")],
+    ids=["none", "networks", "any"],
+)
+def test_forwarded_allow_ips_become_uvicorns(given: list[str], uvicorn: str) -> None:
+    config = parse_config({**MINIMAL, "listen": {"forwarded_allow_ips": given}})
+    assert config.listen.trusted_proxies == uvicorn
+
+
+def test_forwarded_allow_ips_refuse_a_name() -> None:
+    with pytest.raises(ConfigError, match="forwarded_allow_ips"):
+        parse_config({**MINIMAL, "listen": {"forwarded_allow_ips": ["nginx"]}})
+
+
+def test_a_published_example_replica_key_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"pools.0 \('p'\).api_key"):
+        parse_config(_pool(api_key="change-me-vllm-api-key-000000000000000000"))

@@ -87,3 +87,35 @@ def test_check_config_exits_0_when_valid_and_2_with_the_errors(
 
     monkeypatch.setenv("CACHELANE_CONFIG", str(good))  # the default file
     assert main(["check-config"]) == 0
+
+
+def test_check_config_takes_config_like_serve(
+    tmp_path: Path,
+    secrets: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("PORT", "9000")
+    monkeypatch.setenv("SECRETS", str(secrets))
+    monkeypatch.setenv("REPLICA_HOST", "10.0.0.7")
+    good = write(tmp_path)
+    assert main(["check-config", "--config", str(good)]) == 0
+    assert "valid" in capsys.readouterr().out
+    other = tmp_path / "other.yaml"
+    assert main(["check-config", str(other), "--config", str(good)]) == 2  # which one?
+
+
+@pytest.mark.parametrize("admin", [False, True], ids=["no-admin", "admin"])
+def test_check_config_says_when_no_request_can_be_served(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], admin: bool
+) -> None:
+    text = "pools: [{name: p, replicas: ['http://h:1']}]\n"
+    if admin:
+        text += "admin: {api_key: " + "a" * 40 + "}\n"
+    assert main(["check-config", str(write(tmp_path, text))]) == 0  # valid, and useless
+    err = capsys.readouterr().err
+    assert "no request can be served" in err and "auth.mode: open" in err
+    assert ("/admin/tenants" in err) == admin
+    opened = text if not admin else text.split("admin:")[0]
+    assert main(["check-config", str(write(tmp_path, opened + "auth: {mode: open}\n"))]) == 0
+    assert "no request can be served" not in capsys.readouterr().err

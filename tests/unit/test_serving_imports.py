@@ -12,7 +12,7 @@ import pytest
 
 import gateway.config as config_module
 from gateway.config import ConfigError, parse_config
-from gateway.extras import PRECISE_MODULES
+from gateway.extras import PRECISE_MODULES, install_hint
 from loadtest.sim.tiny_tokenizer import write_tiny_tokenizer
 
 # Top-level packages the serving path must not import: the loadtest package, and what only the
@@ -61,7 +61,7 @@ def test_precise_mode_without_the_extra_names_it(
     data = {"routing": {"mode": "precise"}, "pools": [pool]}
     parse_config(data)  # installed here: accepted
     monkeypatch.setattr(config_module, "missing_modules", lambda modules: ["tokenizers"])
-    with pytest.raises(ConfigError, match=re.escape("pip install 'cachelane[precise]'")):
+    with pytest.raises(ConfigError, match=re.escape(install_hint("precise"))):
         parse_config(data)
 
 
@@ -71,5 +71,5 @@ def test_tracing_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> 
     parse_config(on)  # installed here: accepted
     monkeypatch.setattr(config_module, "missing_modules", lambda modules: ["opentelemetry.sdk"])
     assert not parse_config(off).tracing.enabled  # off: the extra is not needed
-    with pytest.raises(ConfigError, match=re.escape("pip install 'cachelane[otel]'")):
+    with pytest.raises(ConfigError, match=re.escape(install_hint("otel"))):
         parse_config(on)

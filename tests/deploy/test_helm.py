@@ -1,0 +1,156 @@
+"""deploy/helm/cachelane: the chart renders (tests/deploy/helm_render.py, a renderer of the Go
+template subset the chart uses, since no helm binary installs here from apt, pip or npm; with
+`helm` on the PATH its own `helm template` must agree), every object is well-formed, the gateway's
+config validates as the pod reads it, and with default values the chart deploys what the
+Kustomize base does (deploy/k8s/base): the same objects, specs, config and keys."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.config import ConfigError
+from tests.deploy import kustomize_check
+from tests.deploy.helm_render import TemplateError, render, render_chart
+from tests.deploy.test_k8s import (
+    GATEWAY,
+    OPERATOR_VALUE,
+    alert_rules,
+    load_as_the_pod,
+)
+from tests.deploy.util import HELM_DIR, K8S_DIR, load_one
+
+CHART = HELM_DIR / "cachelane"
+BASE = K8S_DIR / "base"
+NOT_IN_THE_CHART = {
+    ("Namespace", "cachelane"),  # helm install --create-namespace
+    ("ConfigMap", "cachelane-grafana-dashboard"),  # the dashboard ships with the Kustomize base
+}
+
+
+def _by_key(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+@pytest.fixture(scope="module")
+def chart() -> dict[tuple[str, str], dict[str, Any]]:
+    return _by_key(render_chart(CHART))
+
+
+def test_rendered_objects_are_well_formed(chart: dict[tuple[str, str], dict[str, Any]]) -> None:
+    for (kind, name), obj in chart.items():
+        assert obj["apiVersion"] and kind and name
+        assert obj["metadata"]["namespace"] == "cachelane", (kind, name)
+
+
+def _pod_files(chart: dict[tuple[str, str], dict[str, Any]], *, as_shipped: bool) -> Any:
+    def files_of(volume: dict[str, Any]) -> dict[str, str]:
+        if "configMap" in volume:
+            return dict(chart[("ConfigMap", volume["configMap"]["name"])]["data"])
+        data = chart[("Secret", volume["secret"]["secretName"])]["stringData"]
+        return {
+            k: v if as_shipped else v.replace("change-me", OPERATOR_VALUE) for k, v in data.items()
+        }
+
+    return files_of
+
+
+def test_the_gateway_config_validates_as_the_pod_reads_it(
+    chart: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        config = load_as_the_pod(chart[GATEWAY], _pod_files(chart, as_shipped=False), Path(root))
+    assert config.tenants and config.admin.api_key
+    with tempfile.TemporaryDirectory() as root, pytest.raises(ConfigError, match="example value"):
+        load_as_the_pod(chart[GATEWAY], _pod_files(chart, as_shipped=True), Path(root))
+
+
+def _base() -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, list[Path]]]:
+    tree = kustomize_check.check(BASE)
+    return _by_key(tree.objects), tree.generators
+
+
+def test_with_default_values_the_chart_is_the_kustomize_base(
+    chart: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    objects, generators = _base()
+    kustomization = load_one(BASE / "kustomization.yaml")
+    expected = set(objects) - NOT_IN_THE_CHART
+    generated = {("ConfigMap", "cachelane-config"), ("Secret", "cachelane-secrets")}
+    assert set(chart) == expected | generated
+    for key in expected:
+        ours, theirs = copy.deepcopy(chart[key]), copy.deepcopy(objects[key])
+        if key == GATEWAY:
+            template = ours["spec"]["template"]
+            assert set(template["metadata"].pop("annotations")) == {
+                "checksum/config",
+                "checksum/secrets",
+            }
+            (image,) = [i for i in kustomization["images"] if i["name"] == "cachelane"]
+            (container,) = template["spec"]["containers"]
+            assert container["image"] == f"{image['newName']}:{image['newTag']}"
+            container["image"] = "cachelane"
+        assert ours.get("spec") == theirs.get("spec"), key
+    (config_file,) = generators["cachelane-config"]
+    config_text = chart[("ConfigMap", "cachelane-config")]["data"]["config.yaml"]
+    assert yaml.safe_load(config_text) == yaml.safe_load(config_file.read_text())
+    secrets = chart[("Secret", "cachelane-secrets")]["stringData"]
+    assert secrets == {f.name: f.read_text().strip() for f in generators["cachelane-secrets"]}
+
+
+def test_the_alerts_are_the_kustomize_bases(chart: dict[tuple[str, str], dict[str, Any]]) -> None:
+    objects, _ = _base()
+    key = ("PrometheusRule", "cachelane-gateway")
+    assert alert_rules(chart[key]) == alert_rules(objects[key])
+    summary = alert_rules(chart[key])["CachelaneNoHealthyReplica"]["annotations"]["summary"]
+    assert "{{ $labels.pod }}" in summary  # Prometheus's template, not Helm's
+
+
+def test_values_switch_the_optional_objects_and_set_the_image() -> None:
+    off = {
+        "autoscaling": {"enabled": False},
+        "serviceMonitor": {"enabled": False},
+        "prometheusRule": {"enabled": False},
+        "image": {"repository": "registry.example/cachelane", "tag": "9.9.9"},
+    }
+    objects = _by_key(render_chart(CHART, off))
+    kinds = {kind for kind, _ in objects}
+    assert not {"HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule"} & kinds
+    (container,) = objects[GATEWAY]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry.example/cachelane:9.9.9"
+
+
+def test_a_config_change_rolls_the_pods() -> None:
+    def checksum(overrides: dict[str, Any]) -> str:
+        deployment = _by_key(render_chart(CHART, overrides))[GATEWAY]
+        return str(deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+
+    assert checksum({}) != checksum({"config": {"routing": {"policy": "round_robin"}}})
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{{ range .Values.x }}{{ end }}", "{{ if .Values.x }}", "{{ lower .Values.x }}", "{{ end }}"],
+)
+def test_the_renderer_refuses_what_it_does_not_know(template: str) -> None:
+    with pytest.raises(TemplateError):
+        render(template, {"Values": {"x": "y"}})
+
+
+@pytest.mark.skipif(shutil.which("helm") is None, reason="no helm binary installed")
+def test_helm_template_agrees() -> None:
+    done = subprocess.run(
+        ["helm", "template", "cachelane", str(CHART), "--namespace", "cachelane"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    theirs = _by_key([d for d in yaml.safe_load_all(done.stdout) if d])
+    assert theirs == _by_key(render_chart(CHART))
