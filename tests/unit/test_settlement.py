@@ -21,6 +21,7 @@ from fastapi import Request
 
 from gateway.app import _hold
 from gateway.config import parse_config
+from gateway.disconnect import while_client_waits
 from gateway.errors import ApiError
 from gateway.lease import Lease
 from gateway.proxy import Proxy, RelayResponse
@@ -368,3 +369,42 @@ async def test_a_request_dispatched_as_its_client_leaves_is_released_once() -> N
             assert caught.value.status == 499
         assert releases.times() == [1, 1]  # the busy load, then the dispatched request
         assert_idle(gw.registry)
+
+
+async def test_work_that_finished_as_its_waiter_was_cancelled_is_let_go_of() -> None:
+    """The handler is cancelled from above (the server shutting down) while it asks whether
+    its client left, and the work it waited for has just finished: what the work holds is
+    given to `abandoned` rather than lost."""
+    s = await setup()
+    releases = watch(s.registry)
+    replica = next(iter(s.registry.replicas.values()))
+    asking, go = asyncio.Event(), asyncio.Event()
+    let_go: list[Lease] = []
+
+    async def work() -> Lease:
+        await go.wait()
+        return Lease(s.registry.reserve(replica, prefill_tokens=10, swaps=0))
+
+    async def gone() -> bool:
+        asking.set()
+        await asyncio.Event().wait()  # where the cancellation lands
+        return False
+
+    async def abandoned(lease: Lease) -> None:
+        let_go.append(lease)
+        lease.release()
+
+    waiter = asyncio.ensure_future(while_client_waits(work(), gone, abandoned=abandoned))
+    await asyncio.wait_for(asking.wait(), timeout=5)
+    go.set()
+    for _ in range(100):  # bounded: a few steps of the loop, until the work has returned
+        if replica.in_flight:
+            break
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert len(let_go) == 1
+    assert releases.times() == [1]
+    assert_idle(s.registry)
