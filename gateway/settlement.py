@@ -140,26 +140,30 @@ class IndexConfirmation(Observer):
 
 
 class TtftMetrics(Observer):
-    """cachelane_ttft_seconds and its per-tenant twin at a stream's first byte; the estimated
-    queue wait of every answer (a whole answer's at its end)."""
+    """cachelane_ttft_seconds and its per-tenant twin for a request that asked to stream (at
+    its first byte; an answer that came whole, an error's, at its end) and the estimated queue
+    wait of every answer."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
     async def on_first_byte(self, plan: Plan, reservation: Reservation, ttft_s: float) -> None:
-        name = reservation.replica.name
-        self._metrics.ttft_seconds.labels(name, plan.model).observe(ttft_s)
-        tenant = plan.tenant
-        self._metrics.tenant_ttft_seconds.labels(tenant.name, tenant.tenant_class.value).observe(
-            ttft_s
-        )
-        self._observe_queue(plan, name)
+        self._observe(plan, reservation.replica.name, ttft_s)
 
     def on_settled(self, settled: Settled) -> None:
-        if not settled.streamed:
-            self._observe_queue(settled.plan, settled.replica.name)
+        if settled.streamed:  # seen at its first byte
+            return
+        r = settled.reservation
+        first_byte_s = r.first_byte_s if r.first_byte_s is not None else r.started_s
+        self._observe(settled.plan, r.replica.name, first_byte_s - r.started_s)
 
-    def _observe_queue(self, plan: Plan, name: str) -> None:
+    def _observe(self, plan: Plan, name: str, ttft_s: float) -> None:
+        if plan.stream:  # a whole answer's first byte comes after the whole generation
+            self._metrics.ttft_seconds.labels(name, plan.model).observe(ttft_s)
+            tenant = plan.tenant
+            self._metrics.tenant_ttft_seconds.labels(
+                tenant.name, tenant.tenant_class.value
+            ).observe(ttft_s)
         queue_s = plan.decision.score(name).estimate.queue_s
         self._metrics.estimated_queue.labels(name).observe(queue_s)
 

@@ -41,6 +41,8 @@ from tests.unit.test_proxy import (
     Setup,
     delayed,
     disconnect_once,
+    json_answer,
+    metric,
     raw_chat,
     read_all,
     refuses,
@@ -408,3 +410,16 @@ async def test_work_that_finished_as_its_waiter_was_cancelled_is_let_go_of() -> 
     assert len(let_go) == 1
     assert releases.times() == [1]
     assert_idle(s.registry)
+
+
+async def test_a_streamed_request_answered_whole_with_an_error_is_timed_as_before() -> None:
+    """A request that asked to stream and got a whole 4xx body: its time to that body counts
+    in cachelane_ttft_seconds, as it did before the settlement was one list of observers."""
+    s = await setup()
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = lambda _: json_answer(400, {"error": {"message": "no"}})
+    plan, response = await s.forward(raw_chat(stream=True))
+    assert response.status_code == 400
+    labels = {"replica": plan.decision.replica, "model": MODEL}
+    assert metric(s, "cachelane_ttft_seconds_count", **labels) == 1
+    s.assert_all_released()
