@@ -357,7 +357,7 @@ class Proxy:
         finally:
             ttft_s = reservation.first_byte()  # after the whole generation, unless prefill-only
             lease.release()
-            await _close_shielded(resp)
+            await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)
             self._settlement.settle(_whole_settled(plan, reservation, resp.status, ttft_s, content))
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         return Response(content, status_code=resp.status, headers=headers)
