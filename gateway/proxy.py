@@ -40,13 +40,7 @@ from gateway.metrics import Metrics
 from gateway.planner import Plan
 from gateway.registry import Registry, Replica, Reservation
 from gateway.relay_time import RelayTime
-from gateway.settlement import (
-    Settled,
-    Settlement,
-    cached_tokens_in,
-    prefill_only,
-    prompt_tokens_in,
-)
+from gateway.settlement import Settled, Settlement, whole_answer
 from gateway.upstream import (
     Upstream,
     UpstreamConnectError,
@@ -190,14 +184,10 @@ class Proxy:
         choice's lease made with the decision (reserve_first): forward() owns it from here,
         sends the request on it, and releases it on every path (also when it is never tried).
 
-        Replicas are tried in the decision's ranking, skipping unhealthy ones; each try holds a
+        Replicas are tried in the decision's ranking, skipping unhealthy ones, at most
+        `retries` more after the first (the module docstring says when); each try holds a
         reservation on its replica; a replica that accepts the request (status < 400) is told
-        to the settlement (the index records the prompt there: Planner.record_sent). A replica
-        that cannot be reached before its first byte is marked failed (ejected if no connection
-        could be made) and the next one is tried, at most `retries` more times; so is one that
-        sends no first byte of a streamed answer within its pool's `first_byte_timeout_s` (the
-        request is cancelled there, and it counts a passive error, as does a 5xx answer:
-        Registry.answered).
+        to the settlement (the index records the prompt there: Planner.record_sent).
 
         Returns a RelayResponse for a streamed request the replica accepted (it holds the
         reservation until the stream ends, however it ends, and then settles it), otherwise the
@@ -279,7 +269,11 @@ class Proxy:
             if failure is err:
                 raise
             raise failure from err
-        await self._registry.answered(replica, resp.status)
+        try:
+            await self._registry.answered(replica, resp.status)
+        except BaseException:  # cancelled here (a client gone): the lease's `with` releases
+            await _close_shielded(resp)
+            raise
         if chunks is not None:
             return await self._stream(plan, lease, resp, chunks, first)
         return await self._whole(plan, lease, resp)
@@ -358,7 +352,7 @@ class Proxy:
             ttft_s = reservation.first_byte()  # after the whole generation, unless prefill-only
             lease.release()
             await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)
-            self._settlement.settle(_whole_settled(plan, reservation, resp.status, ttft_s, content))
+            self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         return Response(content, status_code=resp.status, headers=headers)
 
@@ -468,20 +462,6 @@ class RelayResponse(StreamingResponse):
                 await self._on_close()
             for callback in self._finished:
                 callback()
-
-
-def _whole_settled(
-    plan: Plan, reservation: Reservation, status: int, ttft_s: float, content: bytes | None
-) -> Settled:
-    settled = Settled(plan, reservation, status, streamed=False, answered=False)
-    if content is not None:
-        settled.answered = status < 400
-        # a whole answer's first byte comes after the whole generation: no TTFT unless prefill-only
-        settled.ttft_s = ttft_s if prefill_only(plan) else None
-        settled.cached_tokens = cached_tokens_in(content)
-        settled.prompt_tokens = prompt_tokens_in(content)
-        settled.usage = content
-    return settled
 
 
 async def _close_shielded(resp: UpstreamResponse | None) -> None:

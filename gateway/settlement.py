@@ -91,6 +91,22 @@ class Settled:
             self.prompt_tokens, self.usage = tokens, chunk
 
 
+def whole_answer(
+    plan: Plan, reservation: Reservation, status: int, ttft_s: float, content: bytes | None
+) -> Settled:
+    """A whole answer's record: `content` its body, None when it could not be read; `ttft_s`
+    the time to its first byte, a TTFT only for a prefill-only request (otherwise the first
+    byte came after the whole generation)."""
+    settled = Settled(plan, reservation, status, streamed=False, answered=False)
+    if content is not None:
+        settled.answered = status < 400
+        settled.ttft_s = ttft_s if prefill_only(plan) else None
+        settled.cached_tokens = cached_tokens_in(content)
+        settled.prompt_tokens = prompt_tokens_in(content)
+        settled.usage = content
+    return settled
+
+
 class Observer:
     """A post-response observer; each hook does nothing unless overridden. Hooks must not
     raise for a request's own reasons (an index error is counted and logged, not raised):
