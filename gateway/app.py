@@ -36,11 +36,11 @@ from gateway.exposure import (
     ReadDeadline,
     require_monitoring,
 )
+from gateway.lease import Lease
 from gateway.metrics import Metrics, model_label
 from gateway.openapi import schema_of
 from gateway.planner import Plan
 from gateway.proxy import RelayResponse
-from gateway.registry import Reservation
 from gateway.reload import install_sighup
 from gateway.request_schema import check_request
 from gateway.state import Dispatch, Gateway, served_at_asked_class
@@ -376,7 +376,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     tenant = None
     model: object = None
     relay: RelayResponse | None = None
-    reserved: Reservation | None = None
+    reserved: Lease | None = None
     try:
         tenant = gw.authenticate(request)
         logs.note_tenant(tenant)
@@ -408,8 +408,8 @@ async def _serve(request: Request, endpoint: str) -> Response:
         status = err.status
         raise
     finally:
-        if reserved is not None and not reserved.taken:
-            reserved.release()  # an error, or a client gone, before the proxy took it
+        if reserved is not None:
+            reserved.release()  # an error, or a client gone, before the proxy took it over
         label = model_label(model, gw.registry.known_models())
         gw.metrics.requests.labels(endpoint, label, str(status)).inc()
         e2e = gw.metrics.e2e_seconds.labels(endpoint, label)

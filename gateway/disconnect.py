@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import anyio
+
 T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.1  # a client that leaves is noticed this fast
@@ -40,11 +42,21 @@ async def while_client_waits(
             if await client_gone():
                 break
     except BaseException:
-        task.cancel()  # cancelled itself: the work lets go of what it holds
+        # cancelled itself (the server gave up on the client): the work lets go of what it
+        # holds, and work that finished meanwhile is let go of here, whatever cancels us
+        with anyio.CancelScope(shield=True):
+            await _let_go(task, abandoned)
         raise
+    await _let_go(task, abandoned)
+    raise ClientGone
+
+
+async def _let_go(
+    task: asyncio.Future[T], abandoned: Callable[[T], Awaitable[None]] | None
+) -> None:
+    """Cancel the work; hand what it finished with, if it did, to `abandoned`."""
     task.cancel()
     with contextlib.suppress(Exception, asyncio.CancelledError):
         late = await task
         if abandoned is not None:
             await abandoned(late)
-    raise ClientGone

@@ -11,9 +11,11 @@ timeouts in a row eject a replica, like Envoy's outlier detection.
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
 
-Every path releases the load it reserved: `Reservation.release()` is synchronous and idempotent
-and runs in `finally`, so success, client disconnect (the relay task is cancelled) and upstream
-failure all give the slot back.
+Every try holds its reservation in a Lease (gateway/lease.py) for its lifetime: success,
+client disconnect (the relay task is cancelled), a retry and upstream failure all give the slot
+back exactly once; a streamed answer's response takes the lease over until its last byte.
+What happens after the answer (usage, costs, capture, learning, the index) is not done here:
+the settlement's observers see it (gateway/settlement.py), once per answer, streamed or whole.
 """
 
 from __future__ import annotations
@@ -21,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from functools import partial
 from typing import Any
 
 import anyio
@@ -33,15 +33,14 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import logs, tracing
-from gateway.calibration import CostLearner, Observation
-from gateway.capture import Capture
-from gateway.costs import CostAccounting
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, no_replica, upstream_error
+from gateway.lease import Lease
 from gateway.metrics import Metrics
-from gateway.planner import Plan, Planner
+from gateway.planner import Plan
 from gateway.registry import Registry, Replica, Reservation
 from gateway.relay_time import RelayTime
+from gateway.settlement import Settled, Settlement, whole_answer
 from gateway.upstream import (
     Upstream,
     UpstreamConnectError,
@@ -65,26 +64,6 @@ ENDPOINT_PATHS = {
     "embeddings": "/v1/embeddings",
     "responses": "/v1/responses",
 }
-
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
-
-
-def cached_tokens_in(chunk: bytes) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens` if this piece of a response carries it."""
-    if b"cached_tokens" not in chunk:
-        return None
-    match = _CACHED_TOKENS.search(chunk)
-    return int(match.group(1)) if match else None
-
-
-def prompt_tokens_in(chunk: bytes) -> int | None:
-    """`usage.prompt_tokens` (/v1/responses: `input_tokens`) if this piece of a response
-    carries it."""
-    if b"_tokens" not in chunk:
-        return None
-    match = _PROMPT_TOKENS.search(chunk)
-    return int(match.group(1)) if match else None
 
 
 def decision_headers(
@@ -160,29 +139,29 @@ def _upstream_headers(resp: UpstreamResponse) -> dict[str, str]:
     return {} if content_type is None else {"content-type": content_type}
 
 
+class _TryNext(Exception):
+    """This try got no answer in a way the next replica may mend."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
 class Proxy:
     def __init__(
         self,
         upstream: Upstream,
         registry: Registry,
-        planner: Planner,
         metrics: Metrics,
-        learner: CostLearner,
+        settlement: Settlement,
         *,
         retries: int,
-        costs: CostAccounting | None = None,
-        capture: Capture | None = None,
     ) -> None:
         self._upstream = upstream
         self._registry = registry
-        self._planner = planner
         self._metrics = metrics
-        self._learner = learner
+        self._settlement = settlement  # what happens after an answer (gateway/settlement.py)
         self._retries = retries
-        self._costs = costs  # cost accounting (gateway/costs.py), when the gateway keeps it
-        # told every answer's usage (its last chunk that carried one, or None): rate limits
-        self.usage_hook: Callable[[Plan, bytes | None], None] | None = None
-        self._capture = capture  # the traffic capture (gateway/capture.py), when configured
         self._relay_time = RelayTime()
 
     async def forward(
@@ -192,7 +171,7 @@ class Proxy:
         plan: Plan,
         *,
         client_gone: Callable[[], Awaitable[bool]] | None = None,
-        reserved: Reservation | None = None,
+        reserved: Lease | None = None,
     ) -> Response:
         """Send a planned request to its replica and return the replica's answer.
 
@@ -202,19 +181,16 @@ class Proxy:
         every gateway.disconnect.DISCONNECT_POLL_S until the answer is ready (Starlette's
         `Request.is_disconnected`): once the client has left, the upstream request is
         cancelled, its reservation released, and ApiError 499 raised; `reserved`: the first
-        choice's reservation made with the decision (reserve_first), sent on and then released
-        like any other (a caller releases it if forward() never took it: `Reservation.taken`).
+        choice's lease made with the decision (reserve_first): forward() owns it from here,
+        sends the request on it, and releases it on every path (also when it is never tried).
 
-        Replicas are tried in the decision's ranking, skipping unhealthy ones; each try reserves
-        load on the replica; a replica that accepts the request (status < 400) has the prompt
-        recorded in the index (Planner.record_sent). A replica that cannot be reached before its
-        first byte is marked failed (ejected if no connection could be made) and the next one is
-        tried, at most `retries` more times; so is one that sends no first byte of a streamed
-        answer within its pool's `first_byte_timeout_s` (the request is cancelled there, and it
-        counts a passive error, as does a 5xx answer: Registry.answered).
+        Replicas are tried in the decision's ranking, skipping unhealthy ones, at most
+        `retries` more after the first (the module docstring says when); each try holds a
+        reservation on its replica; a replica that accepts the request (status < 400) is told
+        to the settlement (the index records the prompt there: Planner.record_sent).
 
-        Returns a StreamingResponse for a streamed request the replica accepted (the reservation
-        is released and the TTFT learned when the stream ends, however it ends), otherwise the
+        Returns a RelayResponse for a streamed request the replica accepted (it holds the
+        reservation until the stream ends, however it ends, and then settles it), otherwise the
         whole body as a Response; the replica's status passes through (4xx and 5xx included).
         Raises ApiError: 502 or 504 (upstream_error) when every replica tried was unreachable or
         silent, or when one failed or timed out in a way a retry cannot mend (after the request
@@ -222,9 +198,9 @@ class Proxy:
         when the client left first. Any other exception propagates after the reservation is
         released.
         """
-        if client_gone is None:
-            return await self._forward(endpoint, raw_body, plan, reserved)
         try:
+            if client_gone is None:
+                return await self._forward(endpoint, raw_body, plan, reserved)
             return await while_client_waits(
                 self._forward(endpoint, raw_body, plan, reserved),
                 client_gone,
@@ -235,139 +211,160 @@ class Proxy:
             raise ApiError(
                 499, "the client closed the request before it was answered", code="client_closed"
             ) from None
+        finally:
+            if reserved is not None:
+                reserved.release()  # the first choice, if no try took it
 
     async def _forward(
-        self, endpoint: str, raw_body: bytes, plan: Plan, reserved: Reservation | None
+        self, endpoint: str, raw_body: bytes, plan: Plan, reserved: Lease | None
     ) -> Response:
         path = ENDPOINT_PATHS[endpoint]
         last_error: UpstreamError | None = None
         attempts = 0
         for name in plan.decision.ranking:
             replica = plan.replicas[name]
-            mine = reserved is not None and reserved.replica is replica and not reserved.taken
+            mine = reserved is not None and reserved.holds(replica)
             if not replica.healthy and not mine:
                 continue
             if attempts > self._retries:
                 break
             attempts += 1
             if mine and reserved is not None:
-                reservation = reserved
-                reservation.taken = True
-                reservation.started_s = time.perf_counter()  # sent now: the TTFT counts from here
+                lease = reserved.hand_over()
+                lease.reservation.started_s = time.perf_counter()  # sent now: the TTFT counts
             else:
-                reservation = self._reserve(plan, replica)
-            url = replica.url + path
-            body = upstream_body(plan, replica, raw_body)
-            headers = replica.request_headers(upstream_request_headers(plan))
-            # a streamed answer's first byte is its first token; a whole answer's first byte
-            # comes after the whole generation, so only upstream.read_timeout_s bounds it
-            timeout_s = replica.pool.first_byte_timeout_s if plan.stream else None
-            resp: UpstreamResponse | None = None
-            chunks: AsyncIterator[bytes] | None = None
-            first: bytes | None = None
-            try:
-                async with asyncio.timeout(timeout_s):
-                    resp = await self._upstream.post(url, body, headers)
-                    if resp.status < 400:  # only a replica that took it holds its prompt
-                        await self._planner.record_sent(plan, replica)
-                        if self._costs is not None:
-                            self._costs.sent(plan, replica)
-                        if plan.stream:
-                            chunks = resp.chunks()
-                            first = await anext(chunks, None)
-            except TimeoutError:
-                await _discard(resp, reservation)
-                silent = UpstreamTimeout(f"no first byte in {timeout_s} s")
-                # 504 if no other replica answers
-                await self._registry.errored(replica, repr(silent), reason="timeout")
-                self._metrics.retries.labels(replica.name).inc()
-                log.warning(
-                    "replica %s sent no first byte in %s s, trying the next one",
-                    replica.name,
-                    timeout_s,
-                )
-                last_error = silent
-                continue
-            except _RETRYABLE as err:
-                await _discard(resp, reservation)
-                await self._registry.mark_failed(
-                    replica,
-                    repr(err),
-                    eject=isinstance(err, UpstreamConnectError),
-                    reason="connect",
-                )
-                self._metrics.retries.labels(replica.name).inc()
-                log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
-                last_error = err
-                continue
-            except BaseException as err:
-                await _discard(resp, reservation)
-                if isinstance(err, UpstreamTimeout):
-                    await self._registry.errored(replica, repr(err), reason="timeout")
-                if isinstance(err, UpstreamError):
-                    raise upstream_error(replica.name, err) from err
-                raise
-            await self._registry.answered(replica, resp.status)
-            relay_s = self._relay_time.seconds if chunks is not None else 0.0
-            headers = _upstream_headers(resp) | decision_headers(
-                plan, replica, reservation.started_s, relay_s
-            )
-            if chunks is not None:
-                headers["cache-control"] = "no-cache"
-                headers["x-accel-buffering"] = "no"
-                ttft_s = None if first is None else self._first_byte(reservation, plan)
-                if first is not None:  # its prefill is done: what it loaded is in HBM now
-                    await self._planner.record_loaded(plan, replica)
-                return RelayResponse(
-                    self._relay(resp, chunks, first, ttft_s, reservation, plan),
-                    on_close=partial(_close, resp, reservation),
-                    status_code=resp.status,
-                    headers=headers,
-                )
-            try:
-                content = await resp.read()
-            except UpstreamError as err:
-                raise upstream_error(replica.name, err) from err
-            finally:
-                ttft_s = self._first_byte(reservation, plan)
-                reservation.release()
-                await resp.aclose()
-            if resp.status < 400:
-                self._count_usage(plan, replica, prompt_tokens_in(content), content)
-                if self._costs is not None:  # a whole answer's first byte is no TTFT
-                    observed_s = ttft_s if _prefill_only(plan) else None
-                    self._costs.answered(
-                        plan,
-                        replica,
-                        observed_s,
-                        cached_tokens_in(content),
-                        prompt_tokens_in(content),
-                    )
-                if self._capture is not None:
-                    self._capture.answered(
-                        plan,
-                        reservation,
-                        status=resp.status,
-                        ttft_s=ttft_s if _prefill_only(plan) else None,
-                        cached_tokens=cached_tokens_in(content),
-                        prompt_tokens=prompt_tokens_in(content),
-                    )
-            if _prefill_only(plan) and resp.status < 400:
-                self._learn(reservation, plan, ttft_s, cached_tokens_in(content))
-            return Response(content, status_code=resp.status, headers=headers)
+                lease = Lease(self._reserve(plan, replica))
+            with lease:
+                try:
+                    return await self._try(path, raw_body, plan, lease)
+                except _TryNext as failed:
+                    last_error = failed.error
         if last_error is not None:
             raise upstream_error(plan.decision.replica, last_error)
         raise no_replica(plan.model)
 
-    def reserve_first(self, plan: Plan) -> Reservation | None:
+    async def _try(self, path: str, raw_body: bytes, plan: Plan, lease: Lease) -> Response:
+        """One try on the lease's replica: its answer, or _TryNext when the next may answer."""
+        replica = lease.reservation.replica
+        body = upstream_body(plan, replica, raw_body)
+        headers = replica.request_headers(upstream_request_headers(plan))
+        # a streamed answer's first byte is its first token; a whole answer's first byte
+        # comes after the whole generation, so only upstream.read_timeout_s bounds it
+        timeout_s = replica.pool.first_byte_timeout_s if plan.stream else None
+        resp: UpstreamResponse | None = None
+        chunks: AsyncIterator[bytes] | None = None
+        first: bytes | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._upstream.post(replica.url + path, body, headers)
+                if resp.status < 400:  # only a replica that took it holds its prompt
+                    await self._settlement.accepted(plan, replica)
+                    if plan.stream:
+                        chunks = resp.chunks()
+                        first = await anext(chunks, None)
+        except BaseException as err:
+            lease.release()  # a try that will not be answered gives its slot back at once
+            await _close_shielded(resp)  # the engine aborts a request whose connection closed
+            failure = await self._failed(replica, err, timeout_s)
+            if failure is err:
+                raise
+            raise failure from err
+        try:
+            await self._registry.answered(replica, resp.status)
+        except BaseException:  # cancelled here (a client gone): the lease's `with` releases
+            await _close_shielded(resp)
+            raise
+        if chunks is not None:
+            return await self._stream(plan, lease, resp, chunks, first)
+        return await self._whole(plan, lease, resp)
+
+    async def _failed(
+        self, replica: Replica, err: BaseException, timeout_s: float | None
+    ) -> BaseException:
+        """What a failed try raises: _TryNext when the next replica may answer (this one is
+        marked down or counted an error), an ApiError for an upstream failure no retry mends,
+        else the error itself."""
+        if isinstance(err, TimeoutError):
+            silent = UpstreamTimeout(f"no first byte in {timeout_s} s")
+            # 504 if no other replica answers
+            await self._registry.errored(replica, repr(silent), reason="timeout")
+            self._metrics.retries.labels(replica.name).inc()
+            log.warning(
+                "replica %s sent no first byte in %s s, trying the next one",
+                replica.name,
+                timeout_s,
+            )
+            return _TryNext(silent)
+        if isinstance(err, _RETRYABLE):
+            eject = isinstance(err, UpstreamConnectError)
+            await self._registry.mark_failed(replica, repr(err), eject=eject, reason="connect")
+            self._metrics.retries.labels(replica.name).inc()
+            log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
+            return _TryNext(err)
+        if isinstance(err, UpstreamTimeout):
+            await self._registry.errored(replica, repr(err), reason="timeout")
+        if isinstance(err, UpstreamError):
+            return upstream_error(replica.name, err)
+        return err
+
+    async def _stream(
+        self,
+        plan: Plan,
+        lease: Lease,
+        resp: UpstreamResponse,
+        chunks: AsyncIterator[bytes],
+        first: bytes | None,
+    ) -> Response:
+        """The streamed answer's response, which takes the lease over until the stream ends."""
+        reservation = lease.reservation
+        relay_s = self._relay_time.seconds
+        headers = _upstream_headers(resp) | decision_headers(
+            plan, reservation.replica, reservation.started_s, relay_s
+        )
+        headers["cache-control"] = "no-cache"
+        headers["x-accel-buffering"] = "no"
+        settled = Settled(plan, reservation, resp.status, streamed=True)
+        try:
+            if first is not None:  # its prefill is done: what it loaded is in HBM now
+                settled.ttft_s = reservation.first_byte()
+                await self._settlement.first_byte(plan, reservation, settled.ttft_s)
+        except BaseException:
+            await _close_shielded(resp)
+            raise
+        answer = _OpenStream(lease.hand_over(), resp, settled, self._settlement)
+        return RelayResponse(
+            self._relay(chunks, first, answer),
+            on_close=answer.finish,
+            status_code=resp.status,
+            headers=headers,
+        )
+
+    async def _whole(self, plan: Plan, lease: Lease, resp: UpstreamResponse) -> Response:
+        """The whole answer, read, released and settled on every path."""
+        reservation = lease.reservation
+        replica = reservation.replica
+        content: bytes | None = None
+        try:
+            content = await resp.read()
+        except UpstreamError as err:
+            raise upstream_error(replica.name, err) from err
+        finally:
+            ttft_s = reservation.first_byte()  # after the whole generation, unless prefill-only
+            lease.release()
+            await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)
+            self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
+        headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
+        return Response(content, status_code=resp.status, headers=headers)
+
+    def reserve_first(self, plan: Plan) -> Lease | None:
         """Reserve the decision's first healthy choice now (None: none is healthy). Called in
         the decision's own step of the event loop: a request decided in the same step (a burst
         read at once after a stall) then sees this one's load instead of the same idle replica.
-        The caller hands it to forward(), or releases it."""
+        The caller hands the lease to forward(), or releases it."""
         for name in plan.decision.ranking:
             replica = plan.replicas[name]
             if replica.healthy:
-                return self._reserve(plan, replica)
+                return Lease(self._reserve(plan, replica))
         return None
 
     def _reserve(self, plan: Plan, replica: Replica) -> Reservation:
@@ -382,95 +379,54 @@ class Proxy:
             priority=plan.engine_priority(replica),
         )
 
-    def _first_byte(self, reservation: Reservation, plan: Plan) -> float:
-        ttft_s = reservation.first_byte()
-        replica = reservation.replica
-        if plan.stream:  # a whole answer's first byte comes after the whole generation
-            self._metrics.ttft_seconds.labels(replica.name, plan.model).observe(ttft_s)
-            tenant = plan.tenant
-            self._metrics.tenant_ttft_seconds.labels(
-                tenant.name, tenant.tenant_class.value
-            ).observe(ttft_s)
-        score = plan.decision.score(replica.name)
-        self._metrics.estimated_queue.labels(replica.name).observe(score.estimate.queue_s)
-        return ttft_s
-
-    def _count_usage(
-        self, plan: Plan, replica: Replica, prompt: int | None, last: bytes | None
-    ) -> None:
-        """The engine's `usage` (the last one a stream sent): cachelane_prompt_tokens and
-        cachelane_cached_tokens, whose ratio is the observed hit rate. An answer without usage
-        (a stream without include_usage) counts nothing; one without cached_tokens counts 0."""
-        if self.usage_hook is not None:
-            self.usage_hook(plan, last)
-        if prompt is None:
-            return
-        cached = (cached_tokens_in(last) if last is not None else None) or 0
-        labels = (replica.name, plan.tenant.name, plan.model)
-        self._metrics.prompt_tokens.labels(*labels).inc(prompt)
-        self._metrics.cached_tokens.labels(*labels).inc(min(cached, prompt))
-
-    def _learn(
-        self, reservation: Reservation, plan: Plan, ttft_s: float, cached: int | None
-    ) -> None:
-        replica = reservation.replica
-        score = plan.decision.score(replica.name)
-        self._learner.observe(Observation(replica, score, ttft_s, cached))
-
     async def _relay(
-        self,
-        resp: UpstreamResponse,
-        chunks: AsyncIterator[bytes],
-        first: bytes | None,
-        ttft_s: float | None,
-        reservation: Reservation,
-        plan: Plan,
+        self, chunks: AsyncIterator[bytes], first: bytes | None, answer: _OpenStream
     ) -> AsyncIterator[bytes]:
         """Relay the stream byte for byte, from its first chunk (read before the response was
-        returned, within the first-byte timeout); the TTFT is learned from when it ends (the
+        returned, within the first-byte timeout); the answer is settled when it ends (the
         engine's usage, if the client asked for it, comes in the last chunk), however it ends."""
-        cached: int | None = None
-        prompt: int | None = None
-        usage: bytes | None = None  # the last chunk that carried usage
+        settled = answer.settled
         try:
             if first is not None:
-                cached = cached_tokens_in(first)
-                prompt = prompt_tokens_in(first)
-                usage = first if prompt is not None else None
+                settled.saw(first)
                 yield first
-                if reservation.first_byte_s is not None:  # handed on: the way back is measured
-                    self._relay_time.observe(time.perf_counter() - reservation.first_byte_s)
+                first_byte_s = settled.reservation.first_byte_s
+                if first_byte_s is not None:  # handed on: the way back is measured
+                    self._relay_time.observe(time.perf_counter() - first_byte_s)
                 async for chunk in chunks:
-                    found = cached_tokens_in(chunk)
-                    if found is not None:
-                        cached = found
-                    if (tokens := prompt_tokens_in(chunk)) is not None:
-                        prompt, usage = tokens, chunk
+                    settled.saw(chunk)
                     yield chunk
         except UpstreamError as err:
-            api_error: ApiError = upstream_error(reservation.replica.name, err)
+            name = settled.replica.name
+            api_error: ApiError = upstream_error(name, err)
             self._metrics.errors.labels(api_error.code).inc()
-            log.warning("stream from %s broke: %r", reservation.replica.name, err)
+            log.warning("stream from %s broke: %r", name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
-            reservation.release()
-            if resp.status < 400:
-                self._count_usage(plan, reservation.replica, prompt, usage)
-                if self._costs is not None:
-                    self._costs.answered(plan, reservation.replica, ttft_s, cached, prompt)
-                if self._capture is not None:
-                    self._capture.answered(
-                        plan,
-                        reservation,
-                        status=resp.status,
-                        ttft_s=ttft_s,
-                        cached_tokens=cached,
-                        prompt_tokens=prompt,
-                    )
-            if ttft_s is not None:
-                self._learn(reservation, plan, ttft_s, cached)
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
+            await answer.finish()
+
+
+class _OpenStream:
+    """A streamed answer on its way: it owns the try's lease and its upstream until `finish()`,
+    which the relay's end and the response's close both call; the first releases, settles and
+    closes, the second finds the lease gone and does nothing."""
+
+    def __init__(
+        self, lease: Lease, resp: UpstreamResponse, settled: Settled, settlement: Settlement
+    ) -> None:
+        self._lease = lease
+        self._resp = resp
+        self.settled = settled
+        self._settlement = settlement
+
+    async def finish(self) -> None:
+        if not self._lease.held:
+            return
+        self._lease.release()
+        try:
+            self._settlement.settle(self.settled)
+        finally:
+            await _close_shielded(self._resp)
 
 
 class RelayResponse(StreamingResponse):
@@ -508,10 +464,7 @@ class RelayResponse(StreamingResponse):
                 callback()
 
 
-async def _discard(resp: UpstreamResponse | None, reservation: Reservation) -> None:
-    """A try that will not be answered: give its slot back and close its upstream connection
-    (the engine aborts a request whose connection closed)."""
-    reservation.release()
+async def _close_shielded(resp: UpstreamResponse | None) -> None:
     if resp is not None:
         with anyio.CancelScope(shield=True):
             await resp.aclose()
@@ -520,13 +473,3 @@ async def _discard(resp: UpstreamResponse | None, reservation: Reservation) -> N
 async def _close_abandoned(response: Response) -> None:
     if isinstance(response, RelayResponse):
         await response.close_upstream()
-
-
-async def _close(resp: UpstreamResponse, reservation: Reservation) -> None:
-    reservation.release()  # both are idempotent: the relay may have done it already
-    await resp.aclose()
-
-
-def _prefill_only(plan: Plan) -> bool:
-    limit = plan.body.get("max_tokens", plan.body.get("max_completion_tokens"))
-    return isinstance(limit, int) and limit <= 1

@@ -174,7 +174,6 @@ class Reservation:
     first_byte_s: float | None = None
     done: bool = False
     listener: LoadListener | None = None
-    taken: bool = False  # the proxy sends it: from then on it releases it on every path
 
     def first_byte(self) -> float:
         """Mark the first byte from the replica; returns the observed TTFT in seconds."""

@@ -28,15 +28,17 @@ from gateway.fleet import Fleet
 from gateway.flow import ClassLimits, FlowControl, Shed
 from gateway.index.resilient import ErrorHook, ResilientIndex
 from gateway.keys import Keyring
+from gateway.lease import Lease
 from gateway.limits import RateLimiter
 from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.prewarm import Prewarmer
 from gateway.proxy import Proxy
-from gateway.registry import HealthChecker, Registry, Replica, Reservation
+from gateway.registry import HealthChecker, Registry, Replica
 from gateway.reload import Reloader
 from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
+from gateway.settlement import observers
 from gateway.siblings import Siblings
 from gateway.tenant_store import TenantStore
 from gateway.tenants import CLASS_HEADER, Tenant
@@ -54,9 +56,9 @@ log = logging.getLogger("cachelane.state")
 
 PRECISE_CAPACITY_SLACK = 2  # precise mode: index capacity = twice what the replica can hold
 
-# A request ready to send: its plan and its first choice, reserved in the step that decided it
-# (None: no healthy replica); the proxy takes the reservation, or the caller releases it.
-Dispatch = tuple[Plan, Reservation | None]
+# A request ready to send: its plan and the lease on its first choice, reserved in the step that
+# decided it (None: no healthy replica); whoever holds the lease releases it (gateway/lease.py).
+Dispatch = tuple[Plan, Lease | None]
 
 
 def build_index(
@@ -265,20 +267,18 @@ class Gateway:
                 self.metrics,
                 self._terms_in_use,
             )
-        self.proxy = Proxy(
-            upstream,
-            self.registry,
+        # what happens after an answer: the one list of post-response observers
+        settlement = observers(
             self.planner,
             self.metrics,
             self.learner,
-            retries=config.upstream.retries,
             costs=self.costs,
             capture=self.capture,
+            limits=self.limits if self.limits.enabled else None,  # tokens/min: usage corrects
         )
-        if self.limits.enabled:  # tokens per minute: corrected by the answer's usage
-            self.proxy.usage_hook = lambda plan, usage: self.limits.on_usage(
-                plan.tenant, plan.prompt_tokens, usage
-            )
+        self.proxy = Proxy(
+            upstream, self.registry, self.metrics, settlement, retries=config.upstream.retries
+        )
         self.health = HealthChecker(
             self.registry,
             client,

@@ -24,6 +24,7 @@ from gateway.planner import Plan, Planner
 from gateway.proxy import Proxy
 from gateway.registry import Registry, Replica
 from gateway.reuse import ReuseCounter
+from gateway.settlement import observers
 from gateway.tenants import Tenant
 from gateway.upstream import (
     UpstreamConnectError,
@@ -134,9 +135,8 @@ class Setup:
         )
         self.learner = CostLearner("fit", self.registry.replicas.values(), self.metrics)
         self.fleet = FakeFleet()
-        self.proxy = Proxy(
-            self.fleet, self.registry, self.planner, self.metrics, self.learner, retries=retries
-        )
+        settlement = observers(self.planner, self.metrics, self.learner)
+        self.proxy = Proxy(self.fleet, self.registry, self.metrics, settlement, retries=retries)
 
     async def admit_all(self) -> Setup:
         for replica in self.registry.replicas.values():
@@ -337,7 +337,7 @@ async def test_a_first_choice_reserved_with_its_decision_is_seen_by_the_next_and
     assert s.replica(first.decision.replica).in_flight == 1
     response = await s.proxy.forward("chat", raw_chat(stream=True), first, reserved=reserved)
     assert s.fleet.sent[0].replica == first.decision.replica.split("//")[-1]
-    assert reserved is not None and reserved.taken
+    assert reserved is not None and not reserved.held  # forward() took it over
     assert s.replica(first.decision.replica).in_flight == 1  # the one reservation, not two
     await read_all(response)
     s.assert_all_released()
