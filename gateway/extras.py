@@ -30,12 +30,15 @@ OTEL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")  
 
 def install_hint(extra: str) -> str:
     """The pip command that adds `extra` to this cachelane, however it was installed."""
-    try:
-        record = metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
-    except metadata.PackageNotFoundError:  # run from a checkout without installing it
+    # Every metadata directory of the name, not only the first on sys.path: a checkout holds the
+    # cachelane.egg-info that setuptools' editable build leaves there, with no install record,
+    # ahead of the installed one when the checkout's root is on sys.path (pytest, python -m).
+    found = list(metadata.distributions(name=DISTRIBUTION))
+    if not found:  # run from a checkout without installing it
         if (CHECKOUT / "pyproject.toml").is_file():
             return f"pip install -e '{CHECKOUT}[{extra}]'"
         return f"pip install '{DISTRIBUTION}[{extra}]'"
+    record = next((r for d in found if (r := d.read_text("direct_url.json")) is not None), None)
     if record is None:  # from an index, by name
         return f"pip install '{DISTRIBUTION}[{extra}]'"
     return _hint_from_record(json.loads(record), extra)
