@@ -12,7 +12,8 @@ import importlib.util
 from collections.abc import Sequence
 
 PRECISE_MODULES = ("tokenizers", "jinja2", "zmq", "msgpack")
-SIM_MODULES = (*PRECISE_MODULES, "matplotlib")  # the simulator tokenizes and publishes KV events
+# the simulator tokenizes and publishes KV events; the demo draws its progress with rich
+SIM_MODULES = (*PRECISE_MODULES, "matplotlib", "rich")
 OTEL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")  # `tracing:`
 
 
