@@ -2,6 +2,7 @@
 neither may pull in the load-testing code or its heavy dependencies (`sim` and `demo` are imported
 only when those commands run), so the plain `pip install cachelane` serves."""
 
+import functools
 import json
 import re
 import subprocess
@@ -36,7 +37,8 @@ print(json.dumps(sorted({name.split(".")[0] for name in sys.modules if sys.modul
 NOT_INSTALLED_PLAINLY = ("numpy", "rich")
 
 
-def _loaded_top_level_modules(*hidden: str) -> set[str]:
+@functools.cache  # one probe per set of hidden modules: each takes seconds
+def _loaded_top_level_modules(*hidden: str) -> frozenset[str]:
     done = subprocess.run(
         [sys.executable, "-c", PROBE, *hidden],
         capture_output=True,
@@ -45,7 +47,7 @@ def _loaded_top_level_modules(*hidden: str) -> set[str]:
         check=False,
     )
     assert done.returncode == 0, f"the serving path failed to import:\n{done.stderr}"
-    return set(json.loads(done.stdout))
+    return frozenset(json.loads(done.stdout))
 
 
 def test_gateway_app_and_cli_import_no_loadtest_or_its_dependencies() -> None:
@@ -62,7 +64,7 @@ def test_serving_imports_no_numpy_even_where_it_is_installed() -> None:
 def test_serving_imports_no_precise_extra_module() -> None:
     """Approximate mode runs on the plain install: jinja2, tokenizers, pyzmq and msgpack (the
     [precise] extra) are imported only when routing.mode is precise."""
-    loaded = _loaded_top_level_modules()
+    loaded = _loaded_top_level_modules(*NOT_INSTALLED_PLAINLY)
     assert sorted(loaded.intersection(PRECISE_MODULES)) == []
 
 
