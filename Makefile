@@ -73,7 +73,7 @@ lint: install-dev
 	$(VENV)/bin/mypy routing gateway loadtest tests
 
 # The fast tier: `make test` runs these and the slow tier; CI (.ci/run) runs `make test`.
-check: lint redis-server dnsmasq
+check: lint redis-server
 	$(PY) -m pytest -q -m 'not slow and not engine'
 
 clean:
