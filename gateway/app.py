@@ -167,7 +167,7 @@ def create_app(
     app.include_router(admin_router)
     app.include_router(costs_router)  # GET /debug/costs, with the admin key
 
-    # The two hot endpoints skip the framework's layers (_App); these routes give the other
+    # The two hot endpoints skip the framework's layers (_App.__call__); these routes give the other
     # methods their 405 and list them in the route table.
     async def chat_completions(request: Request) -> Response:
         return await _serve(request, "chat")
@@ -494,30 +494,34 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 class _App(FastAPI):
-    """FastAPI, with POST /v1/chat/completions and /v1/completions (`hot`) served without the
-    framework's own layers: in a CPU profile of the overhead benchmark's closed loop
-    (docs/performance.md) Starlette's and FastAPI's (error middlewares, FastAPI's body-limit and
-    telemetry wrappers, its exit stack, route matching, dependency solving) were ~11% of a
-    request's gateway CPU. Every middleware the app was given (user_middleware: request ids and
-    the access line, tracing, the 500 catcher, and any added later) still wraps them, built the
-    way Starlette builds its stack; an ApiError or HTTPException is rendered by the app's own
-    exception handlers. Everything else, the lifespan included, takes the usual stack."""
+    """FastAPI, with an ASGI entry ahead of it for POST /v1/chat/completions and /v1/completions
+    (`hot`): in a CPU profile of the overhead benchmark's closed loop (docs/performance.md)
+    Starlette's and FastAPI's layers (error middlewares, FastAPI's body-limit and telemetry
+    wrappers, its exit stack, route matching, dependency solving) were ~11% of a request's gateway
+    CPU. The entry is the app's ASGI `__call__`, the interface the server calls: a hot request
+    goes to its endpoint through the middlewares the app was given (its public `user_middleware`:
+    request ids and the access line, tracing, the 500 catcher, and any added later), wrapped in
+    the order Starlette wraps them; an ApiError or HTTPException is rendered by the app's own
+    exception handlers. Everything else, the lifespan included, goes to FastAPI as usual."""
 
     hot: dict[str, Endpoint]
+    _hot_stack: ASGIApp | None = None
 
-    def build_middleware_stack(self) -> ASGIApp:
-        usual = super().build_middleware_stack()
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.hot:
+            scope["app"] = self  # as Starlette sets it: request.app, the middlewares' state
+            await (self._hot_stack or self._build_hot_stack())(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    def _build_hot_stack(self) -> ASGIApp:
+        if self.middleware_stack is None:  # built now, so a late add_middleware fails loudly
+            self.middleware_stack = self.build_middleware_stack()
         hot: ASGIApp = self._serve_hot
         for cls, args, kwargs in reversed(self.user_middleware):
             hot = cls(hot, *args, **kwargs)
-
-        async def dispatch(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http" and scope["path"] in self.hot and scope["method"] == "POST":
-                await hot(scope, receive, send)
-            else:
-                await usual(scope, receive, send)
-
-        return dispatch
+        self._hot_stack = hot
+        return hot
 
     async def _serve_hot(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)

@@ -213,9 +213,7 @@ def _readable_error(resp: httpx.Response) -> str:
 
 
 def _route_explain(args: argparse.Namespace) -> int:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
+    from gateway.text_table import Out, TextTable
 
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     debug_headers = {"authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
@@ -240,20 +238,20 @@ def _route_explain(args: argparse.Namespace) -> int:
         print(f"cachelane: the gateway answered {_readable_error(resp)}", file=sys.stderr)
         return 1
     data = resp.json()
-    console = Console()
+    console = Out()
     console.print(
-        f"[bold]{data['policy']}[/] -> [bold green]{data['replica']}[/] "
-        f"because [bold]{data['reason']}[/]; ~{data['prompt_tokens']} prompt tokens, "
+        f"{data['policy']} -> {data['replica']} "
+        f"because {data['reason']}; ~{data['prompt_tokens']} prompt tokens, "
         f"est. TTFT {data['est_ttft_ms']} ms, {data['expected_cached_tokens']} cached tokens "
         f"expected (decided in {data['decision_ms']} ms)"
     )
     # "others": the wait a candidate would add to requests it goes before (shown when any would)
     others = any(c.get("others_wait_ms", 0.0) > 0 for c in data["candidates"])
-    table = Table(title="cached tokens per tier, estimated TTFT terms in ms", box=box.SIMPLE)
-    table.add_column("replica", no_wrap=True, min_width=15)
+    table = TextTable("cached tokens per tier, estimated TTFT terms in ms")
+    table.add_column("replica")
     names = ("hbm", "cpu", "remote", "fixed", "queue", "swap", "fetch", "prefill", "TTFT")
     for name in (*names, "others") if others else names:
-        table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
+        table.add_column(name, right=True)
     for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
         o, e = c["overlap"], c["estimate_ms"]
         cells = [
@@ -271,15 +269,13 @@ def _route_explain(args: argparse.Namespace) -> int:
         if others:
             cells.append(f"{c['others_wait_ms']:.2f}")
         table.add_row(*cells)
-    console.print(table)
+    console.print(str(table))
     costs = data.get("costs")
     if costs:
-        fits = Table(
-            title=f"cost terms in use (routing.calibration: {costs['mode']})", box=box.SIMPLE
-        )
-        fits.add_column("replica", no_wrap=True, min_width=15)
+        fits = TextTable(f"cost terms in use (routing.calibration: {costs['mode']})")
+        fits.add_column("replica")
         for name in ("source", "samples", "fixed ms", "prefill tok/s", "swap tok/s", "fetch tok/s"):
-            fits.add_column(name, justify="right", no_wrap=True)
+            fits.add_column(name, right=True)
         for name, f in sorted(costs["replicas"].items()):
             fits.add_row(
                 name,
@@ -290,7 +286,7 @@ def _route_explain(args: argparse.Namespace) -> int:
                 f"{f['swap_tokens_per_s']:,.0f}",
                 f"{f['fetch_tokens_per_s']:,.0f}",
             )
-        console.print(fits)
+        console.print(str(fits))
     return 0
 
 

@@ -24,7 +24,8 @@ DISTRIBUTION = "cachelane"
 CHECKOUT = Path(__file__).resolve().parents[1]  # the repository root, when run from a checkout
 
 PRECISE_MODULES = ("tokenizers", "jinja2", "zmq", "msgpack")
-SIM_MODULES = (*PRECISE_MODULES, "matplotlib")  # the simulator tokenizes and publishes KV events
+# the simulator tokenizes and publishes KV events; the demo draws its progress with rich
+SIM_MODULES = (*PRECISE_MODULES, "matplotlib", "rich")
 OTEL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")  # `tracing:`
 
 

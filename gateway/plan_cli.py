@@ -20,11 +20,10 @@ from typing import Any
 
 import httpx
 from redis.exceptions import RedisError
-from rich.console import Console
-from rich.table import Table
 
 from gateway.config import ClassesConfig
 from gateway.extras import install_hint
+from gateway.text_table import Out, Printer, TextTable
 from routing.cost import CostTerms
 from routing.whatif.capture import Capture, CaptureError, parse_capture
 from routing.whatif.replay import Outcome, replay
@@ -40,7 +39,6 @@ DEFAULT_REMOTE_TOKENS = 10_000_000  # the gateway's remote_tiers[].capacity_toke
 
 HTTP_TIMEOUT_S = 5.0
 GB = 1e9
-CONSOLE_WIDTH = 160  # the table's width when printing to a file or a pipe
 
 
 def read_capture(path: Path) -> Capture:
@@ -183,7 +181,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def plan(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def plan(args: argparse.Namespace, console: Printer) -> dict[str, Any]:
     capture = read_capture(args.capture)
     if args.gateway:
         capture = gateway_fit(args.gateway, args.api_key, capture)
@@ -245,8 +243,8 @@ def _search(
     }
 
 
-def print_plan(result: dict[str, Any], console: Console) -> None:
-    table = Table(title="cachelane plan", show_lines=False)
+def print_plan(result: dict[str, Any], console: Printer) -> None:
+    table = TextTable("cachelane plan")
     table.add_column("scenario")
     table.add_column("class")
     for col in (
@@ -260,7 +258,7 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
         "never read GB",
         "replicas for target",
     ):
-        table.add_column(col, justify="right")
+        table.add_column(col, right=True)
     for entry in result["scenarios"].values():
         s = entry["summary"]
         needed = entry["replicas_needed"]
@@ -287,7 +285,7 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
                 need,
             )
         table.add_section()
-    console.print(table)
+    console.print(str(table))
 
 
 def _ms(v: float) -> str:
@@ -360,7 +358,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def run(argv: Sequence[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else CONSOLE_WIDTH)
+    console = Out()
     try:
         result = plan(args, console)
     except (OSError, CaptureError, ValueError, httpx.HTTPError, RedisError) as err:

@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rich.console import Console
-from rich.table import Table
 
 from gateway.extras import install_hint
 from gateway.findings import (
@@ -34,6 +32,7 @@ from gateway.findings import (
     pct,
     share,
 )
+from gateway.text_table import Out, Printer, TextTable
 from routing.accounting import LAYERS, WINDOWS_S
 
 ADMIN_KEY_ENV = "CACHELANE_ADMIN_KEY"
@@ -109,19 +108,19 @@ def _ms(seconds: float, requests: float) -> str:
     return f"{1000 * seconds / requests:.1f}" if requests else "-"
 
 
-def render(merged: Mapping[str, Any], found: Sequence[Finding], console: Console) -> None:
+def render(merged: Mapping[str, Any], found: Sequence[Finding], console: Printer) -> None:
     classes = by_class(merged["rows"])
     window = merged["window_s"]
-    console.print(f"[bold]Where the cost of offloading landed[/bold] (last {window:g} s)")
-    ttft = Table(title="TTFT by layer, mean ms per streamed request (share of TTFT)")
+    console.print(f"Where the cost of offloading landed (last {window:g} s)")
+    ttft = TextTable("TTFT by layer, mean ms per streamed request (share of TTFT)")
     for col in ("class", "requests", "TTFT", *LAYERS):
-        ttft.add_column(col, justify="left" if col == "class" else "right")
-    hits = Table(title="Prompt tokens by where their KV came from; bytes moved; prefill avoided")
+        ttft.add_column(col, right=col != "class")
+    hits = TextTable("Prompt tokens by where their KV came from; bytes moved; prefill avoided")
     for col in (
         "class", "HBM", "CPU", "remote", "computed", "PCIe", "swap-ins shared",
         "remote written", "read", "never read", "GPU-s avoided",
     ):  # fmt: skip
-        hits.add_column(col, justify="left" if col == "class" else "right")
+        hits.add_column(col, right=col != "class")
     for klass in class_order(list(classes)):
         s = classes[klass]
         timed, total = s.get("timed_requests", 0.0), s.get("observed_ttft_s", 0.0)
@@ -142,9 +141,9 @@ def render(merged: Mapping[str, Any], found: Sequence[Finding], console: Console
             gib(s.get("remote_never_read_bytes", 0.0)),
             f"{avoided:.2f}",
         )
-    console.print(ttft)
-    console.print(hits)
-    tenants = Table(title="By tenant")
+    console.print(str(ttft))
+    console.print(str(hits))
+    tenants = TextTable("By tenant")
     for col in (
         "tenant",
         "class",
@@ -154,7 +153,7 @@ def render(merged: Mapping[str, Any], found: Sequence[Finding], console: Console
         "remote written",
         "never read",
     ):
-        tenants.add_column(col, justify="left" if col in ("tenant", "class") else "right")
+        tenants.add_column(col, right=col not in ("tenant", "class"))
     for (tenant, klass), s in sorted(by_tenant(merged["rows"]).items()):
         tenants.add_row(
             tenant,
@@ -165,10 +164,10 @@ def render(merged: Mapping[str, Any], found: Sequence[Finding], console: Console
             gib(s.get("remote_written_bytes", 0.0)),
             gib(s.get("remote_never_read_bytes", 0.0)),
         )
-    console.print(tenants)
-    console.print("[bold]Findings[/bold]")
+    console.print(str(tenants))
+    console.print("Findings")
     for f in found:
-        console.print(f"- {f.text}", soft_wrap=True, highlight=False)
+        console.print(f"- {f.text}")
 
 
 def draw(merged: Mapping[str, Any], path: Path) -> None:
@@ -311,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_json(merged, found), indent=2))
     else:
-        render(merged, found, Console(width=160))
+        render(merged, found, Out())
     if args.png is not None:
         try:
             draw(merged, args.png)

@@ -42,14 +42,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from routing.cost import CostTerms
 
 TERMS = ("fixed_s", "prefill_s_per_token", "swap_s_per_token", "fetch_s_per_token")
+Vector = list[float]
+Row = tuple[float, float, float, float]
 
 FORGETTING = 0.98
 # Memory of ~1 / (1 - 0.98) = 50 observations: converges within the ~50 requests the fit is asked
@@ -131,23 +131,22 @@ class OnlineFit:
 
     def __init__(self, seed: CostTerms) -> None:
         self.seed = seed
-        self._scale = np.array(_seed_vector(seed))  # parameter i = theta[i] * scale[i]
-        self._theta = np.ones(4)
+        self._scale = _seed_vector(seed)  # parameter i = theta[i] * scale[i]
+        self._theta: Vector = [1.0] * 4
         fixed_var = (FIXED_PRIOR_S / self._scale[0]) ** 2
-        self._precision = 1.0 / np.array([fixed_var, *[PRIOR_SPREAD**2] * 3])  # the ridge
-        self._low = np.array([0.0, *[1 / RATE_BOUND] * 3])
-        self._high = np.array([MAX_FIXED_S / self._scale[0], *[RATE_BOUND] * 3])
-        # the window, oldest first: rows x[:n] and targets y[:n] of the relative equations
-        self._x = np.zeros((WINDOW, 4))
-        self._y = np.zeros(WINDOW)
-        self._n = 0
+        self._precision: Vector = [1.0 / fixed_var, *[1.0 / PRIOR_SPREAD**2] * 3]  # the ridge
+        self._low: Vector = [0.0, *[1 / RATE_BOUND] * 3]
+        self._high: Vector = [MAX_FIXED_S / self._scale[0], *[RATE_BOUND] * 3]
+        # the window, oldest first: the rows and targets of the relative equations
+        self._rows: deque[Row] = deque(maxlen=WINDOW)
+        self._targets: deque[float] = deque(maxlen=WINDOW)
         self._misses: deque[float] = deque(maxlen=SCALE_WINDOW)  # relative, before each update
         self.samples = 0
         self.rejected = 0
         self.resets = 0
 
     def terms(self) -> CostTerms:
-        fixed, prefill, swap, fetch = (float(v) for v in self._theta * self._scale)
+        fixed, prefill, swap, fetch = (t * s for t, s in zip(self._theta, self._scale, strict=True))
         return CostTerms(fixed, prefill, swap, fetch, samples=self.samples)
 
     def predict_s(self, sample: Sample) -> float:
@@ -167,14 +166,9 @@ class OnlineFit:
         norm = math.sqrt(y * sum(raw))
         row = (raw[0] / norm, raw[1] / norm, raw[2] / norm, raw[3] / norm)
         target = y / norm
-        self._misses.append(target - sum(t * x for t, x in zip(self._theta, row, strict=True)))
-        if self._n == WINDOW:  # the oldest leaves
-            self._x[:-1] = self._x[1:]
-            self._y[:-1] = self._y[1:]
-            self._n -= 1
-        self._x[self._n] = row
-        self._y[self._n] = target
-        self._n += 1
+        self._misses.append(target - _dot(self._theta, row))
+        self._rows.append(row)  # the oldest leaves a full window
+        self._targets.append(target)
         self.samples += 1
         if self._shifted():
             self._forget_before_shift()
@@ -185,30 +179,19 @@ class OnlineFit:
 
     def refit(self) -> None:
         """Solve the window now (after updates with `refit=False`)."""
-        if self._n:
+        if self._rows:
             self._refit()
 
     def residual_scale(self) -> float:
         """The robust scale of the window's residuals under the current fit (relative units)."""
-        if not self._n:
+        if not self._rows:
             return 1.0
-        x, y = self._x[: self._n], self._y[: self._n]
-        return _robust_scale(y - x @ self._theta)
+        return _robust_scale(_residuals(self._rows, self._targets, self._theta))
 
     def _refit(self) -> None:
-        """One reweighting: Huber weights from the residuals of the current fit, forgetting by
-        age, then the weighted, ridge-regularised, bounded least-squares solve."""
-        n = self._n
-        x, y = self._x[:n], self._y[:n]
-        weights = _AGE_WEIGHTS[WINDOW - n :].copy()
-        if n >= MIN_ROBUST:
-            residuals = np.abs(y - x @ self._theta)
-            limit = K_HUBER * _robust_scale(residuals)
-            weights *= np.minimum(1.0, limit / np.maximum(residuals, 1e-12))
-        xw = x * weights[:, None]
-        gram = xw.T @ x + np.diag(self._precision)
-        rhs = xw.T @ y + self._precision  # the prior's mean is theta = 1
-        self._theta = _bounded_solve(gram, rhs, self._low, self._high)
+        self._theta = solve_window(
+            self._rows, self._targets, self._theta, self._precision, self._low, self._high
+        )
 
     def _shifted(self) -> bool:
         """The replica changed: nearly every recent estimate missed on the same side, by more
@@ -226,10 +209,10 @@ class OnlineFit:
         """Keep only the samples of the last SCALE_WINDOW misses: the fit is then made of the
         replica as it is now (the counterpart of covariance resetting, Goodwin & Sin, "Adaptive
         Filtering Prediction and Control", 1984, sec. 3.3)."""
-        keep = min(len(self._misses), self._n)
-        self._x[:keep] = self._x[self._n - keep : self._n].copy()
-        self._y[:keep] = self._y[self._n - keep : self._n].copy()
-        self._n = keep
+        keep = min(len(self._misses), len(self._rows))
+        while len(self._rows) > keep:
+            self._rows.popleft()
+            self._targets.popleft()
         self._misses.clear()
         self.resets += 1
 
@@ -237,9 +220,9 @@ class OnlineFit:
         """State for sharing between gateways (a Redis hash); `from_dict` is its inverse."""
         return {
             "seed": list(self.seed.as_vector()),
-            "theta": [float(v) for v in self._theta],
-            "rows": self._x[: self._n].tolist(),
-            "targets": self._y[: self._n].tolist(),
+            "theta": list(self._theta),
+            "rows": [list(row) for row in self._rows],
+            "targets": list(self._targets),
             "samples": self.samples,
         }
 
@@ -261,46 +244,136 @@ class OnlineFit:
             return fit
         if not all(math.isfinite(v) for v in [*theta, *(v for r in rows for v in r), *targets]):
             return fit
-        fit._theta = np.clip(np.array(theta), fit._low, fit._high)
-        kept = rows[-WINDOW:]
-        fit._n = len(kept)
-        if kept:
-            fit._x[: fit._n] = kept
-            fit._y[: fit._n] = targets[-WINDOW:]
+        fit._theta = [
+            min(max(t, lo), hi) for t, lo, hi in zip(theta, fit._low, fit._high, strict=True)
+        ]
+        fit._rows.extend((r[0], r[1], r[2], r[3]) for r in rows[-WINDOW:])
+        fit._targets.extend(targets[-WINDOW:])
         fit.samples = max(samples, 0)
         return fit
 
 
-_AGE_WEIGHTS = FORGETTING ** np.arange(WINDOW - 1, -1, -1, dtype=float)  # oldest first
+_AGE_WEIGHTS = [FORGETTING**age for age in range(WINDOW - 1, -1, -1)]  # oldest first
 
 
-def _robust_scale(residuals: np.ndarray) -> float:
-    r = np.abs(residuals)
-    half = len(r) // 2
-    part = np.partition(r, half)  # the median without a full sort
-    median = part[half] if len(r) % 2 else (part[half] + part[:half].max()) / 2
-    return max(MIN_SCALE, MAD_TO_SIGMA * float(median))
+def solve_window(
+    rows: Sequence[Row],
+    targets: Sequence[float],
+    theta: Sequence[float],
+    precision: Sequence[float],
+    low: Sequence[float],
+    high: Sequence[float],
+) -> Vector:
+    """One reweighting of the window (oldest row first): Huber weights from the residuals of the
+    current fit `theta`, forgetting by age, then the weighted, ridge-regularised (towards
+    theta = 1 with these precisions), bounded least-squares solve."""
+    n = len(rows)
+    weights = _AGE_WEIGHTS[WINDOW - n :]
+    if n >= MIN_ROBUST:
+        residuals = [abs(r) for r in _residuals(rows, targets, theta)]
+        limit = K_HUBER * _robust_scale(residuals)
+        # Huber: full weight within the limit, limit / |residual| past it
+        weights = [
+            w if r <= limit else w * limit / r for w, r in zip(weights, residuals, strict=True)
+        ]
+    # The normal equations, written out for four terms: the Gram matrix is symmetric (10 sums),
+    # and a refit follows every observation, so this loop is the fit's cost.
+    g00 = g01 = g02 = g03 = g11 = g12 = g13 = g22 = g23 = g33 = 0.0
+    b0 = b1 = b2 = b3 = 0.0
+    for (x0, x1, x2, x3), y, w in zip(rows, targets, weights, strict=True):
+        a0, a1, a2, a3 = w * x0, w * x1, w * x2, w * x3
+        g00 += a0 * x0
+        g01 += a0 * x1
+        g02 += a0 * x2
+        g03 += a0 * x3
+        g11 += a1 * x1
+        g12 += a1 * x2
+        g13 += a1 * x3
+        g22 += a2 * x2
+        g23 += a2 * x3
+        g33 += a3 * x3
+        b0 += a0 * y
+        b1 += a1 * y
+        b2 += a2 * y
+        b3 += a3 * y
+    p0, p1, p2, p3 = precision
+    gram = [
+        [g00 + p0, g01, g02, g03],
+        [g01, g11 + p1, g12, g13],
+        [g02, g12, g22 + p2, g23],
+        [g03, g13, g23, g33 + p3],
+    ]
+    rhs = [b0 + p0, b1 + p1, b2 + p2, b3 + p3]  # the prior's mean is theta = 1
+    return _bounded_solve(gram, rhs, low, high)
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _residuals(rows: Sequence[Row], targets: Sequence[float], theta: Sequence[float]) -> Vector:
+    t0, t1, t2, t3 = theta
+    return [
+        y - (x0 * t0 + x1 * t1 + x2 * t2 + x3 * t3)
+        for (x0, x1, x2, x3), y in zip(rows, targets, strict=True)
+    ]
+
+
+def _robust_scale(residuals: Sequence[float]) -> float:
+    median = statistics.median(abs(r) for r in residuals)
+    return max(MIN_SCALE, MAD_TO_SIGMA * median)
 
 
 def _bounded_solve(
-    gram: np.ndarray, rhs: np.ndarray, low: np.ndarray, high: np.ndarray
-) -> np.ndarray:
+    gram: Sequence[Sequence[float]],
+    rhs: Sequence[float],
+    low: Sequence[float],
+    high: Sequence[float],
+) -> Vector:
     """argmin of the quadratic with this Gram matrix and right-hand side within [low, high]: solve,
     hold each term that leaves its bounds at the bound, solve the others again (an active set;
     at most one round per term)."""
-    theta: np.ndarray = np.linalg.solve(gram, rhs)
-    free = np.ones(len(rhs), dtype=bool)
+    size = len(rhs)
+    theta = _solve(gram, rhs)
+    free = list(range(size))
     while True:
-        out = free & ((theta < low) | (theta > high))
-        if not out.any():
+        out = [i for i in free if not low[i] <= theta[i] <= high[i]]
+        if not out:
             return theta
-        theta = np.clip(theta, low, high)
-        free &= ~out
-        if not free.any():
+        theta = [min(max(t, lo), hi) for t, lo, hi in zip(theta, low, high, strict=True)]
+        free = [i for i in free if i not in out]
+        if not free:
             return theta
-        held = ~free
-        b = rhs[free] - gram[np.ix_(free, held)] @ theta[held]
-        theta[free] = np.linalg.solve(gram[np.ix_(free, free)], b)
+        held = [i for i in range(size) if i not in free]
+        b = [rhs[i] - sum(gram[i][j] * theta[j] for j in held) for i in free]
+        solved = _solve([[gram[i][j] for j in free] for i in free], b)
+        for i, value in zip(free, solved, strict=True):
+            theta[i] = value
+
+
+def _solve(matrix: Sequence[Sequence[float]], rhs: Sequence[float]) -> Vector:
+    """x with matrix @ x = rhs: Gaussian elimination with partial pivoting (the method of
+    LAPACK's gesv, which numpy.linalg.solve calls; Golub & Van Loan, "Matrix Computations",
+    4th ed., alg. 3.4.1). The ridge makes the Gram matrix positive definite, so a zero pivot
+    means the inputs were not finite: raised as ArithmeticError rather than returned as NaN."""
+    size = len(rhs)
+    a = [[*map(float, matrix[i]), float(rhs[i])] for i in range(size)]  # augmented, copied
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
+        if not a[pivot][col] or not math.isfinite(a[pivot][col]):
+            raise ArithmeticError("singular matrix in the cost fit's solve")
+        a[col], a[pivot] = a[pivot], a[col]
+        head = a[col]
+        for r in range(col + 1, size):
+            factor = a[r][col] / head[col]
+            if factor:
+                row = a[r]
+                for c in range(col, size + 1):
+                    row[c] -= factor * head[c]
+    x = [0.0] * size
+    for i in range(size - 1, -1, -1):
+        x[i] = (a[i][size] - sum(a[i][j] * x[j] for j in range(i + 1, size))) / a[i][i]
+    return x
 
 
 def _list(value: object) -> list[object]:
@@ -318,6 +391,6 @@ def _floats(value: object) -> list[float]:
     return out
 
 
-def _seed_vector(seed: CostTerms) -> list[float]:
+def _seed_vector(seed: CostTerms) -> Vector:
     # A zero seed (no fixed overhead configured) would pin its parameter at 0: scale by 1 ms.
     return [v if v > 0 else 0.001 for v in seed.as_vector()]

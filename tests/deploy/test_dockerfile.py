@@ -21,6 +21,8 @@ import pytest
 from tests.deploy.util import ROOT
 from tests.helpers.ports import free_port
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: builds the wheel
+
 DOCKERFILE = ROOT / "Dockerfile"
 BUILD_TOOLS = ("gcc", "g++", "build-essential", "make ", "clang", "python3-dev", "libc6-dev")
 

@@ -24,6 +24,8 @@ from gateway.config import ConfigError, GatewayConfig, load_config
 from tests.deploy import kustomize_check
 from tests.deploy.util import COMPOSE_DIR, K8S_DIR, load_docs, load_one, rel, yaml_files
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: renders the manifests with kubectl
+
 TARGETS = [K8S_DIR / "base", *sorted(p for p in (K8S_DIR / "overlays").iterdir() if p.is_dir())]
 GATEWAY = ("Deployment", "cachelane-gateway")
 CONFIG, SECRETS = "cachelane-config", "cachelane-secrets"

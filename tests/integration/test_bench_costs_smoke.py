@@ -11,6 +11,8 @@ import pytest
 
 from tests.integration.bench_cli import run_ok
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
+
 BENCH_TIMEOUT_S = 90  # ~15 s here: two process start-ups, 30 requests at 8 req/s, the report
 
 

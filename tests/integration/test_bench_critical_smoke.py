@@ -11,6 +11,8 @@ import pytest
 
 from loadtest.bench.critical import main
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
+
 
 @pytest.mark.timeout(180)  # ~40 s here: one fleet, three gateways, arms of 5 s plus draining
 def test_bench_critical_quick_runs_and_writes_results(tmp_path: Path) -> None:

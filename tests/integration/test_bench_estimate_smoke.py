@@ -12,6 +12,8 @@ import pytest
 
 from loadtest.bench.estimate import FIRST_N, TRUE_ARM, main
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
+
 BENCH_TIMEOUT_S = 120  # ~25 s here: one fleet, three gateways, 4 s arms
 
 ARM_FIELDS = {

@@ -10,6 +10,8 @@ import pytest
 
 from loadtest.bench.gc_pauses import main
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
+
 BENCH_TIMEOUT_S = 120  # ~15 s here
 
 

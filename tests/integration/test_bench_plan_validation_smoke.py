@@ -15,6 +15,8 @@ import pytest
 
 from tests.integration.bench_cli import run_ok
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
+
 BENCH_TIMEOUT_S = 150  # ~40 s here: 3 set-ups of 7 s (5 s of warm-up) plus start-ups
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from loadtest.bench.soak import ALLOWED_KIND, FAULTS, main
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
+
 SOAK_TIMEOUT_S = 240  # ~45 s here: 36 s of traffic, start-up of 3 sims, Redis and a gateway
 MINUTES = 0.6
 RATE = 8.0

@@ -12,6 +12,8 @@ import pytest
 
 from tests.integration.bench_cli import run_ok
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
+
 BENCH_TIMEOUT_S = 90  # ~25 s here: 4 arms of 2 s plus two fleets' and four gateways' start-up
 
 

@@ -23,7 +23,7 @@ from routing.whatif.replay import replay
 from routing.whatif.setup import Setup
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]  # slow: `make check` leaves it out
 
 SECRET_WORDS = ["xylophonic", "quokkabridge", "marzipanlattice", "vorticular", "plumbago"]
 

@@ -36,6 +36,8 @@ from loadtest.workloads.cost_traces import cost_trace
 from routing.cost import PoolCosts
 from tests.helpers.servers import running_app
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
+
 REQUESTS = 60  # ~8 s at 8 req/s: enough for every tier to fill and evict (FleetShape's sizes)
 RATE_PER_S = 8.0
 REPORT_TIMEOUT_S = 60.0  # a Python start-up and two HTTP calls on a loaded 2-core machine

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.helpers.redis_server import RedisServer
 from tests.integration.test_costs import cli
 from tests.integration.test_gateway import chat, client
 from tests.integration.test_multi_gateway import two_gateways
+
+pytestmark = pytest.mark.slow  # `make check` leaves it out: several gateways and fleets
 
 MODEL = "sim-llama-8b"
 

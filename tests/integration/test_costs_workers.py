@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from loadtest.sim.config import SIM_MODEL, SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app
 from tests.integration.test_workers import FAST_COSTS, free_port, until_workers_see_each_other
+
+pytestmark = pytest.mark.slow  # `make check` leaves it out: multi-process gateways
 
 ADMIN_KEY = "costs-workers-admin-" + "0" * 32
 HBM_TOKENS = 1_600  # 100 blocks: a handful of ~400-token prompts fill it

@@ -12,6 +12,8 @@ import pytest
 
 from tests.integration.bench_cli import run_ok
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: the demo end to end
+
 DEMO_TIMEOUT_S = 120  # ~4 s of trace per policy plus process start-up; generous for CI
 
 

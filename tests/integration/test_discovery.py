@@ -36,6 +36,8 @@ from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a DNS server (dnsmasq), fleets
+
 INTERVAL_S = 0.3  # re-resolution interval under test
 WAIT_S = 20.0  # bound on every wait (a loaded machine); the assertions count resolutions
 POOL = "vllm"

@@ -33,6 +33,8 @@ from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: `cachelane serve` subprocesses
+
 KEY = "web-key-exposure-0123456789abcdef0123456"
 VOICE_KEY = "voice-key-exposure-0123456789abcdef01234"
 ADMIN = "admin-key-exposure-0123456789abcdef01234"

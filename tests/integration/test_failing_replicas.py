@@ -28,6 +28,8 @@ from tests.helpers.faulty_replica import FaultyReplica, Mode
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
+
 
 @dataclass
 class Mixed:

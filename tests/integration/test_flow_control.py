@@ -43,6 +43,8 @@ from routing.types import ENGINE_PRIORITY, TenantClass
 from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL, PoolSpec, TieredFleet, tiered_fleet
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
+
 SLOW = PoolCosts(prefill_tokens_per_s=10_000.0)  # 0.1 ms per prompt token: 4000 tokens = 0.4 s
 WAIT_S = 15.0  # bound on any one wait; the tests take a few seconds
 

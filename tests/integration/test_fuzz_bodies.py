@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,8 @@ from loadtest.sim.tiny_tokenizer import TinyTokenizerFiles
 from tests.integration.fleet import MODEL, fleet
 from tests.integration.test_input import errors_by_code, is_envelope
 from tests.integration.test_precise import precise_fleet, tokenizer_files
+
+pytestmark = pytest.mark.slow  # `make check` leaves it out: hypothesis drives hundreds of requests
 
 __all__ = ["tokenizer_files"]  # the precise fleet's fixture, used here too
 

@@ -11,6 +11,8 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
+
 SYSTEM = "You are a meticulous assistant for a logistics company. " * 40  # ~560 tokens
 
 

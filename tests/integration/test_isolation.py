@@ -25,6 +25,8 @@ from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, TEST_AUTH_SECRET
 from tests.integration.test_precise import BS, chat, client, precise_fleet, replica_index, until
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
+
 KEY_A = "key-of-a-isolation-0123456789abcdef01234"
 KEY_B = "key-of-b-isolation-0123456789abcdef01234"
 ADMIN = "admin-key-isolation-0123456789abcdef0123"

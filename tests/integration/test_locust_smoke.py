@@ -25,6 +25,8 @@ import pytest
 
 from loadtest.bench.processes import SimFleetSettings, gateway, sim_fleet
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: Locust runs against a fleet
+
 REPO = Path(__file__).resolve().parents[2]
 RUN_S = 4  # long enough for every user class to send a few turns
 LOCUST_TIMEOUT_S = 60  # start-up, RUN_S, and the stop timeout, on a loaded machine

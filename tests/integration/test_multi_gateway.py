@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
+import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.app import create_app
@@ -18,6 +19,8 @@ from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import running_app
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, gateway_config
 from tests.integration.test_gateway import SYSTEM, client
+
+pytestmark = pytest.mark.slow  # `make check` leaves it out: several gateways and fleets
 
 TURNS = 6
 LOAD_POLLS = 50  # x POLL_S: the gateways scrape engine metrics every 0.1 s

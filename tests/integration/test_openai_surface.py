@@ -20,6 +20,8 @@ from gateway.config import parse_config
 from tests.helpers.servers import running_app
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
+
 SYSTEM = "You are a meticulous assistant for a logistics company. " * 40  # ~560 tokens
 
 

@@ -25,6 +25,8 @@ from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, with_auth
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets in precise mode
+
 BS = 16
 SYSTEM = "You are a meticulous assistant for a logistics company. " * 30
 WAIT_S = 5.0

@@ -19,6 +19,8 @@ from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
+
 KEYS = {
     "app": "app-key-ratelimit-0123456789abcdef01234",
     "other": "other-key-ratelimit-0123456789abcdef012",

@@ -21,6 +21,8 @@ from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: TLS and password Redis servers
+
 ADMIN_KEY = "admin-key-" + "a" * 32
 NEW_KEY = "new-tenant-key-" + "n" * 32
 SECRET = "record-secret-" + "s" * 32

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
@@ -35,6 +36,8 @@ from loadtest.sim.server import create_sim_app
 from routing.types import Location, Tier
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL
+
+pytestmark = pytest.mark.slow  # `make check` leaves it out: fleets reloaded under traffic
 
 TENANT_KEY = "tenant-key-" + "t" * 32
 ADMIN_KEY = "admin-key-" + "a" * 32

@@ -41,6 +41,8 @@ from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 from tests.integration.test_failing_replicas import body, mixed_fleet, until
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: gateway subprocesses
+
 MESSAGES: Any = [{"role": "user", "content": "You are a helpful assistant. " * 10}]
 
 

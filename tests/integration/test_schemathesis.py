@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
@@ -25,6 +26,8 @@ from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 from tests.integration.test_input import errors_by_code
+
+pytestmark = pytest.mark.slow  # `make check` leaves it out: requests from the OpenAPI schema
 
 KEY = "web-key-schemathesis-0123456789abcdef012"
 ADMIN_KEY = "admin-key-schemathesis-0123456789abcdef0"  # for /admin and /debug

@@ -27,6 +27,8 @@ from routing.prompt import approx_tokens, chat_text
 from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated replicas under load
+
 TIME_FACTOR = 0.01  # 4k-token prefill: 1.3 ms; one decode step: 0.1 ms
 MODEL = "sim-llama-8b"
 BLOCK = 16

@@ -26,6 +26,8 @@ from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL, TEST_AUTH_SECRET, fleet, gateway_config
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: several gateways and fleets
+
 ADMIN_KEY = "admin-key-" + "a" * 32
 WEB_KEY = "web-key-" + "w" * 32
 LATE_KEY = "late-key-" + "l" * 32

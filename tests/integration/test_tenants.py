@@ -14,6 +14,8 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from tests.integration.fleet import MODEL, PoolSpec, tiered_fleet, with_auth
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
+
 SYSTEM = "You are the voice assistant of a train operator; answer in one sentence. " * 30
 KEYS = {
     "voice": "voice-key-123-0123456789abcdef0123456789",

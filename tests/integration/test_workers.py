@@ -15,11 +15,14 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
+import pytest
 
 from loadtest.sim.config import SIM_MODEL, SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from routing.cost import PoolCosts
 from tests.helpers.servers import running_app
+
+pytestmark = pytest.mark.slow  # `make check` leaves it out: multi-process gateways
 
 FAST_COSTS = PoolCosts(prefill_tokens_per_s=1e6)
 SYSTEM = "You are a careful assistant. " * 60  # ~430 tokens: 26 full blocks

@@ -5,11 +5,25 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+from typing import Any
 
 import pytest
 
 from routing.cost import CostTerms, PoolCosts
-from routing.learn import FORGETTING, MAX_FIXED_S, RATE_BOUND, OnlineFit, Sample
+from routing.learn import (
+    FORGETTING,
+    K_HUBER,
+    MAD_TO_SIGMA,
+    MAX_FIXED_S,
+    MIN_ROBUST,
+    MIN_SCALE,
+    RATE_BOUND,
+    WINDOW,
+    OnlineFit,
+    Row,
+    Sample,
+    solve_window,
+)
 
 SEED = CostTerms.seed(PoolCosts())
 
@@ -204,3 +218,60 @@ def test_an_update_without_refit_waits_for_the_next_solve() -> None:
     assert fit.terms().as_vector() == pytest.approx(SEED.as_vector())  # not solved yet
     fit.refit()
     assert fit.terms().prefill_s_per_token > 3 * SEED.prefill_s_per_token
+
+
+def _numpy_window_solve(
+    rows: list[Row], targets: list[float], *vectors: list[float]
+) -> list[float]:
+    """The fit's solve as it was written with numpy (Huber-reweighted, forgotten by age, ridge,
+    bounded by an active set): the reference the pure-Python solve must match."""
+    np: Any = pytest.importorskip("numpy")
+    x, y = np.array(rows), np.array(targets)
+    theta, precision, low, high = (np.array(v) for v in vectors)
+    n = len(rows)
+    weights = (FORGETTING ** np.arange(WINDOW - 1, -1, -1, dtype=float))[WINDOW - n :]
+    if n >= MIN_ROBUST:
+        residuals = np.abs(y - x @ theta)
+        limit = K_HUBER * max(MIN_SCALE, MAD_TO_SIGMA * float(np.median(residuals)))
+        weights = weights * np.minimum(1.0, limit / np.maximum(residuals, 1e-12))
+    xw = x * weights[:, None]
+    gram = xw.T @ x + np.diag(precision)
+    rhs = xw.T @ y + precision
+    out = np.linalg.solve(gram, rhs)
+    free = np.ones(4, dtype=bool)
+    while True:
+        leaving = free & ((out < low) | (out > high))
+        if not leaving.any():
+            return [float(v) for v in out]
+        out = np.clip(out, low, high)
+        free &= ~leaving
+        if not free.any():
+            return [float(v) for v in out]
+        held = ~free
+        b = rhs[free] - gram[np.ix_(free, held)] @ out[held]
+        out[free] = np.linalg.solve(gram[np.ix_(free, free)], b)
+
+
+def test_the_pure_python_solve_matches_numpy_on_random_windows() -> None:
+    """The serving install has no numpy: the fit's own 4x4 solve must give numpy's answer
+    (within 1e-9) on windows of every size, with unexcited terms, outliers and active bounds."""
+    pytest.importorskip("numpy")
+    rng = random.Random(26)
+    held = 0
+    for _ in range(400):
+        n = rng.randint(1, WINDOW)
+        excited = [True, True, rng.random() < 0.6, rng.random() < 0.6]
+        rows: list[Row] = []
+        for _ in range(n):
+            x0, x1, x2, x3 = (rng.uniform(0, 2) if on else 0.0 for on in excited)
+            rows.append((x0, x1, x2, x3))
+        targets = [rng.lognormvariate(0, 0.3) * (8 if rng.random() < 0.1 else 1) for _ in rows]
+        theta = [rng.uniform(0.2, 5) for _ in range(4)]
+        precision = [10 ** rng.uniform(-6, 0) for _ in range(4)]
+        low = [rng.choice([0.0, 1e-3, 0.5]) for _ in range(4)]
+        high = [rng.choice([1e3, 2.0, 1.1]) for _ in range(4)]
+        got = solve_window(rows, targets, theta, precision, low, high)
+        want = _numpy_window_solve(rows, targets, theta, precision, low, high)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+        held += any(v in (lo, hi) for v, lo, hi in zip(got, low, high, strict=True))
+    assert held > 50  # the active set was exercised, not only the unconstrained solve
