@@ -37,8 +37,9 @@ from prometheus_client.core import (
 
 from gateway.engines.tokenizer import PromptTokenizer, UnsupportedPrompt
 from loadtest.sim import protocol
+from loadtest.sim.accounting import PrefillResult
 from loadtest.sim.config import SimReplicaSpec
-from loadtest.sim.engine import ContextLengthExceeded, PrefillResult, Prompt, SimEngine
+from loadtest.sim.engine import ContextLengthExceeded, Prompt, SimEngine
 from loadtest.sim.kv_publisher import KvEventPublisher
 from loadtest.sim.openai_extra import ResponseWriter, embeddings_response
 from loadtest.sim.protocol import ApiError, ChunkWriter, Kind
