@@ -154,10 +154,11 @@ class StepScheduler:
         room = len(self.running) < self.settings.max_num_seqs
         return room and any(not r.loading for r in self.waiting)
 
-    def schedule(self) -> Step | None:
-        """The next step, or None when it would compute no prompt token. Moves the requests it
-        starts from waiting to running."""
-        if not self.has_prefill_work():
+    def schedule(self, *, decode_only: bool = False) -> Step | None:
+        """The next step, or None when it would compute no prompt token (with `decode_only`,
+        when it would compute no token at all). Moves the requests it starts from waiting to
+        running."""
+        if not (self.has_prefill_work() or (decode_only and self.running)):
             return None
         s = self.settings
         budget = s.max_num_batched_tokens
@@ -228,6 +229,8 @@ class Arrival:
 def replay(settings: StepSettings, arrivals: Sequence[Arrival]) -> list[float | None]:
     """Each arrival's first-token time (None: cancelled first) on a replica that runs the step
     loop from time 0: a discrete-event run of StepScheduler, with no wall clock."""
+    if any(a.tokens < 1 for a in arrivals):
+        raise ValueError("a request computes at least one token (vLLM computes the last one)")
     sched = StepScheduler(settings)
     requests = [StepRequest(a.tokens, a.priority) for a in arrivals]
     first: list[float | None] = [None] * len(arrivals)
@@ -255,9 +258,9 @@ def replay(settings: StepSettings, arrivals: Sequence[Arrival]) -> list[float | 
             else:
                 sched.cancel(requests[i])
 
-    for _ in range(1_000_000):  # bounded: every step computes at least one prompt token
+    for _ in range(1_000_000):  # bounded: every step computes a token, every request ends
         apply_until(now)
-        step = sched.schedule()
+        step = sched.schedule(decode_only=True)
         if step is None:
             if not pending:
                 return first
