@@ -511,6 +511,16 @@ class _EngineCollector:
                 "Failed calls to the remote tier",
                 e.remote.errors if e.remote else 0,
             ),
+            (
+                "cachelane_sim_steps",
+                "Engine steps run (forward passes that computed a prompt token; steps model)",
+                e.step_loop.steps if e.step_loop else 0,
+            ),
+            (
+                "cachelane_sim_step_tokens",
+                "Tokens those steps computed, prompt chunks and decode tokens",
+                e.step_loop.step_tokens if e.step_loop else 0,
+            ),
         ]
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=self._labels)
@@ -522,7 +532,7 @@ class _EngineCollector:
             yield counter
         wait = SummaryMetricFamily(
             "cachelane_sim_queue_wait_seconds",
-            "Wall time from joining the prefill queue to holding the prefill (scaled by "
+            "Wall time from a request's KV being loaded to the start of its prefill (scaled by "
             "time_factor like every modelled sleep)",
             labels=self._labels,
         )

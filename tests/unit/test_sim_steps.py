@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 
+from loadtest.sim.config import SimReplicaSpec
+from loadtest.sim.fleet import build_parser, fleet_specs
 from loadtest.sim.steps import (
     VLLM_MAX_NUM_BATCHED_TOKENS,
     Arrival,
@@ -199,3 +201,27 @@ def test_vllm_cpu_with_threshold_64_the_short_prompt_finishes_within_a_few_steps
     step_s = capped.step_s(64 + 15)
     assert short_s - SHORT.at_s <= 2 * step_s  # the step under way, then its own
     assert long_s == pytest.approx(alone_s, rel=0.1)  # the long one is barely slower
+
+
+def test_the_sim_command_takes_vllms_scheduler_flags() -> None:
+    flags = "--replicas 1 --prefill-tokens-per-s 4000 --scheduling-policy priority"
+    flags += " --long-prefill-token-threshold 256 --max-num-seqs 64"
+    (spec,), _ = fleet_specs(build_parser().parse_args(flags.split()))
+    assert spec.engine_model == "steps"
+    assert spec.step_settings() == StepSettings(
+        prefill_tokens_per_s=4_000.0,
+        max_num_batched_tokens=1_092,
+        long_prefill_token_threshold=256,
+        scheduling_policy="priority",
+        max_num_seqs=64,
+    )
+    serial = ["--replicas", "1", "--engine-model", "serial", "--max-num-batched-tokens", "9"]
+    (spec,), _ = fleet_specs(build_parser().parse_args(serial))
+    assert (spec.engine_model, spec.step_settings().max_num_batched_tokens) == ("serial", 9)
+
+
+def test_a_bad_flag_value_is_refused_with_its_name() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SimReplicaSpec(name="sim-0", port=0, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="engine_model"):
+        SimReplicaSpec(name="sim-0", port=0, engine_model="batched")  # type: ignore[arg-type]
