@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +77,10 @@ def tiny_model(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
-def start_vllm(engine_python: str, model: Path, i: int, log_dir: Path) -> VllmReplica:
+def start_vllm(
+    engine_python: str, model: Path, i: int, log_dir: Path, extra_args: Sequence[str] = ()
+) -> VllmReplica:
+    """Replica i on core i; `extra_args` come last, so they override the flags above."""
     port, pub, replay = free_port(), free_port(), free_port()
     events = {
         "enable_kv_cache_events": True,
@@ -112,6 +115,7 @@ def start_vllm(engine_python: str, model: Path, i: int, log_dir: Path) -> VllmRe
         str(MEMORY_UTILIZATION),
         "--kv-events-config",
         json.dumps(events),
+        *extra_args,
     ]
     env = {
         **os.environ,
