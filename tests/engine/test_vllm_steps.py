@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
 
 from loadtest.sim.steps import Arrival, StepSettings, replay
 from tests.engine.conftest import MODEL, VllmReplica, start_vllm, stop, wait_ready
@@ -44,7 +45,6 @@ CALIBRATION_REPEATS = 3
 MAX_MODEL_LEN = 4_096  # the tiny model's max_position_embeddings
 GPU_BLOCKS = 192  # 6,144 tokens of 32: the long prompt and the short ones at once
 FIRST_TOKEN_ID = 10  # below: the tiny tokenizer's special tokens
-VOCAB = 600  # loadtest/sim/tiny_tokenizer.py VOCAB_SIZE
 TOLERANCE_REL = 0.25
 # Tolerance: |simulated - observed| <= 25% of observed + one full step. This machine has two cores
 # shared by the engine core (bound to core 0), vLLM's API server process (tokens in, the first
@@ -94,8 +94,21 @@ def stepping_replica(
         stop(replica)
 
 
-def prompt_ids(rng: random.Random, tokens: int) -> list[int]:
-    return [rng.randrange(FIRST_TOKEN_ID, VOCAB) for _ in range(tokens)]
+@pytest.fixture(scope="module")
+def vocab_size(tiny_model: Path) -> int:
+    """The tiny tokenizer's trained vocabulary (vLLM refuses a token id beyond it)."""
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json")).get_vocab_size()
+
+
+class Prompts:
+    """Random token ids: a prompt shares no block with another, so nothing is cached."""
+
+    def __init__(self, seed: str, vocab_size: int) -> None:
+        self._rng = random.Random(seed)
+        self._vocab_size = vocab_size
+
+    def ids(self, tokens: int) -> list[int]:
+        return [self._rng.randrange(FIRST_TOKEN_ID, self._vocab_size) for _ in range(tokens)]
 
 
 async def ttft(http: httpx.AsyncClient, ids: list[int], priority: int) -> float:
@@ -152,18 +165,18 @@ def _solve2(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-async def measure_constants(http: httpx.AsyncClient, rng: random.Random) -> Constants:
+async def measure_constants(http: httpx.AsyncClient, prompts: Prompts) -> Constants:
     samples: list[tuple[int, float]] = []
-    await ttft(http, prompt_ids(rng, 64), 0)  # the first request of a fresh engine is slow
+    await ttft(http, prompts.ids(64), 0)  # the first request of a fresh engine is slow
     for _ in range(CALIBRATION_REPEATS):
         for n in CALIBRATION_TOKENS:
-            samples.append((n, await ttft(http, prompt_ids(rng, n), 0)))
+            samples.append((n, await ttft(http, prompts.ids(n), 0)))
     by_n = {n: statistics.median(y for m, y in samples if m == n) for n in CALIBRATION_TOKENS}
     return fit(list(by_n.items()))
 
 
 async def long_then_short(
-    http: httpx.AsyncClient, rng: random.Random, long_priority: int
+    http: httpx.AsyncClient, prompts: Prompts, long_priority: int
 ) -> tuple[list[float], list[float]]:
     """TTFTs of the long prompt and the short ones, and when each was sent (from the long)."""
     started = time.perf_counter()
@@ -174,21 +187,21 @@ async def long_then_short(
         sent.append(time.perf_counter() - started)
         return await ttft(http, ids, priority)
 
-    tasks = [send(0.0, prompt_ids(rng, LONG_TOKENS), long_priority)]
-    tasks += [send(at, prompt_ids(rng, SHORT_TOKENS), 0) for at in SHORT_AT_S]
+    tasks = [send(0.0, prompts.ids(LONG_TOKENS), long_priority)]
+    tasks += [send(at, prompts.ids(SHORT_TOKENS), 0) for at in SHORT_AT_S]
     ttfts = await asyncio.gather(*tasks)
     return list(ttfts), sorted(sent)
 
 
 @pytest.mark.parametrize("long_priority", [1, 0], ids=["short-more-urgent", "same-priority"])
 async def test_the_step_model_reproduces_vllm_ttfts(
-    stepping_replica: tuple[VllmReplica, int], long_priority: int
+    stepping_replica: tuple[VllmReplica, int], vocab_size: int, long_priority: int
 ) -> None:
     replica, threshold = stepping_replica
-    rng = random.Random(f"{threshold}-{long_priority}")
+    prompts = Prompts(f"{threshold}-{long_priority}", vocab_size)
     async with httpx.AsyncClient(base_url=replica.url, timeout=60, trust_env=False) as http:
-        constants = await measure_constants(http, rng)
-        runs = [await long_then_short(http, rng, long_priority) for _ in range(PAIRS)]
+        constants = await measure_constants(http, prompts)
+        runs = [await long_then_short(http, prompts, long_priority) for _ in range(PAIRS)]
     observed = [statistics.median(r[0][i] for r in runs) for i in range(1 + len(SHORT_AT_S))]
     sent = [statistics.median(r[1][i] for r in runs) for i in range(1 + len(SHORT_AT_S))]
     arrivals = [Arrival(sent[0], LONG_TOKENS, long_priority)]
