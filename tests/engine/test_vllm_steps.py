@@ -115,15 +115,14 @@ async def ttft(http: httpx.AsyncClient, ids: list[int], priority: int) -> float:
     """Seconds from sending to the first streamed token."""
     body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "stream": True, "priority": priority}
     started = time.perf_counter()
+    first: float | None = None
     async with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and '"text"' in line:
+        async for line in response.aiter_lines():  # to the end: the request is then finished
+            if first is None and line.startswith("data: ") and '"text"' in line:
                 first = time.perf_counter() - started
-                async for _ in response.aiter_lines():  # drain: the request is then finished
-                    pass
-                return first
-    raise AssertionError("no token streamed")
+    assert first is not None, "no token streamed"
+    return first
 
 
 def fit(samples: list[tuple[int, float]]) -> Constants:
