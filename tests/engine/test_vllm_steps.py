@@ -4,9 +4,10 @@ One replica per flag set (--scheduling-policy priority, --max-num-batched-tokens
 without --long-prefill-token-threshold 64), on one core. First its constants are measured: each
 prompt alone, at lengths on both sides of step boundaries, fitted to
     TTFT = fixed + steps * step cost + tokens / prefill rate,    steps = ceil(tokens / budget)
-Then a long prompt is sent and, during its prefill, two short ones (with and without a more
-urgent priority); steps.replay(), given the measured constants and the replica's flags,
-must reproduce each TTFT (the median over PAIRS runs) within TOLERANCE.
+(the fastest of CALIBRATION_REPEATS runs per length). Then a long prompt is sent and, during its
+prefill, two short ones (with and without a more urgent priority); steps.replay(), given the
+measured constants and the replica's flags, must reproduce each TTFT (the median over PAIRS
+runs) within the tolerance below.
 
 Prompts are token ids (the completions API takes them), random per request: no prefix is cached,
 and the tokens are exact.
@@ -170,7 +171,8 @@ async def measure_constants(http: httpx.AsyncClient, prompts: Prompts) -> Consta
     for _ in range(CALIBRATION_REPEATS):
         for n in CALIBRATION_TOKENS:
             samples.append((n, await ttft(http, prompts.ids(n), 0)))
-    by_n = {n: statistics.median(y for m, y in samples if m == n) for n in CALIBRATION_TOKENS}
+    # the fastest of the repeats: work from other processes on the two cores only adds time
+    by_n = {n: min(y for m, y in samples if m == n) for n in CALIBRATION_TOKENS}
     return fit(list(by_n.items()))
 
 
@@ -192,14 +194,25 @@ async def long_then_short(
     return list(ttfts), sorted(sent)
 
 
+@pytest.fixture(scope="module")
+def replica_constants() -> dict[int, Constants]:
+    """Each replica's constants by its threshold, measured once, before its first scenario."""
+    return {}
+
+
 @pytest.mark.parametrize("long_priority", [1, 0], ids=["short-more-urgent", "same-priority"])
 async def test_the_step_model_reproduces_vllm_ttfts(
-    stepping_replica: tuple[VllmReplica, int], vocab_size: int, long_priority: int
+    stepping_replica: tuple[VllmReplica, int],
+    vocab_size: int,
+    replica_constants: dict[int, Constants],
+    long_priority: int,
 ) -> None:
     replica, threshold = stepping_replica
     prompts = Prompts(f"{threshold}-{long_priority}", vocab_size)
     async with httpx.AsyncClient(base_url=replica.url, timeout=60, trust_env=False) as http:
-        constants = await measure_constants(http, prompts)
+        if threshold not in replica_constants:
+            replica_constants[threshold] = await measure_constants(http, prompts)
+        constants = replica_constants[threshold]
         runs = [await long_then_short(http, prompts, long_priority) for _ in range(PAIRS)]
     observed = [statistics.median(r[0][i] for r in runs) for i in range(1 + len(SHORT_AT_S))]
     sent = [statistics.median(r[1][i] for r in runs) for i in range(1 + len(SHORT_AT_S))]
