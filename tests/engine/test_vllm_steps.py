@@ -126,9 +126,10 @@ async def ttft(http: httpx.AsyncClient, ids: list[int], priority: int) -> float:
     return first
 
 
-def fit(samples: list[tuple[int, float]]) -> Constants:
-    """Least squares of TTFT on (1, steps, tokens); a negative term is refitted as 0."""
-    rows = [(1.0, float(math.ceil(n / BUDGET)), float(n), y) for n, y in samples]
+def fit(samples: list[tuple[int, float]], chunk: int = BUDGET) -> Constants:
+    """Least squares of TTFT on (1, steps, tokens), steps of `chunk` tokens; a negative term is
+    refitted as 0."""
+    rows = [(1.0, float(math.ceil(n / chunk)), float(n), y) for n, y in samples]
     fixed, step, token = _solve3(rows)
     if step < 0:  # noise swamped the step cost: fit without it
         fixed, token = _solve2([(1.0, r[2], r[3]) for r in rows])
@@ -165,7 +166,13 @@ def _solve2(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-async def measure_constants(http: httpx.AsyncClient, prompts: Prompts) -> Constants:
+def rms_error(constants: Constants, samples: list[tuple[int, float]], chunk: int) -> float:
+    c = constants
+    errors = [c.fixed_s + math.ceil(n / chunk) * c.step_s + n * c.token_s - y for n, y in samples]
+    return math.sqrt(sum(e * e for e in errors) / len(errors))
+
+
+async def measure_constants(http: httpx.AsyncClient, prompts: Prompts, threshold: int) -> Constants:
     samples: list[tuple[int, float]] = []
     await ttft(http, prompts.ids(64), 0)  # the first request of a fresh engine is slow
     for _ in range(CALIBRATION_REPEATS):
@@ -173,7 +180,19 @@ async def measure_constants(http: httpx.AsyncClient, prompts: Prompts) -> Consta
             samples.append((n, await ttft(http, prompts.ids(n), 0)))
     # the fastest of the repeats: work from other processes on the two cores only adds time
     by_n = {n: min(y for m, y in samples if m == n) for n in CALIBRATION_TOKENS}
-    return fit(list(by_n.items()))
+    fastest = list(by_n.items())
+    print(
+        f"\nalone, fastest of {CALIBRATION_REPEATS}: {[(n, round(y * 1000)) for n, y in fastest]}"
+    )
+    if threshold:  # the source lifts the cap for a lone request: does the engine?
+        capped = fit(fastest, threshold)
+        print(
+            f"fit in steps of {threshold} (capped alone): rms "
+            f"{rms_error(capped, fastest, threshold) * 1000:.1f} ms, {capped}"
+        )
+    constants = fit(fastest)
+    print(f"fit in steps of {BUDGET}: rms {rms_error(constants, fastest, BUDGET) * 1000:.1f} ms")
+    return constants
 
 
 async def long_then_short(
@@ -211,7 +230,7 @@ async def test_the_step_model_reproduces_vllm_ttfts(
     prompts = Prompts(f"{threshold}-{long_priority}", vocab_size)
     async with httpx.AsyncClient(base_url=replica.url, timeout=60, trust_env=False) as http:
         if threshold not in replica_constants:
-            replica_constants[threshold] = await measure_constants(http, prompts)
+            replica_constants[threshold] = await measure_constants(http, prompts, threshold)
         constants = replica_constants[threshold]
         runs = [await long_then_short(http, prompts, long_priority) for _ in range(PAIRS)]
     observed = [statistics.median(r[0][i] for r in runs) for i in range(1 + len(SHORT_AT_S))]
