@@ -7,13 +7,24 @@ the gateway's cost model expects unless a test or a demo says otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import get_args
+from typing import Literal, get_args
 
-from loadtest.sim.prefill_queue import SchedulingPolicy
+from loadtest.sim.steps import (
+    STEP_OVERHEAD_S,
+    VLLM_LONG_PREFILL_TOKEN_THRESHOLD,
+    VLLM_MAX_NUM_SEQS,
+    SchedulingPolicy,
+    StepSettings,
+    default_max_num_batched_tokens,
+)
 from routing.cost import HBM_CAPACITY_TOKENS, KV_BYTES_PER_TOKEN, PoolCosts
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 
 SIM_MODEL = "sim-llama-8b"
+
+EngineModel = Literal["steps", "serial"]
+# "steps": vLLM V1's step loop (steps.py), the default. "serial": one prefill at a time, whole, in
+# policy order (prefill_queue.py), kept to compare with what earlier measurements assumed.
 
 ITL_S = 0.010
 # Decode is memory-bound: every step reads the weights plus the batch's KV from HBM. At a moderate
@@ -45,6 +56,14 @@ class SimReplicaSpec:
     # Order of the prefill queue, as vLLM's --scheduling-policy (whose default is "fcfs"); with
     # "priority" the body's "priority" (lower first) orders it, with "fcfs" a non-zero one is a 400.
     scheduling_policy: SchedulingPolicy = "fcfs"
+    engine_model: EngineModel = "steps"
+    # The step loop's flags, as vLLM's (steps.py gives their sources). max_num_batched_tokens None:
+    # vLLM's OpenAI-server default scaled to costs.prefill_tokens_per_s (a full step lasts what
+    # it lasts on an H200).
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = VLLM_LONG_PREFILL_TOKEN_THRESHOLD
+    max_num_seqs: int = VLLM_MAX_NUM_SEQS
+    step_overhead_s: float = STEP_OVERHEAD_S
     # Precise mode: publish vLLM-format KV events on tcp://host:kv_events_port (replays on
     # kv_replay_port), and tokenize prompts with this tokenizer.json and chat template (a file or
     # inline) as the engine would, instead of counting characters.
@@ -71,6 +90,24 @@ class SimReplicaSpec:
         _require(
             self.scheduling_policy in get_args(SchedulingPolicy),
             f"scheduling_policy must be one of {get_args(SchedulingPolicy)}",
+        )
+        _require(
+            self.engine_model in get_args(EngineModel),
+            f"engine_model must be one of {get_args(EngineModel)}",
+        )
+        self.step_settings()  # validates the step loop's flags
+
+    def step_settings(self) -> StepSettings:
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = default_max_num_batched_tokens(self.costs.prefill_tokens_per_s)
+        return StepSettings(
+            prefill_tokens_per_s=self.costs.prefill_tokens_per_s,
+            max_num_batched_tokens=budget,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            scheduling_policy=self.scheduling_policy,
+            max_num_seqs=self.max_num_seqs,
+            step_overhead_s=self.step_overhead_s,
         )
 
     @property

@@ -5,19 +5,21 @@ One request, in order (every sleep is real and multiplied by spec.time_factor):
      in the remote tier (one lookup), the rest u uncached;
   2. swap the c CPU blocks in over PCIe, whose bandwidth is shared with other swap-ins in flight;
   3. fetch the m remote blocks, or recompute them if that is cheaper (they then count as uncached);
-  4. wait for the replica's prefill (one slot: a GPU prefills one batch at a time; requests count
-     as waiting until they hold it; granted in arrival order, or by the request's priority with
-     scheduling_policy "priority", see prefill_queue.py), then prefill the uncached tail;
+  4. prefill the uncached tail. By default (spec.engine_model "steps") as vLLM V1 does: the
+     request takes its place in the replica's step loop when it arrives, is skipped while steps 2
+     and 3 run, and gets token-budget chunks (steps.py, step_loop.py); its first token comes when
+     the step that computes its last prompt token ends. With "serial", one request prefills at a
+     time, whole, holding the replica's one slot (prefill_queue.py);
   5. put every prompt block in HBM, demote HBM's overflow to the CPU tier (CPU overflow is dropped),
      and write the prompt's blocks to the remote tier unless told not to: the write runs beside
      the first token and the decode (a write costs bytes, no modelled time), and the request is
      not finished until it is done;
   6. decode, one token per itl_s, concurrently with other requests.
 Steps 2 and 3 charge exactly routing.cost.estimate()'s swap and remote terms, so the gateway's cost
-model and the simulator agree by construction; queueing is not modelled, it happens at the slot.
+model and the simulator agree by construction; queueing is not modelled, it happens at step 4.
 
 Like vLLM, the last prompt token is always computed (a full hit still prefills one token), so at
-most (prompt_tokens - 1) // block_size_tokens leading blocks are reused. When the slot is granted,
+most (prompt_tokens - 1) // block_size_tokens leading blocks are reused. When its prefill starts,
 HBM is looked at again: blocks another request prefilled meanwhile are reused (as vLLM's scheduler
 does). Blocks completed during decode are not cached.
 
@@ -49,11 +51,14 @@ from gateway.engines.events import (
     precise_namespace,
 )
 from gateway.engines.tokenizer import PromptTokenizer
+from loadtest.sim.accounting import EngineStats, PrefillResult
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.prefill_queue import PrefillQueue
 from loadtest.sim.remote import RemoteClient
+from loadtest.sim.step_loop import StepLoop
+from loadtest.sim.steps import StepRequest
 from loadtest.sim.tiers import BlockLRU
-from routing.cost import Load, Overlap, estimate
+from routing.cost import Estimate, Load, Overlap, estimate
 from routing.hashing import block_hashes, token_block_hashes
 from routing.prompt import approx_tokens
 
@@ -83,44 +88,6 @@ class _BlockInfo:
     salt: str | None  # cache_salt of a first block
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    prompt_tokens: int
-    hbm_tokens: int  # reused from this replica's HBM
-    cpu_tokens: int  # swapped in from the CPU tier
-    remote_tokens: int  # fetched from the remote tier (recomputed ones are not counted here)
-    computed_tokens: int  # prefilled: the uncached tail plus any remote tokens recomputed
-    queue_wait_s: float = 0.0  # wall time from its KV being loaded to holding the prefill slot
-    swap_sharers: int = 0  # swap-ins on the PCIe link during its own (itself included), 0: none
-
-    @property
-    def cached_tokens(self) -> int:
-        return min(self.prompt_tokens, self.hbm_tokens + self.cpu_tokens + self.remote_tokens)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Monotonic counters since start (exported as Prometheus counters by server.py)."""
-
-    prefix_cache_queries_tokens: int = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
-    prefix_cache_hits_tokens: int = 0  # of those, found in HBM (vLLM: prefix_cache_hits)
-    external_queries_tokens: int = 0  # tokens looked up beyond HBM, in the CPU / remote tiers
-    external_hits_tokens: int = 0  # of those, reused (vLLM: external_prefix_cache_hits)
-    swap_in_tokens: int = 0
-    swap_ins: int = 0  # requests that swapped in from the CPU tier
-    swap_link_sharers: int = 0  # sum over them of the swap-ins on the link (itself included)
-    hbm_evicted_blocks: int = 0  # blocks pushed out of HBM (demoted to the CPU tier or dropped)
-    remote_fetch_tokens: int = 0
-    remote_recompute_tokens: int = 0  # found in the remote tier but cheaper to recompute
-    remote_bytes_written: int = 0
-    remote_bytes_skipped: int = 0  # a write was declined (x-cachelane-remote-write: 0)
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    # Wall time from joining the prefill queue to holding the slot (modelled time * time_factor)
-    queue_wait_s_sum: float = 0.0
-    queue_wait_count: int = 0
-
-
 class SimEngine:
     def __init__(
         self,
@@ -144,7 +111,10 @@ class SimEngine:
         self.waiting = 0  # requests admitted, not yet holding the prefill slot
         self.active_tokens = 0  # prompt + generated tokens of the running requests
         self._swaps_in_flight = 0
-        self._prefill = PrefillQueue(spec.scheduling_policy)
+        self._prefill = PrefillQueue(spec.scheduling_policy)  # the serial engine's slot
+        self.step_loop: StepLoop | None = None
+        if spec.engine_model == "steps":
+            self.step_loop = StepLoop(spec.step_settings(), self.sleep)
 
     @property
     def hbm_usage(self) -> float:
@@ -251,6 +221,8 @@ class SimEngine:
         try:
             yield request
         finally:
+            if request.step_request is not None and self.step_loop is not None:
+                self.step_loop.leave(request.step_request)  # its decode no longer takes budget
             if request.running:
                 self.running -= 1
                 self.active_tokens -= request.held_tokens
@@ -265,6 +237,26 @@ class SimEngine:
             await asyncio.sleep(seconds * self.spec.time_factor)
 
 
+@dataclass(frozen=True, slots=True)
+class _Located:
+    """Where a prompt's reusable leading blocks are, and what loading them costs."""
+
+    reusable: tuple[int, ...]  # the blocks that may be reused (never the last token's)
+    hbm: int  # g: leading blocks in HBM
+    cpu: int  # c: then in the CPU tier
+    remote: int  # m: then in the remote tier
+    cost: Estimate
+
+
+@dataclass(slots=True)
+class _Computed:
+    """What the prefill reused and computed, decided when it starts (HBM is looked at again)."""
+
+    hbm_blocks: int = 0
+    cached_blocks: int = 0
+    computed_tokens: int = 0
+
+
 class SimRequest:
     def __init__(self, engine: SimEngine, prompt: Prompt, priority: int = 0) -> None:
         self._engine = engine
@@ -273,14 +265,79 @@ class SimRequest:
         self.running = False
         self.held_tokens = 0
         self.remote_write: asyncio.Task[int] | None = None  # the prompt's write to the remote tier
+        self.step_request: StepRequest | None = None  # its place in the step loop (steps model)
 
     async def prefill(self, *, remote_write: bool = True) -> PrefillResult:
         """Load or compute the prompt's KV; returns when the first token could be sent."""
-        eng, spec, prompt = self._engine, self._engine.spec, self.prompt
-        ticket = eng._prefill.ticket()  # its place in the queue: arrival, not end of its KV load
-        bs = spec.block_size_tokens
-        reusable = prompt.hashes[: (prompt.prompt_tokens - 1) // bs]
+        if self._engine.step_loop is None:
+            return await self._prefill_serial(remote_write)
+        return await self._prefill_steps(remote_write)
 
+    async def _prefill_serial(self, remote_write: bool) -> PrefillResult:
+        """One prefill at a time, whole: the slot of prefill_queue.py."""
+        eng = self._engine
+        ticket = eng._prefill.ticket()  # its place in the queue: arrival, not end of its KV load
+        where = await self._locate()
+        sharers, fetched = await self._load(where)
+        queued_at = time.monotonic()
+        async with eng._prefill.slot(self.priority, ticket):
+            queue_wait_s = time.monotonic() - queued_at
+            self._start()
+            done = self._look_again(where, fetched)
+            await eng.sleep(done.computed_tokens / eng.spec.costs.prefill_tokens_per_s)
+            self._place_in_hbm(swapped_in=where.reusable[where.hbm : where.hbm + where.cpu])
+        return self._account(where, sharers, fetched, done, queue_wait_s, remote_write)
+
+    async def _prefill_steps(self, remote_write: bool) -> PrefillResult:
+        """vLLM V1's step loop: the request takes its place on arrival, is skipped while its KV
+        loads, and has its first token when the step that computes its last prompt token ends."""
+        eng = self._engine
+        loop = eng.step_loop
+        assert loop is not None
+        first_token: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done = _Computed()
+        located: list[_Located] = []
+        fetched_blocks = [0]
+        times = {"loaded": 0.0, "started": 0.0}
+
+        def resolve() -> int:
+            nonlocal done
+            done = self._look_again(located[0], fetched_blocks[0])
+            return done.computed_tokens
+
+        def on_start() -> None:
+            times["started"] = time.monotonic()
+            self._start()
+
+        def on_first_token() -> None:
+            where = located[0]
+            self._place_in_hbm(swapped_in=where.reusable[where.hbm : where.hbm + where.cpu])
+            if not first_token.done():
+                first_token.set_result(None)
+
+        request = StepRequest(
+            0, self.priority, True, resolve, on_start=on_start, on_first_token=on_first_token
+        )
+        self.step_request = request
+        loop.submit(request)
+        try:
+            located.append(await self._locate())
+            sharers, fetched_blocks[0] = await self._load(located[0])
+            times["loaded"] = time.monotonic()
+            loop.loaded(request)
+            await first_token
+        except BaseException:
+            loop.leave(request)
+            raise
+        queue_wait_s = times["started"] - times["loaded"]
+        return self._account(
+            located[0], sharers, fetched_blocks[0], done, queue_wait_s, remote_write
+        )
+
+    async def _locate(self) -> _Located:
+        eng, prompt = self._engine, self.prompt
+        bs = eng.spec.block_size_tokens
+        reusable = prompt.hashes[: (prompt.prompt_tokens - 1) // bs]
         g = eng.hbm.prefix_len(reusable)
         c = eng.cpu.prefix_len(reusable, g) if eng.cpu is not None else 0
         m = 0
@@ -291,49 +348,71 @@ class SimRequest:
                 prompt.prompt_tokens, hbm_tokens=g * bs, cpu_tokens=c * bs, remote_tokens=m * bs
             ),
             Load(swaps_in_flight=eng._swaps_in_flight),
-            spec.costs,
+            eng.spec.costs,
         )
+        return _Located(reusable, g, c, m, cost)
+
+    async def _load(self, where: _Located) -> tuple[int, int]:
+        """Swap the CPU blocks in and fetch the remote ones (or recompute them, when cheaper);
+        returns the swap-ins sharing the link (itself included, 0: none) and the blocks fetched."""
+        eng = self._engine
         sharers = 0
-        if c:
+        if where.cpu:
             sharers = eng._swaps_in_flight + 1
             eng._swaps_in_flight += 1
             try:
-                await eng.sleep(cost.swap_s)
+                await eng.sleep(where.cost.swap_s)
             finally:
                 eng._swaps_in_flight -= 1
-        fetched = m if cost.remote_fetch else 0
+        fetched = where.remote if where.cost.remote_fetch else 0
         if fetched:
             assert eng.remote is not None
-            start = g + c
+            start = where.hbm + where.cpu
             await asyncio.gather(  # the read is modelled by the sleep; the call only reports it
-                eng.sleep(cost.remote_s), eng.remote.fetch(list(reusable[start : start + m]))
+                eng.sleep(where.cost.remote_s),
+                eng.remote.fetch(list(where.reusable[start : start + fetched])),
             )
+        return sharers, fetched
 
-        queued_at = time.monotonic()
-        async with eng._prefill.slot(self.priority, ticket):
-            queue_wait_s = time.monotonic() - queued_at
-            eng.stats.queue_wait_s_sum += queue_wait_s
-            eng.stats.queue_wait_count += 1
-            eng.waiting -= 1
-            eng.running += 1
-            self.running = True
-            loaded = g + c + fetched
-            hbm_now = eng.hbm.prefix_len(reusable)  # others may have prefilled our prefix
-            hbm_blocks = g + max(0, hbm_now - loaded)
-            cached_blocks = max(loaded, hbm_now)
-            computed = prompt.prompt_tokens - cached_blocks * bs
-            await eng.sleep(computed / spec.costs.prefill_tokens_per_s)
-            self._place_in_hbm(swapped_in=reusable[g : g + c])
+    def _start(self) -> None:
+        """The request's prefill starts: it counts as running from now."""
+        eng = self._engine
+        eng.waiting -= 1
+        eng.running += 1
+        self.running = True
 
+    def _look_again(self, where: _Located, fetched: int) -> _Computed:
+        """Blocks another request prefilled meanwhile are reused (as vLLM's scheduler does)."""
+        eng = self._engine
+        loaded = where.hbm + where.cpu + fetched
+        hbm_now = eng.hbm.prefix_len(where.reusable)
+        cached = max(loaded, hbm_now)
+        computed = self.prompt.prompt_tokens - cached * eng.spec.block_size_tokens
+        return _Computed(where.hbm + max(0, hbm_now - loaded), cached, computed)
+
+    def _account(
+        self,
+        where: _Located,
+        sharers: int,
+        fetched: int,
+        done: _Computed,
+        queue_wait_s: float,
+        remote_write: bool,
+    ) -> PrefillResult:
+        eng, prompt = self._engine, self.prompt
+        bs = eng.spec.block_size_tokens
+        c, m = where.cpu, where.remote
         self.held_tokens = prompt.prompt_tokens
         eng.active_tokens += self.held_tokens
         s = eng.stats
+        s.queue_wait_s_sum += queue_wait_s
+        s.queue_wait_count += 1
         s.prompt_tokens += prompt.prompt_tokens
         s.prefix_cache_queries_tokens += prompt.prompt_tokens
-        s.prefix_cache_hits_tokens += hbm_blocks * bs
+        s.prefix_cache_hits_tokens += done.hbm_blocks * bs
         if eng.cpu is not None or eng.remote is not None:
-            s.external_queries_tokens += prompt.prompt_tokens - hbm_blocks * bs
-            s.external_hits_tokens += (cached_blocks - hbm_blocks) * bs
+            s.external_queries_tokens += prompt.prompt_tokens - done.hbm_blocks * bs
+            s.external_hits_tokens += (done.cached_blocks - done.hbm_blocks) * bs
         s.swap_in_tokens += c * bs
         s.swap_ins += 1 if c else 0
         s.swap_link_sharers += sharers
@@ -344,10 +423,10 @@ class SimRequest:
         )
         return PrefillResult(
             prompt_tokens=prompt.prompt_tokens,
-            hbm_tokens=hbm_blocks * bs,
+            hbm_tokens=done.hbm_blocks * bs,
             cpu_tokens=c * bs,
             remote_tokens=fetched * bs,
-            computed_tokens=computed,
+            computed_tokens=done.computed_tokens,
             queue_wait_s=queue_wait_s,
             swap_sharers=sharers,
         )

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any, get_args
 
 import uvicorn
 from fastapi import FastAPI
@@ -27,11 +28,18 @@ from loadtest.sim.config import (
     MAX_MODEL_LEN_TOKENS,
     REMOTE_CAPACITY_TOKENS,
     SIM_MODEL,
+    EngineModel,
     RemoteTierSpec,
     SimReplicaSpec,
 )
 from loadtest.sim.remote import create_remote_app
 from loadtest.sim.server import create_sim_app
+from loadtest.sim.steps import (
+    STEP_OVERHEAD_S,
+    VLLM_LONG_PREFILL_TOKEN_THRESHOLD,
+    VLLM_MAX_NUM_SEQS,
+    SchedulingPolicy,
+)
 from routing.cost import HBM_CAPACITY_TOKENS, PoolCosts
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 
@@ -214,7 +222,8 @@ def build_parser(
     add(
         "--config",
         help="simulate every 127.0.0.1/localhost replica (and remote tier) of this gateway "
-        "config, with its capacities and cost constants; the other options are then ignored",
+        "config, with its capacities and cost constants; the other options are then ignored, "
+        "except the engine's (--engine-model and vLLM's scheduler flags)",
     )
     add(
         "--kv-events-port",
@@ -233,6 +242,7 @@ def build_parser(
         help="a local tokenizer.json: prompts are tokenized like the engine (precise mode)",
     )
     add("--chat-template", help="the model's chat template (a jinja2 file), with --tokenizer")
+    add_engine_arguments(parser)
     add(
         "--max-model-len-tokens",
         type=int,
@@ -245,6 +255,60 @@ def build_parser(
         "--api-key (default: none required)",
     )
     return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """How each replica schedules prefill: vLLM's flags, under vLLM's names and defaults. With
+    --config they apply to every replica when given, over the config's pools[].sim."""
+    add = parser.add_argument
+    add(
+        "--engine-model",
+        choices=get_args(EngineModel),
+        help="steps: vLLM V1's token-budget step loop; serial: one whole prefill at a time, "
+        "kept for comparison (default: steps)",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        help="token budget of a step; default: vLLM's 8192 for an OpenAI server on an H100/H200, "
+        "scaled to --prefill-tokens-per-s so a full step lasts as long (~273 ms)",
+    )
+    add(
+        "--long-prefill-token-threshold",
+        type=int,
+        help="cap on one prefill's tokens in a step; 0 = none "
+        f"(default: {VLLM_LONG_PREFILL_TOKEN_THRESHOLD}, vLLM's)",
+    )
+    add(
+        "--scheduling-policy",
+        choices=get_args(SchedulingPolicy),
+        help="fcfs: arrival order; priority: the body's priority, lower first, then arrival "
+        "(default: fcfs, vLLM's)",
+    )
+    add(
+        "--max-num-seqs",
+        type=int,
+        help=f"requests running at once (default: {VLLM_MAX_NUM_SEQS}, vLLM's on an H100/H200)",
+    )
+    add(
+        "--step-overhead-ms",
+        type=float,
+        help=f"fixed cost of a step, a forward pass (default: {STEP_OVERHEAD_S * 1000:g}, the "
+        "weights of an 8B model read once from H200 HBM)",
+    )
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """SimReplicaSpec's fields for the arguments of add_engine_arguments() that were given."""
+    given = {
+        "engine_model": args.engine_model,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
+        "scheduling_policy": args.scheduling_policy,
+        "max_num_seqs": args.max_num_seqs,
+        "step_overhead_s": None if args.step_overhead_ms is None else args.step_overhead_ms / 1000,
+    }
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def fleet_specs(args: argparse.Namespace) -> tuple[list[SimReplicaSpec], RemoteTierSpec | None]:
@@ -277,6 +341,7 @@ def fleet_specs(args: argparse.Namespace) -> tuple[list[SimReplicaSpec], RemoteT
             tokenizer_path=args.tokenizer,
             chat_template=args.chat_template,
             api_key=args.api_key,
+            **engine_overrides(args),
         )
         for i in range(args.replicas)
     ]
@@ -299,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
                 replicas, remote = specs_from_config(load_config(args.config))
             except ConfigError as err:
                 raise ValueError(str(err)) from None
+            engine = engine_overrides(args)
+            replicas = [dataclasses.replace(r, **engine) for r in replicas]
         else:
             replicas, remote = fleet_specs(args)
     except ValueError as err:

@@ -1,5 +1,7 @@
 """`cachelane sim --config FILE`: simulate every loopback replica and remote tier a gateway config
-names, with that config's pool capacities and cost constants (one file for both sides)."""
+names, with that config's pool capacities and cost constants (one file for both sides). The engine
+model and vLLM's scheduler flags other than pools[].sim.scheduling_policy are the command's own
+(fleet.py: --engine-model, --max-num-batched-tokens, ...); unset, vLLM's defaults (steps.py)."""
 
 from __future__ import annotations
 

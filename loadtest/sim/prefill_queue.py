@@ -1,4 +1,5 @@
-"""The replica's one prefill slot and the queue in front of it, like vLLM's --scheduling-policy.
+"""The one-at-a-time engine (`engine_model="serial"`): the replica's one prefill slot and the
+queue in front of it, ordered like vLLM's --scheduling-policy. The default engine is steps.py.
 
 "fcfs" grants the slot in arrival order; "priority" by (priority, arrival), the lower priority value
 first (vLLM's semantics: an int, default 0). Arrival is when the request reached the engine, taken
@@ -17,9 +18,8 @@ import heapq
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
 
-SchedulingPolicy = Literal["fcfs", "priority"]
+from loadtest.sim.steps import SchedulingPolicy as SchedulingPolicy  # re-exported
 
 
 class PrefillQueue:

@@ -37,9 +37,10 @@ from prometheus_client.core import (
 
 from gateway.engines.tokenizer import PromptTokenizer, UnsupportedPrompt
 from loadtest.sim import protocol
+from loadtest.sim.accounting import PrefillResult
 from loadtest.sim.auth import RequireKey
 from loadtest.sim.config import SimReplicaSpec
-from loadtest.sim.engine import ContextLengthExceeded, PrefillResult, Prompt, SimEngine
+from loadtest.sim.engine import ContextLengthExceeded, Prompt, SimEngine
 from loadtest.sim.kv_publisher import KvEventPublisher
 from loadtest.sim.openai_extra import ResponseWriter, embeddings_response
 from loadtest.sim.protocol import ApiError, ChunkWriter, Kind
@@ -513,6 +514,16 @@ class _EngineCollector:
                 "Failed calls to the remote tier",
                 e.remote.errors if e.remote else 0,
             ),
+            (
+                "cachelane_sim_steps",
+                "Engine steps run (forward passes that computed a prompt token; steps model)",
+                e.step_loop.steps if e.step_loop else 0,
+            ),
+            (
+                "cachelane_sim_step_tokens",
+                "Tokens those steps computed, prompt chunks and decode tokens",
+                e.step_loop.step_tokens if e.step_loop else 0,
+            ),
         ]
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=self._labels)
@@ -524,7 +535,7 @@ class _EngineCollector:
             yield counter
         wait = SummaryMetricFamily(
             "cachelane_sim_queue_wait_seconds",
-            "Wall time from joining the prefill queue to holding the prefill (scaled by "
+            "Wall time from a request's KV being loaded to the start of its prefill (scaled by "
             "time_factor like every modelled sleep)",
             labels=self._labels,
         )

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,9 +78,16 @@ def tiny_model(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def start_vllm(
-    engine_python: str, model: Path, i: int, log_dir: Path, *, api_key: str | None = None
+    engine_python: str,
+    model: Path,
+    i: int,
+    log_dir: Path,
+    extra_args: Sequence[str] = (),
+    *,
+    api_key: str | None = None,
 ) -> VllmReplica:
-    """vLLM replica `i` (its log in `log_dir`); with `api_key`, started with --api-key."""
+    """vLLM replica `i` on core i (its log in `log_dir`); `extra_args` come last, so they
+    override the flags above; with `api_key`, started with --api-key."""
     port, pub, replay = free_port(), free_port(), free_port()
     events = {
         "enable_kv_cache_events": True,
@@ -115,6 +122,7 @@ def start_vllm(
         str(MEMORY_UTILIZATION),
         "--kv-events-config",
         json.dumps(events),
+        *extra_args,
     ]
     if api_key is not None:
         args += ["--api-key", api_key]

@@ -367,10 +367,22 @@ async def wait_for_load(base_url: str, running: int, waiting: int) -> None:
             await asyncio.sleep(0.005)
 
 
-async def test_priority_policy_prefills_a_later_urgent_request_first() -> None:
-    # Slowed down so the order shows: the blocker's 6k-token prefill holds the slot ~1 s, long
-    # enough to queue the others behind it; each queued 500-token prefill then takes ~80 ms.
-    slow = spec("sim-prio", scheduling_policy="priority", time_factor=5.0)
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param({"engine_model": "serial"}, id="serial"),
+        # 512-token steps: the blocker's 6,130 tokens take 12 steps, its last leaves 14 tokens
+        # to the urgent one; then each ~503-token prompt ends in its own step, in policy order
+        pytest.param({"engine_model": "steps", "max_num_batched_tokens": 512}, id="steps"),
+    ],
+)
+async def test_priority_policy_prefills_a_later_urgent_request_first(
+    engine: dict[str, Any],
+) -> None:
+    # Slowed down so the order shows: the blocker's 6k-token prefill holds the replica ~4 s, long
+    # enough to queue the others behind it on a loaded machine (at ~1 s the blocker was seen to
+    # finish first); each queued 500-token prefill then takes ~340 ms.
+    slow = spec("sim-prio", scheduling_policy="priority", time_factor=20.0, **engine)
     order: list[str] = []
 
     async def complete(http: httpx.AsyncClient, name: str, prompt: str, priority: int) -> None:
