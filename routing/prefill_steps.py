@@ -1,0 +1,275 @@
+"""A request's queue and prefill on a replica that schedules as vLLM V1 does (routing/cost.py).
+
+The queue and the prefill follow vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py,
+`Scheduler.schedule()`, vLLM 0.32.0), from the pool's declared engine flags (`EngineSettings`,
+named as vLLM's): each step has a token budget (`max_num_batched_tokens`); RUNNING requests are
+served first, each with the rest of its prompt capped at `long_prefill_token_threshold` (when
+> 0, and only when more than one request is there) and at the budget left; a running decode
+takes one token; then WAITING requests in policy order (`--scheduling-policy priority`: lower
+first, then arrival) with what is left, a first chunk may be partial. Every request in a step
+gets its tokens when the step ends, so prefills sharing a step finish together. Hence:
+
+- the work ahead is replayed in time (`queue_wait_s`) at the rate of full steps (step cost +
+  budget * s per token, for the budget less the decodes); a request sent with an engine priority
+  overtakes known work of a less urgent one that has not started (one that was waiting when the
+  step under way was formed and that step reached has: it got a partial first chunk; with a
+  threshold, one that joined while a seat was free has);
+- without a threshold a running prefill takes the whole budget it needs: a request behind it
+  waits for all of it, and shares its first step with the tail of the work ahead and its last
+  step with the work queued behind it;
+- with a threshold (< the budget) a request gets budget a step after it arrives when fewer than
+  budget / threshold prefills run, and its prefill takes at least tokens / threshold steps,
+  stretched by the prefills sharing them (each taking up to the threshold per step).
+
+The replica's progress is `Load.busy_s`, the time since the head of its queue started; the step
+under way is placed by it as if every step since had been full.
+"""
+
+from __future__ import annotations
+
+from math import ceil
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from routing.cost import CostTerms, EngineSettings, Load
+
+
+class StepShape(NamedTuple):
+    """A replica's engine steps at its current load, from its flags and cost terms."""
+
+    budget: int  # prefill tokens a step can take: max_num_batched_tokens less the decodes
+    decodes: int  # running decodes, one token of each step's budget each
+    threshold: int  # long_prefill_token_threshold when it caps below the budget, else 0
+    step_s: float  # a step's fixed cost
+    per_token_s: float
+    full_s: float  # a full step: step_s + max_num_batched_tokens * per_token_s
+
+    @property
+    def token_s(self) -> float:
+        """Seconds per prefill token while steps are full (the queue's drain rate)."""
+        return self.full_s / self.budget
+
+
+def step_shape(engine: EngineSettings, terms: CostTerms, load: Load) -> StepShape:
+    """The steps of a replica under `load`: requests sent and not past their first token are
+    prefilling (the known queue, and one more for tokens of unknown requests); the rest of
+    `in_flight` decode, up to max_num_seqs and a budget that leaves one prefill token."""
+    known = len(load.queue)
+    prefilling = known + (1 if load.pending_prefill_tokens > _known_tokens(load) else 0)
+    decodes = load.in_flight - prefilling
+    limit = engine.max_num_batched_tokens - 1
+    limit = engine.max_num_seqs if engine.max_num_seqs < limit else limit
+    decodes = 0 if decodes < 0 else limit if decodes > limit else decodes
+    budget = engine.max_num_batched_tokens - decodes
+    threshold = engine.long_prefill_token_threshold
+    per = terms.prefill_s_per_token
+    return StepShape(
+        budget,
+        decodes,
+        threshold if 0 < threshold < budget else 0,
+        terms.step_s,
+        per,
+        terms.step_s + engine.max_num_batched_tokens * per,
+    )
+
+
+def _known_tokens(load: Load) -> int:
+    return sum(q.tokens for q in load.queue) if load.queue else 0
+
+
+class Ahead(NamedTuple):
+    """The replay's view from the request's first chunk: what is ahead of it and behind it."""
+
+    wait_s: float  # from when it joins until the work ahead of it is done, at full steps
+    work_tokens: float  # that work, in prefill tokens
+    done_tokens: float  # prefill tokens computed since the head started (its progress)
+    overtakes: int
+    behind: tuple[int, ...]  # tokens of known requests it overtakes (waiting behind it)
+    running: tuple[float, ...]  # remaining tokens of each request ahead (capped prefills only)
+
+
+class Own(NamedTuple):
+    queue_s: float  # until the step of its first chunk starts
+    prefill_s: float  # its own steps
+    queue_steps: float  # full steps it waits for
+    prefill_steps: int
+    co_tokens: float  # tokens computed in all those steps other than its own
+
+
+def own_steps(uncached: int, ahead: Ahead, shape: StepShape) -> Own:
+    """The request's steps. Without a threshold it takes the budget after the work ahead: it
+    shares its first step with that work's tail (none if the work ends within the step under
+    way: a step's requests are fixed when it starts) and its last with the work queued behind
+    it. With one and a seat free, see _capped; with no seat free, as without (an approximation:
+    it waits for the work ahead)."""
+    e, d = shape.budget, shape.decodes
+    work = ahead.work_tokens
+    alone = not work and not ahead.behind and not d  # vLLM lifts the cap for a lone request
+    if shape.threshold and not alone and len(ahead.running) < e // shape.threshold:
+        return _capped(uncached, ahead, shape)
+    tail = 0.0
+    if work > 0.0:
+        position = ahead.done_tokens + work
+        if position // e != ahead.done_tokens // e:
+            tail = position % e
+    own = uncached if uncached > 0 else 1  # vLLM computes the last prompt token at least
+    n = ceil((tail + own) / e)
+    room = n * e - tail - own
+    behind = sum(ahead.behind) if ahead.behind else 0
+    fill = behind if behind < room else room
+    queue_s = ahead.wait_s - tail * shape.token_s
+    return _finish(uncached, queue_s if queue_s > 0.0 else 0.0, n, tail + fill, shape)
+
+
+def _capped(uncached: int, ahead: Ahead, shape: StepShape) -> Own:
+    """own_steps with a threshold T and a seat free: its first chunk goes in the step after
+    the one under way; every prefill then takes up to T per
+    step, so its prefill lasts n >= tokens / T steps, more while it and the prefills sharing
+    them (min(their rest, n T) each) need more than n budgets."""
+    e, d, cap = shape.budget, shape.decodes, shape.threshold
+    running = ahead.running
+    queue_s = 0.0
+    if ahead.work_tokens > 0.0:
+        # the step under way: a lone prefill in it had the cap lifted
+        lone = len(running) == 1 and not d
+        first_step = running[0] if lone else sum(r if r < cap else cap for r in running)
+        under_way = first_step if first_step < e else e
+        under_way_s = shape.step_s + (under_way + d) * shape.per_token_s
+        # its rest, if every step since the head started was alike
+        left_s = under_way_s - (ahead.done_tokens * shape.token_s) % under_way_s
+        queue_s = left_s if ahead.wait_s > left_s else ahead.wait_s
+    own = uncached if uncached > 0 else 1
+    n = ceil(own / cap)
+    shared = 0.0
+    for _ in range(64):  # the fixed point of n = ceil(tokens in its n steps / budget); bounded
+        most = n * cap
+        shared = sum(r if r < most else most for r in running)
+        needed = ceil((own + shared) / e)
+        if needed <= n:
+            break
+        n = needed
+    most = n * cap
+    room = n * e - own - shared
+    behind = sum(b if b < most else most for b in ahead.behind)
+    fill = behind if behind < room else (room if room > 0 else 0)
+    return _finish(uncached, queue_s, n, shared + fill, shape)
+
+
+def _finish(uncached: int, queue_s: float, n: int, shared: float, shape: StepShape) -> Own:
+    """The request's terms from its wait, its n steps and the prefill tokens sharing them."""
+    queue_steps = queue_s / shape.full_s
+    decodes = n * shape.decodes
+    prefill_s = n * shape.step_s + (uncached + shared + decodes) * shape.per_token_s
+    waited = queue_steps * (shape.budget + shape.decodes)  # the tokens of the steps waited for
+    return Own(queue_s, prefill_s, queue_steps, n, waited + shared + decodes)
+
+
+def queue_wait_s(
+    load: Load, joins_in_s: float, per_token_s: float, priority: int | None = None
+) -> float:
+    """How long a request that reaches the prefill `joins_in_s` from now waits for the work
+    ahead of it, each prefill token taking `per_token_s`: the replica's prefill replayed in
+    arrival order (first come, first served, like vLLM's default scheduling policy), starting
+    from what already waits (the queue's unknown part) less the progress on the head, then every
+    known request joining first.
+
+    With a `priority` (vLLM's --scheduling-policy priority, lower first), a known request sent
+    with a larger one is overtaken unless its prefill starts before this one joins: a prefill
+    that has started is not interrupted (vLLM schedules its RUNNING requests before any waiting
+    one, vllm/v1/core/sched/scheduler.py). Work of unknown priority (other gateways') is counted
+    as ahead."""
+    shape = StepShape(1, 0, 0, 0.0, per_token_s, per_token_s)
+    return replay_ahead(load, joins_in_s, shape, priority).wait_s
+
+
+_NOTHING_AHEAD = Ahead(0.0, 0.0, 0.0, 0, (), ())
+
+
+def replay_ahead(load: Load, joins_in_s: float, shape: StepShape, priority: int | None) -> Ahead:
+    """queue_wait_s at the drain rate of full steps, and what the request's steps share."""
+    if not load.queue:  # nothing known to join: the replay below, in closed form
+        return _closed_form(load, joins_in_s, shape)
+    token_s = shape.token_s
+    known = _known_tokens(load)
+    unknown = load.pending_prefill_tokens - known
+    progress_s = load.busy_s
+    free_at_s = 0.0  # when the prefill is free of the work replayed so far, from now
+    sizes: list[float] = []  # tokens of each request ahead
+
+    def run(start_s: float, tokens: float) -> float:
+        nonlocal progress_s
+        work_s = tokens * token_s
+        done = min(progress_s, work_s) if start_s <= 0 else 0.0  # the head is already waiting
+        progress_s -= done
+        sizes.append(tokens)
+        return start_s + work_s - done
+
+    if unknown > 0:
+        free_at_s = run(0.0, unknown)
+    # with a threshold, a request that has joined runs within a step while seats are free
+    seats = shape.budget // shape.threshold if shape.threshold else 0
+    # the step under way took, after the running prefills, the requests waiting when it was
+    # formed, as far as its budget went (partial first chunks): those are running
+    busy_s = load.busy_s
+    formed_s = -(busy_s % shape.full_s) if busy_s > 0.0 else 0.0
+    under_way_end_s = formed_s + shape.full_s
+    overtakes = 0
+    behind: list[int] = []
+    for q in sorted(load.queue, key=lambda q: q.joins_in_s):
+        if q.joins_in_s > joins_in_s:
+            break
+        start_s = max(free_at_s, q.joins_in_s)
+        overtaken = (
+            priority is not None
+            and (q.priority or 0) > priority
+            and start_s >= max(joins_in_s, 0.0)
+            and not (start_s <= 0 and progress_s > 0)  # the head, already prefilling
+            and len(sizes) >= seats  # no seat free: it is still waiting
+            and not (q.joins_in_s <= formed_s and start_s < under_way_end_s)
+        )
+        if overtaken:
+            overtakes += 1
+            behind.append(q.tokens)
+        else:
+            free_at_s = run(start_s, q.tokens)
+    wait_s = free_at_s - joins_in_s
+    if wait_s <= 0.0:
+        return Ahead(0.0, 0.0, 0.0, overtakes, tuple(behind), ())
+    at_s = joins_in_s if joins_in_s > 0.0 else 0.0
+    work = wait_s / token_s
+    running = _shared_out(sizes, sum(sizes) - work) if shape.threshold else ()
+    done = (load.busy_s + at_s) / token_s
+    return Ahead(wait_s, work, done, overtakes, tuple(behind), running)
+
+
+def _shared_out(sizes: list[float], done: float) -> tuple[float, ...]:
+    """What each request ahead has left when `done` of their tokens are computed with a
+    threshold: every running prefill advances alike (up to the cap per step), so the progress
+    is shared out evenly, the smallest finishing first (water-filling)."""
+    level = 0.0
+    left = len(sizes)
+    for size in sorted(sizes):
+        if (size - level) * left >= done:
+            level += done / left
+            break
+        done -= (size - level) * left
+        level = size
+        left -= 1
+    return tuple(size - level for size in sizes if size > level)
+
+
+def _closed_form(load: Load, joins_in_s: float, shape: StepShape) -> Ahead:
+    """replay_ahead when no known request joins the queue: what is queued (less the progress on the
+    head) drains first. Conditionals rather than min() / max(): this runs per candidate per
+    request, and a builtin call costs more than the arithmetic it guards."""
+    pending = load.pending_prefill_tokens
+    if pending <= 0:
+        return _NOTHING_AHEAD
+    token_s = shape.token_s
+    work_s = pending * token_s
+    busy_s = load.busy_s
+    wait_s = work_s - (busy_s if busy_s < work_s else work_s) - joins_in_s
+    if wait_s <= 0.0:
+        return _NOTHING_AHEAD
+    work = wait_s / token_s
+    return Ahead(wait_s, work, pending - work, 0, (), (work,) if shape.threshold else ())
