@@ -1,11 +1,12 @@
 """Learn a replica's costs from the TTFTs the gateway observes. Pure: no IO, no clock.
 
-The cost model (routing/cost.py) is linear in four terms:
+The cost model (routing/cost.py) is linear in five terms:
 
     ttft_s = fixed_s
            + prefill_s_per_token * (queued_tokens + uncached_tokens)
            + swap_s_per_token    * swapped_tokens    # CPU-tier tokens x (1 + swap-ins on PCIe)
            + fetch_s_per_token   * fetched_tokens    # remote-tier tokens fetched, not recomputed
+           + step_s              * steps             # engine steps until its first token
 
 so every streamed request is one observation of a linear regression. `OnlineFit` solves it over
 a sliding window of the last WINDOW observations, weighted by exponential forgetting (the memory
@@ -49,7 +50,7 @@ import numpy as np
 
 from routing.cost import CostTerms
 
-TERMS = ("fixed_s", "prefill_s_per_token", "swap_s_per_token", "fetch_s_per_token")
+TERMS = ("fixed_s", "prefill_s_per_token", "swap_s_per_token", "fetch_s_per_token", "step_s")
 
 FORGETTING = 0.98
 # Memory of ~1 / (1 - 0.98) = 50 observations: converges within the ~50 requests the fit is asked
@@ -108,13 +109,15 @@ class Sample:
     swapped_tokens: float  # swapped in from the CPU tier, x (1 + swap-ins sharing the link)
     fetched_tokens: float  # fetched from the remote tier
     observed_s: float
+    steps: float = 0.0  # engine steps until its first token (routing/prefill_steps.py)
 
-    def features(self) -> tuple[float, float, float, float]:
+    def features(self) -> tuple[float, float, float, float, float]:
         return (
             1.0,
             self.queued_tokens + self.uncached_tokens,
             self.swapped_tokens,
             self.fetched_tokens,
+            self.steps,
         )
 
 
@@ -132,13 +135,14 @@ class OnlineFit:
     def __init__(self, seed: CostTerms) -> None:
         self.seed = seed
         self._scale = np.array(_seed_vector(seed))  # parameter i = theta[i] * scale[i]
-        self._theta = np.ones(4)
+        self._theta = np.ones(len(TERMS))
         fixed_var = (FIXED_PRIOR_S / self._scale[0]) ** 2
-        self._precision = 1.0 / np.array([fixed_var, *[PRIOR_SPREAD**2] * 3])  # the ridge
-        self._low = np.array([0.0, *[1 / RATE_BOUND] * 3])
-        self._high = np.array([MAX_FIXED_S / self._scale[0], *[RATE_BOUND] * 3])
+        rates = len(TERMS) - 1
+        self._precision = 1.0 / np.array([fixed_var, *[PRIOR_SPREAD**2] * rates])  # the ridge
+        self._low = np.array([0.0, *[1 / RATE_BOUND] * rates])
+        self._high = np.array([MAX_FIXED_S / self._scale[0], *[RATE_BOUND] * rates])
         # the window, oldest first: rows x[:n] and targets y[:n] of the relative equations
-        self._x = np.zeros((WINDOW, 4))
+        self._x = np.zeros((WINDOW, len(TERMS)))
         self._y = np.zeros(WINDOW)
         self._n = 0
         self._misses: deque[float] = deque(maxlen=SCALE_WINDOW)  # relative, before each update
@@ -147,8 +151,8 @@ class OnlineFit:
         self.resets = 0
 
     def terms(self) -> CostTerms:
-        fixed, prefill, swap, fetch = (float(v) for v in self._theta * self._scale)
-        return CostTerms(fixed, prefill, swap, fetch, samples=self.samples)
+        fixed, prefill, swap, fetch, step = (float(v) for v in self._theta * self._scale)
+        return CostTerms(fixed, prefill, swap, fetch, step, samples=self.samples)
 
     def predict_s(self, sample: Sample) -> float:
         return sum(w * x for w, x in zip(self.terms().as_vector(), sample.features(), strict=True))
@@ -165,7 +169,7 @@ class OnlineFit:
             return False
         raw = [f * s for f, s in zip(sample.features(), self._scale, strict=True)]
         norm = math.sqrt(y * sum(raw))
-        row = (raw[0] / norm, raw[1] / norm, raw[2] / norm, raw[3] / norm)
+        row = tuple(r / norm for r in raw)
         target = y / norm
         self._misses.append(target - sum(t * x for t, x in zip(self._theta, row, strict=True)))
         if self._n == WINDOW:  # the oldest leaves
@@ -257,7 +261,8 @@ class OnlineFit:
             samples = int(data["samples"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError):
             return fit
-        if len(theta) != 4 or len(rows) != len(targets) or any(len(r) != 4 for r in rows):
+        size = len(TERMS)
+        if len(theta) != size or len(rows) != len(targets) or any(len(r) != size for r in rows):
             return fit
         if not all(math.isfinite(v) for v in [*theta, *(v for r in rows for v in r), *targets]):
             return fit

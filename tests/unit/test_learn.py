@@ -204,3 +204,27 @@ def test_an_update_without_refit_waits_for_the_next_solve() -> None:
     assert fit.terms().as_vector() == pytest.approx(SEED.as_vector())  # not solved yet
     fit.refit()
     assert fit.terms().prefill_s_per_token > 3 * SEED.prefill_s_per_token
+
+
+def test_learns_the_step_cost_and_the_prefill_rate() -> None:
+    """A replica with steps of 256 tokens shared with 0-200 running decodes (so the tokens per
+    step vary): its 20 ms per step, 4k tokens/s and 30 ms overhead are learned from the seed's
+    3.4 ms, 30k tokens/s and 3 ms."""
+    rng = random.Random(5)
+    real = CostTerms(0.03, 1 / 4000, SEED.swap_s_per_token, SEED.fetch_s_per_token, 0.02)
+    fit = OnlineFit(SEED)
+
+    def step_request() -> Sample:
+        uncached = rng.uniform(20, 3000)
+        decodes = rng.randint(0, 200)
+        steps = -(-uncached // (256 - decodes))
+        shared = decodes * steps  # the decode tokens computed in its steps
+        ttft = real.fixed_s + real.prefill_s_per_token * (shared + uncached) + real.step_s * steps
+        noisy = ttft * rng.lognormvariate(0, 0.05)
+        return Sample(shared, uncached, 0.0, 0.0, noisy, steps=steps)
+
+    for _ in range(100):
+        fit.update(step_request())
+    learned = fit.terms()
+    assert learned.step_s == pytest.approx(real.step_s, rel=0.25)
+    assert learned.prefill_s_per_token == pytest.approx(real.prefill_s_per_token, rel=0.15)
