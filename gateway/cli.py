@@ -242,7 +242,7 @@ def _route_explain(args: argparse.Namespace) -> int:
     others = any(c.get("others_wait_ms", 0.0) > 0 for c in data["candidates"])
     table = Table(title="cached tokens per tier, estimated TTFT terms in ms", box=box.SIMPLE)
     table.add_column("replica", no_wrap=True, min_width=15)
-    names = ("hbm", "cpu", "remote", "fixed", "queue", "swap", "fetch", "prefill", "TTFT")
+    names = ("hbm", "cpu", "remote", "fixed", "queue", "swap", "fetch", "prefill", "TTFT", "steps")
     for name in (*names, "others") if others else names:
         table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
     for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
@@ -258,6 +258,7 @@ def _route_explain(args: argparse.Namespace) -> int:
             f"{e['remote_s']:.2f}",
             f"{e['prefill_s']:.2f}",
             f"{e['ttft']:.2f}",
+            f"{c.get('steps', 0.0):.1f}",
         ]
         if others:
             cells.append(f"{c['others_wait_ms']:.2f}")
@@ -269,7 +270,8 @@ def _route_explain(args: argparse.Namespace) -> int:
             title=f"cost terms in use (routing.calibration: {costs['mode']})", box=box.SIMPLE
         )
         fits.add_column("replica", no_wrap=True, min_width=15)
-        for name in ("source", "samples", "fixed ms", "prefill tok/s", "swap tok/s", "fetch tok/s"):
+        columns = ("source", "samples", "fixed ms", "prefill tok/s", "swap tok/s", "fetch tok/s")
+        for name in (*columns, "step ms"):
             fits.add_column(name, justify="right", no_wrap=True)
         for name, f in sorted(costs["replicas"].items()):
             fits.add_row(
@@ -280,6 +282,7 @@ def _route_explain(args: argparse.Namespace) -> int:
                 f"{f['prefill_tokens_per_s']:,.0f}",
                 f"{f['swap_tokens_per_s']:,.0f}",
                 f"{f['fetch_tokens_per_s']:,.0f}",
+                f"{f.get('step_ms', 0.0):.1f}",
             )
         console.print(fits)
     return 0
