@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
-from routing.prefill_steps import own_steps, replay_ahead, step_shape
+from routing.prefill_steps import schedule
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -259,11 +259,9 @@ def estimate(
         remote_fetch = fetch_s < recompute_s
         remote_s = fetch_s if remote_fetch else recompute_s
 
-    shape = step_shape(costs.engine, t, load)
     load_s = swap_s + remote_s if remote_fetch else swap_s  # a recompute is prefill work
-    ahead = replay_ahead(load, load_s, shape, priority)
-    own = own_steps(uncached, ahead, shape)
-    queue_s, prefill_s = own.queue_s, own.prefill_s
+    own = schedule(load, load_s, costs.engine, t, uncached, priority)
+    queue_s, prefill_s, queue_steps, prefill_steps, co_tokens, overtakes = own
     cuts_in_s = _cuts_in(load, load_s + queue_s, prefill_s) if load.queue else 0.0
     # positional: Estimate(fixed, queue, swap, remote, prefill, remote_fetch, queue_tokens,
     # swap_tokens, overtakes, cuts_in_s, own_s, steps, prefill_steps), built once per candidate
@@ -275,13 +273,13 @@ def estimate(
         remote_s,
         prefill_s,
         remote_fetch,
-        own.co_tokens,
+        co_tokens,
         swap_tokens,
-        ahead.overtakes,
+        overtakes,
         cuts_in_s,
         uncached * per_token,
-        own.queue_steps + own.prefill_steps,
-        own.prefill_steps,
+        queue_steps + prefill_steps,
+        prefill_steps,
     )
 
 

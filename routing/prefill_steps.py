@@ -28,6 +28,7 @@ under way is placed by it as if every step since had been full.
 from __future__ import annotations
 
 from math import ceil
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -43,11 +44,7 @@ class StepShape(NamedTuple):
     step_s: float  # a step's fixed cost
     per_token_s: float
     full_s: float  # a full step: step_s + max_num_batched_tokens * per_token_s
-
-    @property
-    def token_s(self) -> float:
-        """Seconds per prefill token while steps are full (the queue's drain rate)."""
-        return self.full_s / self.budget
+    token_s: float  # seconds per prefill token while steps are full (the queue's drain rate)
 
 
 def step_shape(engine: EngineSettings, terms: CostTerms, load: Load) -> StepShape:
@@ -63,14 +60,9 @@ def step_shape(engine: EngineSettings, terms: CostTerms, load: Load) -> StepShap
     budget = engine.max_num_batched_tokens - decodes
     threshold = engine.long_prefill_token_threshold
     per = terms.prefill_s_per_token
-    return StepShape(
-        budget,
-        decodes,
-        threshold if 0 < threshold < budget else 0,
-        terms.step_s,
-        per,
-        terms.step_s + engine.max_num_batched_tokens * per,
-    )
+    full_s = terms.step_s + engine.max_num_batched_tokens * per
+    cap = threshold if 0 < threshold < budget else 0
+    return StepShape(budget, decodes, cap, terms.step_s, per, full_s, full_s / budget)
 
 
 def _known_tokens(load: Load) -> int:
@@ -88,12 +80,67 @@ class Ahead(NamedTuple):
     running: tuple[float, ...]  # remaining tokens of each request ahead (capped prefills only)
 
 
-class Own(NamedTuple):
-    queue_s: float  # until the step of its first chunk starts
-    prefill_s: float  # its own steps
-    queue_steps: float  # full steps it waits for
-    prefill_steps: int
-    co_tokens: float  # tokens computed in all those steps other than its own
+Own = tuple[float, float, float, int, float, int]
+"""A request's steps: (queue_s: until the step of its first chunk starts, prefill_s: its own
+steps, queue_steps: the full steps it waits for, prefill_steps, co_tokens: the tokens computed
+in all those steps other than its own, overtakes: known requests of a less urgent priority it
+goes before). A plain tuple: built per candidate per request, and a NamedTuple's constructor is
+a Python call."""
+
+
+def schedule(
+    load: Load,
+    joins_in_s: float,
+    engine: EngineSettings,
+    terms: CostTerms,
+    uncached: int,
+    priority: int | None,
+) -> Own:
+    """A request's steps on a replica under `load`, reaching the prefill `joins_in_s` from now
+    with `uncached` tokens to compute."""
+    if not load.queue and (
+        load.pending_prefill_tokens <= 0 or not engine.long_prefill_token_threshold
+    ):
+        return _unqueued(load, joins_in_s, engine, terms, uncached)
+    shape = step_shape(engine, terms, load)
+    ahead = replay_ahead(load, joins_in_s, shape, priority)
+    return own_steps(uncached, ahead, shape)
+
+
+def _unqueued(
+    load: Load, joins_in_s: float, engine: EngineSettings, terms: CostTerms, uncached: int
+) -> Own:
+    """schedule() when no known request joins and no capped prefill is under way: the general
+    path's arithmetic, inline (it runs per candidate per request; tuples and calls cost more
+    than the arithmetic). Conditionals rather than min() / max() for the same reason."""
+    pending = load.pending_prefill_tokens
+    budget = engine.max_num_batched_tokens
+    decodes = load.in_flight - (1 if pending > 0 else 0)
+    limit = budget - 1 if budget - 1 < engine.max_num_seqs else engine.max_num_seqs
+    d = 0 if decodes < 0 else limit if decodes > limit else decodes
+    e = budget - d
+    step_s, per = terms.step_s, terms.prefill_s_per_token
+    own = uncached if uncached > 0 else 1  # vLLM computes the last prompt token at least
+    wait_s = 0.0
+    if pending > 0:
+        token_s = (step_s + budget * per) / e
+        work_s = pending * token_s
+        busy_s = load.busy_s
+        wait_s = work_s - (busy_s if busy_s < work_s else work_s) - joins_in_s
+    if wait_s <= 0.0:  # nothing ahead: alone unless decodes run (then a threshold caps it)
+        cap = engine.long_prefill_token_threshold
+        n = -(-own // cap) if d and 0 < cap < e else -(-own // e)
+        return 0.0, n * step_s + (uncached + n * d) * per, 0.0, n, n * d, 0
+    done = pending - wait_s / token_s
+    tail = pending % e if pending // e != done // e else 0  # the step under way holds the rest
+    n = -(-(tail + own) // e)
+    queue_s = wait_s - tail * token_s
+    if queue_s < 0.0:
+        queue_s = 0.0
+    queue_steps = queue_s / (step_s + budget * per)
+    co_tokens = tail + n * d
+    prefill_s = n * step_s + (uncached + co_tokens) * per
+    return queue_s, prefill_s, queue_steps, n, co_tokens + queue_steps * budget, 0
 
 
 def own_steps(uncached: int, ahead: Ahead, shape: StepShape) -> Own:
@@ -118,7 +165,8 @@ def own_steps(uncached: int, ahead: Ahead, shape: StepShape) -> Own:
     behind = sum(ahead.behind) if ahead.behind else 0
     fill = behind if behind < room else room
     queue_s = ahead.wait_s - tail * shape.token_s
-    return _finish(uncached, queue_s if queue_s > 0.0 else 0.0, n, tail + fill, shape)
+    queue_s = queue_s if queue_s > 0.0 else 0.0
+    return _finish(uncached, queue_s, n, tail + fill, ahead.overtakes, shape)
 
 
 def _capped(uncached: int, ahead: Ahead, shape: StepShape) -> Own:
@@ -152,16 +200,18 @@ def _capped(uncached: int, ahead: Ahead, shape: StepShape) -> Own:
     room = n * e - own - shared
     behind = sum(b if b < most else most for b in ahead.behind)
     fill = behind if behind < room else (room if room > 0 else 0)
-    return _finish(uncached, queue_s, n, shared + fill, shape)
+    return _finish(uncached, queue_s, n, shared + fill, ahead.overtakes, shape)
 
 
-def _finish(uncached: int, queue_s: float, n: int, shared: float, shape: StepShape) -> Own:
+def _finish(
+    uncached: int, queue_s: float, n: int, shared: float, overtakes: int, shape: StepShape
+) -> Own:
     """The request's terms from its wait, its n steps and the prefill tokens sharing them."""
     queue_steps = queue_s / shape.full_s
     decodes = n * shape.decodes
     prefill_s = n * shape.step_s + (uncached + shared + decodes) * shape.per_token_s
     waited = queue_steps * (shape.budget + shape.decodes)  # the tokens of the steps waited for
-    return Own(queue_s, prefill_s, queue_steps, n, waited + shared + decodes)
+    return queue_s, prefill_s, queue_steps, n, waited + shared + decodes, overtakes
 
 
 def queue_wait_s(
@@ -178,7 +228,7 @@ def queue_wait_s(
     that has started is not interrupted (vLLM schedules its RUNNING requests before any waiting
     one, vllm/v1/core/sched/scheduler.py). Work of unknown priority (other gateways') is counted
     as ahead."""
-    shape = StepShape(1, 0, 0, 0.0, per_token_s, per_token_s)
+    shape = StepShape(1, 0, 0, 0.0, per_token_s, per_token_s, per_token_s)
     return replay_ahead(load, joins_in_s, shape, priority).wait_s
 
 
@@ -186,60 +236,63 @@ _NOTHING_AHEAD = Ahead(0.0, 0.0, 0.0, 0, (), ())
 
 
 def replay_ahead(load: Load, joins_in_s: float, shape: StepShape, priority: int | None) -> Ahead:
-    """queue_wait_s at the drain rate of full steps, and what the request's steps share."""
+    """queue_wait_s at the drain rate of full steps, and what the request's steps share. The
+    replay is written out (no helper calls, conditionals rather than min() / max()): it runs per
+    candidate per request."""
     if not load.queue:  # nothing known to join: the replay below, in closed form
         return _closed_form(load, joins_in_s, shape)
     token_s = shape.token_s
-    known = _known_tokens(load)
-    unknown = load.pending_prefill_tokens - known
-    progress_s = load.busy_s
+    unknown = load.pending_prefill_tokens - _known_tokens(load)
+    progress_s = busy_s = load.busy_s  # progress: what is left of it to credit to the head
     free_at_s = 0.0  # when the prefill is free of the work replayed so far, from now
     sizes: list[float] = []  # tokens of each request ahead
-
-    def run(start_s: float, tokens: float) -> float:
-        nonlocal progress_s
-        work_s = tokens * token_s
-        done = min(progress_s, work_s) if start_s <= 0 else 0.0  # the head is already waiting
-        progress_s -= done
-        sizes.append(tokens)
-        return start_s + work_s - done
-
-    if unknown > 0:
-        free_at_s = run(0.0, unknown)
+    if unknown > 0:  # tokens of unknown requests: waiting now, the head's progress is theirs
+        work_s = unknown * token_s
+        done_s = progress_s if progress_s < work_s else work_s
+        progress_s -= done_s
+        free_at_s = work_s - done_s
+        sizes.append(unknown)
     # with a threshold, a request that has joined runs within a step while seats are free
     seats = shape.budget // shape.threshold if shape.threshold else 0
     # the step under way took, after the running prefills, the requests waiting when it was
     # formed, as far as its budget went (partial first chunks): those are running
-    busy_s = load.busy_s
     formed_s = -(busy_s % shape.full_s) if busy_s > 0.0 else 0.0
     under_way_end_s = formed_s + shape.full_s
+    joined_s = joins_in_s if joins_in_s > 0.0 else 0.0
     overtakes = 0
     behind: list[int] = []
-    for q in sorted(load.queue, key=lambda q: q.joins_in_s):
-        if q.joins_in_s > joins_in_s:
+    for q in sorted(load.queue, key=_joins):
+        q_joins_s = q.joins_in_s
+        if q_joins_s > joins_in_s:
             break
-        start_s = max(free_at_s, q.joins_in_s)
-        overtaken = (
+        start_s = free_at_s if free_at_s > q_joins_s else q_joins_s
+        if (
             priority is not None
             and (q.priority or 0) > priority
-            and start_s >= max(joins_in_s, 0.0)
+            and start_s >= joined_s
             and not (start_s <= 0 and progress_s > 0)  # the head, already prefilling
             and len(sizes) >= seats  # no seat free: it is still waiting
-            and not (q.joins_in_s <= formed_s and start_s < under_way_end_s)
-        )
-        if overtaken:
+            and not (q_joins_s <= formed_s and start_s < under_way_end_s)
+        ):
             overtakes += 1
             behind.append(q.tokens)
-        else:
-            free_at_s = run(start_s, q.tokens)
+            continue
+        work_s = q.tokens * token_s
+        done_s = 0.0
+        if start_s <= 0:  # waiting already: the head's progress may be its
+            done_s = progress_s if progress_s < work_s else work_s
+            progress_s -= done_s
+        free_at_s = start_s + work_s - done_s
+        sizes.append(q.tokens)
     wait_s = free_at_s - joins_in_s
     if wait_s <= 0.0:
         return Ahead(0.0, 0.0, 0.0, overtakes, tuple(behind), ())
-    at_s = joins_in_s if joins_in_s > 0.0 else 0.0
     work = wait_s / token_s
     running = _shared_out(sizes, sum(sizes) - work) if shape.threshold else ()
-    done = (load.busy_s + at_s) / token_s
-    return Ahead(wait_s, work, done, overtakes, tuple(behind), running)
+    return Ahead(wait_s, work, (busy_s + joined_s) / token_s, overtakes, tuple(behind), running)
+
+
+_joins = attrgetter("joins_in_s")
 
 
 def _shared_out(sizes: list[float], done: float) -> tuple[float, ...]:
