@@ -203,8 +203,6 @@ DESCRIPTIONS: dict[str, str] = {
     "effective).",
     "pools[].costs.remote_fixed_s": "Fixed cost of one remote fetch, seconds (lookup, "
     "connection, first byte: ~26 ms).",
-    "pools[].costs.prefill_chunk_tokens": "Chunked-prefill size (vLLM's max_num_batched_tokens "
-    "default, 8192): each chunk shares a step with running decodes.",
     "pools[].sim": "Read only by `cachelane sim --config`: how the simulator behaves for this "
     "pool.",
     "pools[].sim.itl_s": "Simulated decode time per output token. Unset: the simulator's default "

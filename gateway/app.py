@@ -328,6 +328,9 @@ def explain(plan: Plan) -> dict[str, Any]:
                 # to the TTFT to rank the candidates: routing/policies/cache_aware.py)
                 "others_wait_ms": ms(s.estimate.others_wait_s),
                 "queue_tokens": round(s.estimate.queue_tokens),
+                # engine steps until its first token, and its own (routing/prefill_steps.py)
+                "steps": round(s.estimate.steps, 2),
+                "prefill_steps": s.estimate.prefill_steps,
                 "remote_fetch": s.estimate.remote_fetch,
                 "expected_cached_tokens": s.expected_cached_tokens,
             }

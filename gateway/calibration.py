@@ -90,6 +90,7 @@ def sample_of(
         swapped_tokens=float(swapped * share),
         fetched_tokens=float(fetched),
         observed_s=observed_s - remote_fixed_s if fetched else observed_s,
+        steps=e.steps,
     )
 
 
@@ -212,6 +213,7 @@ class CostLearner:
                 "prefill_tokens_per_s": round(1 / terms.prefill_s_per_token, 1),
                 "swap_tokens_per_s": round(1 / terms.swap_s_per_token, 1),
                 "fetch_tokens_per_s": round(1 / terms.fetch_s_per_token, 1),
+                "step_ms": round(terms.step_s * 1000, 3),
             }
         return out
 

@@ -249,7 +249,7 @@ def _route_explain(args: argparse.Namespace) -> int:
     others = any(c.get("others_wait_ms", 0.0) > 0 for c in data["candidates"])
     table = TextTable("cached tokens per tier, estimated TTFT terms in ms")
     table.add_column("replica")
-    names = ("hbm", "cpu", "remote", "fixed", "queue", "swap", "fetch", "prefill", "TTFT")
+    names = ("hbm", "cpu", "remote", "fixed", "queue", "swap", "fetch", "prefill", "TTFT", "steps")
     for name in (*names, "others") if others else names:
         table.add_column(name, right=True)
     for c in sorted(data["candidates"], key=lambda c: c["estimate_ms"]["ttft"]):
@@ -265,6 +265,7 @@ def _route_explain(args: argparse.Namespace) -> int:
             f"{e['remote_s']:.2f}",
             f"{e['prefill_s']:.2f}",
             f"{e['ttft']:.2f}",
+            f"{c.get('steps', 0.0):.1f}",
         ]
         if others:
             cells.append(f"{c['others_wait_ms']:.2f}")
@@ -274,7 +275,8 @@ def _route_explain(args: argparse.Namespace) -> int:
     if costs:
         fits = TextTable(f"cost terms in use (routing.calibration: {costs['mode']})")
         fits.add_column("replica")
-        for name in ("source", "samples", "fixed ms", "prefill tok/s", "swap tok/s", "fetch tok/s"):
+        columns = ("source", "samples", "fixed ms", "prefill tok/s", "swap tok/s", "fetch tok/s")
+        for name in (*columns, "step ms"):
             fits.add_column(name, right=True)
         for name, f in sorted(costs["replicas"].items()):
             fits.add_row(
@@ -285,6 +287,7 @@ def _route_explain(args: argparse.Namespace) -> int:
                 f"{f['prefill_tokens_per_s']:,.0f}",
                 f"{f['swap_tokens_per_s']:,.0f}",
                 f"{f['fetch_tokens_per_s']:,.0f}",
+                f"{f.get('step_ms', 0.0):.1f}",
             )
         console.print(str(fits))
     return 0

@@ -38,12 +38,18 @@ from routing.cost import (
     FIXED_S,
     HBM_CAPACITY_TOKENS,
     KV_BYTES_PER_TOKEN,
+    LONG_PREFILL_TOKEN_THRESHOLD,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
     PCIE_GBPS,
-    PREFILL_CHUNK_TOKENS,
     PREFILL_TOKENS_PER_S,
     REMOTE_FIXED_S,
     REMOTE_GBPS,
+    SCHEDULING_POLICY,
+    STEP_S,
+    EngineSettings,
     PoolCosts,
+    SchedulingPolicy,
 )
 from routing.decide import Policy
 from routing.filters import Fallback
@@ -77,11 +83,51 @@ class CostsConfig(Strict):
     pcie_gbps: PositiveFloat = PCIE_GBPS
     remote_gbps: PositiveFloat = REMOTE_GBPS
     remote_fixed_s: Annotated[float, Field(ge=0)] = REMOTE_FIXED_S
-    prefill_chunk_tokens: PositiveInt = PREFILL_CHUNK_TOKENS
     fixed_s: Annotated[float, Field(ge=0)] = FIXED_S
+    step_s: Annotated[float, Field(ge=0)] = Field(
+        default=STEP_S,
+        description="Fixed cost of one engine step (a forward pass), seconds, whatever its "
+        "tokens: 3.4 ms, the weights of an 8B BF16 model read once from H200 HBM "
+        "(routing/cost.py). With routing.calibration: fit it seeds the fitted per-step cost.",
+    )
 
-    def to_pool_costs(self) -> PoolCosts:
-        return PoolCosts(**self.model_dump())
+    def to_pool_costs(self, engine: EngineConfig | None = None) -> PoolCosts:
+        settings = (engine or EngineConfig()).to_settings()
+        return PoolCosts(**self.model_dump(), engine=settings)
+
+
+class EngineConfig(Strict):
+    """The pool's engine scheduler flags, named and defaulted as vLLM's (vLLM 0.32.0 for the
+    OpenAI server on an H100/H200; sources in routing/cost.py). The cost model schedules each
+    replica's prefill by them; start the engines with the same flags."""
+
+    max_num_batched_tokens: PositiveInt = Field(
+        default=MAX_NUM_BATCHED_TOKENS,
+        description="vLLM --max-num-batched-tokens: the token budget of one engine step, shared "
+        "by running decodes (1 token each) and prefill chunks. 8192: vLLM's default for the "
+        "OpenAI server on a 70-160 GiB GPU other than an A100 (vllm/engine/arg_utils.py; CPU: "
+        "2048, other GPUs: 2048, >= 160 GiB: 16384).",
+    )
+    long_prefill_token_threshold: Annotated[int, Field(ge=0)] = Field(
+        default=LONG_PREFILL_TOKEN_THRESHOLD,
+        description="vLLM --long-prefill-token-threshold: most tokens one prefill takes in a "
+        "step when other requests are there. 0 (vLLM's default): no cap, so a request that "
+        "arrives behind a long prefill waits for all of it.",
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        default=SCHEDULING_POLICY,
+        description="vLLM --scheduling-policy: fcfs (vLLM's default) or priority (waiting "
+        "requests by their `priority`, lower first, then arrival). Unset with "
+        "engine_priority: true, priority.",
+    )
+    max_num_seqs: PositiveInt = Field(
+        default=MAX_NUM_SEQS,
+        description="vLLM --max-num-seqs: requests running at once (1024: vLLM's default on an "
+        "H100/H200 OpenAI server; CPU: 128). Bounds the decodes that share a step.",
+    )
+
+    def to_settings(self) -> EngineSettings:
+        return EngineSettings(**self.model_dump())
 
 
 class KvEventsConfig(Strict):
@@ -319,6 +365,11 @@ class PoolConfig(Strict):
         "replica counts a failure (health.eject_after_errors).",
     )
     costs: CostsConfig = CostsConfig()
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="The replicas' engine scheduler flags, as vLLM's (the cost model's queue "
+        "and prefill terms follow its step loop).",
+    )
     sim: SimConfig = SimConfig()
     kv_events: KvEventsConfig | None = Field(
         default=None,
@@ -351,10 +402,31 @@ class PoolConfig(Strict):
     def _forwardable(cls, names: list[str]) -> list[str]:
         return [replica_auth.forwardable(name) for name in names]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _priority_policy_with_engine_priority(cls, data: object) -> object:
+        """engine_priority needs engines run with --scheduling-policy priority: that is the
+        engine's policy unless the config says otherwise (then _check_engine rejects it)."""
+        if isinstance(data, dict) and data.get("engine_priority") is True:
+            engine = data.get("engine")
+            if engine is None or (isinstance(engine, dict) and "scheduling_policy" not in engine):
+                return {**data, "engine": {**(engine or {}), "scheduling_policy": "priority"}}
+        return data
+
     @model_validator(mode="after")
     def _replicas_or_discovery(self) -> PoolConfig:
         if bool(self.replicas) == (self.discovery is not None):
             raise ValueError(f"pool {self.name!r}: give exactly one of replicas, discovery")
+        return self
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> PoolConfig:
+        if self.engine_priority and self.engine.scheduling_policy != "priority":
+            raise ValueError(
+                f"pool {self.name!r}: engine.scheduling_policy is "
+                f"{self.engine.scheduling_policy!r} but engine_priority sends vLLM's `priority` "
+                "field, which vLLM rejects unless the engine runs --scheduling-policy priority"
+            )
         return self
 
 

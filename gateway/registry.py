@@ -244,7 +244,7 @@ class Registry:
             replica_name(url),
             url,
             pool,
-            pool.costs.to_pool_costs(),
+            pool.costs.to_pool_costs(pool.engine),
             _rules_of(pool),
             models=frozenset(pool.models),
         )
@@ -272,7 +272,7 @@ class Registry:
         """The replica's pool changed (a reload): its rules and cost seed follow; the models it
         serves are the pool's, or, for a pool that names none, those it already listed."""
         replica.pool = pool
-        replica.costs = pool.costs.to_pool_costs()
+        replica.costs = pool.costs.to_pool_costs(pool.engine)
         replica.rules = _rules_of(pool)
         if pool.models:
             replica.models = frozenset(pool.models)

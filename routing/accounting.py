@@ -198,18 +198,24 @@ class Layers:
 
 
 def repriced_layers(
-    tokens: TierTokens, terms: CostTerms, costs: PoolCosts, swap_share: float, queue_s: float
+    tokens: TierTokens,
+    terms: CostTerms,
+    costs: PoolCosts,
+    swap_share: float,
+    queue_s: float,
+    shared_s: float = 0.0,
 ) -> Layers:
     """The estimate's terms re-priced on `tokens`: the fixed overhead, the queue as estimated
     (`queue_s`), the swap-in (with `swap_share` = 1 + swap-ins sharing the link), the fetch and
-    the prefill."""
+    the prefill (its tokens, and `shared_s` as estimated: its engine steps' fixed costs and the
+    tokens of others sharing them)."""
     fetch_s = costs.remote_fixed_s + tokens.remote * terms.fetch_s_per_token if tokens.remote else 0
     return Layers(
         fixed_s=terms.fixed_s,
         queue_s=queue_s,
         swap_s=tokens.cpu * swap_share * terms.swap_s_per_token,
         fetch_s=fetch_s,
-        prefill_s=tokens.computed * terms.prefill_s_per_token,
+        prefill_s=tokens.computed * terms.prefill_s_per_token + shared_s,
     )
 
 
@@ -273,7 +279,8 @@ def request_fields(
         out["swap_link_sharers"] = share
         out["shared_swap_ins"] = 1 if share > 1 else 0
     if observed_s is not None:
-        priced = repriced_layers(tokens, terms, costs, share, estimate.queue_s)
+        shared_s = estimate.prefill_s - estimate.own_s
+        priced = repriced_layers(tokens, terms, costs, share, estimate.queue_s, shared_s)
         layers = attribute_ttft(priced, observed_s)
         out |= {
             "timed_requests": 1,

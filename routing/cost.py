@@ -2,31 +2,38 @@
 
     est_ttft = t_fixed + t_queue + t_swap + t_remote + t_prefill
 
-    t_fixed   = per-request overhead outside the prefill (HTTP, tokenizing, scheduling)
+    t_fixed   = per-request overhead outside the prefill (HTTP, tokenizing)
     t_swap    = CPU-tier tokens * (1 + swap-ins sharing PCIe) * s per swapped token
     t_remote  = min(remote fixed cost + remote tokens * s per fetched token,
                     remote tokens * s per prefill token)      # fetch only when it beats recompute
-    t_queue   = wait for the prefill, from the moment the request's KV is loaded (t_swap +
-                t_remote after it is sent) until the replica is free of the work queued ahead
-    t_prefill = uncached tokens * s per prefill token
+    t_queue   = from the moment the request's KV is loaded (t_swap + t_remote after it is sent)
+                to the start of the engine step that schedules its first chunk
+    t_prefill = its own steps: each a forward pass (s per step) plus every token computed in it
+                (its own, those of the prefills and decodes sharing the step) * s per token
 
-KV loads do not hold the prefill: vLLM's scheduler keeps a request whose KV is still arriving from
-a connector in WAITING_FOR_REMOTE_KVS and schedules others meanwhile (vllm/v1/core/sched/
-scheduler.py), so a load overlaps the queue ahead instead of adding to it. t_queue replays the
-replica's prefill in arrival order (`queue_wait_s`): the requests that reach the prefill before
-this one (each sent request's own load time is known from its decision), the running requests'
-decode tokens sharing the prefill's steps, minus the progress already made on the head.
+The queue and the prefill follow vLLM V1's step loop, from the pool's declared engine flags
+(`EngineSettings`, named as vLLM's): routing/prefill_steps.py says how.
 
-The per-token costs are `CostTerms`: seeded from a pool's configured constants (`PoolCosts`, whose
-defaults describe Llama-3.1-8B in BF16 on one H200) and then fitted per replica from observed
-TTFTs (routing/learn.py), since fleets differ from any default by 10-100x.
+KV loads do not hold the prefill: a request whose KV is still arriving from a connector waits in
+WAITING_FOR_REMOTE_KVS, keeps its place and is skipped meanwhile, so a load overlaps the queue
+ahead instead of adding to it. `max_num_seqs` bounds the decodes that share a step (a request
+that finds every seat taken waits for a decode to end, which the gateway cannot foresee: not
+modelled).
+
+The per-token and per-step costs are `CostTerms`: seeded from a pool's configured constants
+(`PoolCosts`, whose defaults describe Llama-3.1-8B in BF16 on one H200) and then fitted per
+replica from observed TTFTs (routing/learn.py), since fleets differ from any default by 10-100x.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+from routing.prefill_steps import schedule
+
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 KV_BYTES_PER_TOKEN = 131_072
 # Llama-3.1-8B, BF16: 32 layers * 8 KV heads * 128 head dim * 2 (K and V) * 2 bytes = 128 KiB
@@ -48,10 +55,23 @@ REMOTE_FIXED_S = 0.026
 # ~26 ms fixed cost per remote fetch (lookup + connection + first byte): an assumption, not
 # fitted (routing/learn.py fits the per-token fetch cost only).
 
-PREFILL_CHUNK_TOKENS = 8_192
-# vLLM V1 chunked prefill: max_num_batched_tokens defaults to 8192 for the OpenAI server on GPUs
-# with >= 70 GiB (vllm/engine/arg_utils.py, default_max_num_batched_tokens); each chunk shares a
-# step with every running decode.
+MAX_NUM_BATCHED_TOKENS = 8_192
+MAX_NUM_SEQS = 1_024
+# vLLM 0.32.0, vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults: for the OpenAI API server
+# (UsageContext.OPENAI_API_SERVER) on a GPU with 70-160 GiB that is not an A100 (H100, H200),
+# max_num_batched_tokens 8192 and max_num_seqs 1024 (>= 160 GiB: 16384 and 1024; other GPUs: 2048
+# and 256; CPU: 2048 and 128): the defaults of the H200 the other constants here describe.
+
+LONG_PREFILL_TOKEN_THRESHOLD = 0
+# vLLM 0.32.0, vllm/config/scheduler.py, SchedulerConfig.long_prefill_token_threshold = 0 (off).
+
+SCHEDULING_POLICY: SchedulingPolicy = "fcfs"
+# vLLM 0.32.0, vllm/config/scheduler.py, SchedulerConfig.policy = "fcfs".
+
+STEP_S = 0.0034
+# What an engine step costs whatever its tokens: every forward pass reads all the weights from
+# HBM once, 16.06 GB (Llama-3.1-8B, 8.03e9 parameters * 2 bytes in BF16) / 4.8 TB/s (H200 HBM3e,
+# NVIDIA datasheet) = 3.4 ms. A lower bound (launch and sampling add to it): the fit learns it.
 
 FIXED_S = 0.003
 # Per-request overhead outside the prefill: ~3 ms measured on this project's loopback set-up
@@ -65,14 +85,25 @@ HBM_CAPACITY_TOKENS = 800_000
 
 
 @dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """A pool's engine scheduler flags, named as vLLM's (`--max-num-batched-tokens`, ...)."""
+
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    long_prefill_token_threshold: int = LONG_PREFILL_TOKEN_THRESHOLD  # 0: no cap
+    scheduling_policy: SchedulingPolicy = SCHEDULING_POLICY
+    max_num_seqs: int = MAX_NUM_SEQS
+
+
+@dataclass(frozen=True, slots=True)
 class PoolCosts:
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
     prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S
     pcie_gbps: float = PCIE_GBPS
     remote_gbps: float = REMOTE_GBPS
     remote_fixed_s: float = REMOTE_FIXED_S
-    prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS
     fixed_s: float = FIXED_S
+    step_s: float = STEP_S
+    engine: EngineSettings = field(default_factory=EngineSettings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +115,7 @@ class CostTerms:
     prefill_s_per_token: float
     swap_s_per_token: float  # with the PCIe link to itself
     fetch_s_per_token: float
+    step_s: float = STEP_S  # an engine step's forward pass, whatever its tokens
     samples: int = 0
 
     @classmethod
@@ -93,14 +125,16 @@ class CostTerms:
             prefill_s_per_token=1.0 / costs.prefill_tokens_per_s,
             swap_s_per_token=costs.kv_bytes_per_token / (costs.pcie_gbps * 1e9),
             fetch_s_per_token=costs.kv_bytes_per_token / (costs.remote_gbps * 1e9),
+            step_s=costs.step_s,
         )
 
-    def as_vector(self) -> tuple[float, float, float, float]:
+    def as_vector(self) -> tuple[float, float, float, float, float]:
         return (
             self.fixed_s,
             self.prefill_s_per_token,
             self.swap_s_per_token,
             self.fetch_s_per_token,
+            self.step_s,
         )
 
     def scaled(self, factor: float) -> CostTerms:
@@ -111,6 +145,7 @@ class CostTerms:
             self.prefill_s_per_token * f,
             self.swap_s_per_token * f,
             self.fetch_s_per_token * f,
+            self.step_s * f,
             samples=self.samples,
         )
 
@@ -166,10 +201,15 @@ class Estimate(NamedTuple):
     remote_s: float
     prefill_s: float
     remote_fetch: bool  # True when fetching from the remote tier beats recomputing those tokens
-    queue_tokens: float = 0.0  # t_queue in prefill tokens: the work it waits for (the fit's input)
+    # the tokens computed in the steps up to its first token other than its own uncached ones:
+    # the work ahead, the prefills and decodes sharing its steps (the fit's input, with `steps`)
+    queue_tokens: float = 0.0
     swap_tokens: float = 0.0  # CPU-tier tokens x (1 + swap-ins sharing PCIe) (t_swap's input)
     overtakes: int = 0  # queued requests of a less urgent engine priority it would go before
     cuts_in_s: float = 0.0  # the wait its prefill adds to known requests joining during it
+    own_s: float = 0.0  # what its own tokens add to the steps it is in (uncached x s per token)
+    steps: float = 0.0  # engine steps until its first token: those it waits for, then its own
+    prefill_steps: int = 1  # its own steps (from its first chunk to its last)
 
     @property
     def load_s(self) -> float:
@@ -182,9 +222,10 @@ class Estimate(NamedTuple):
 
     @property
     def others_wait_s(self) -> float:
-        """The wait it adds to known requests it goes before: its prefill for each less urgent
-        one it overtakes, and the rest of it for each still loading its KV that joins meanwhile."""
-        return self.overtakes * self.prefill_s + self.cuts_in_s
+        """The wait it adds to known requests it goes before: its own tokens' time for each less
+        urgent one it overtakes (they share its steps), and the rest of its prefill for each
+        still loading its KV that joins meanwhile."""
+        return self.overtakes * self.own_s + self.cuts_in_s
 
 
 @lru_cache(maxsize=256)  # a pool's costs are few and constant: one seed each, not one per call
@@ -218,14 +259,13 @@ def estimate(
         remote_fetch = fetch_s < recompute_s
         remote_s = fetch_s if remote_fetch else recompute_s
 
-    chunks = -(-(uncached or 1) // costs.prefill_chunk_tokens)
-    decode_tokens = load.in_flight * chunks  # one per running request per step of our prefill
     load_s = swap_s + remote_s if remote_fetch else swap_s  # a recompute is prefill work
-    queue_s, overtakes = _queue_wait(load, load_s, per_token, decode_tokens, priority)
-    prefill_s = uncached * per_token
+    own = schedule(load, load_s, costs.engine, t, uncached, priority)
+    queue_s, prefill_s, queue_steps, prefill_steps, co_tokens, overtakes = own
     cuts_in_s = _cuts_in(load, load_s + queue_s, prefill_s) if load.queue else 0.0
     # positional: Estimate(fixed, queue, swap, remote, prefill, remote_fetch, queue_tokens,
-    # swap_tokens, overtakes, cuts_in_s), built once per candidate per request
+    # swap_tokens, overtakes, cuts_in_s, own_s, steps, prefill_steps), built once per candidate
+    # per request
     return Estimate(
         t.fixed_s,
         queue_s,
@@ -233,10 +273,13 @@ def estimate(
         remote_s,
         prefill_s,
         remote_fetch,
-        queue_s / per_token,
+        co_tokens,
         swap_tokens,
         overtakes,
         cuts_in_s,
+        uncached * per_token,
+        queue_steps + prefill_steps,
+        prefill_steps,
     )
 
 
@@ -248,80 +291,3 @@ def _cuts_in(load: Load, starts_in_s: float, prefill_s: float) -> float:
     return sum(
         ends_in_s - q.joins_in_s for q in load.queue if starts_in_s < q.joins_in_s < ends_in_s
     )
-
-
-def queue_wait_s(
-    load: Load,
-    joins_in_s: float,
-    per_token_s: float,
-    extra_tokens: int = 0,
-    priority: int | None = None,
-) -> float:
-    """How long a request that reaches the prefill `joins_in_s` from now waits for it: the
-    replica's prefill replayed in arrival order (first come, first served, like vLLM's default
-    scheduling policy), starting from what already waits (the queue's unknown part and
-    `extra_tokens`) less the progress on the head, then every known request joining first.
-
-    With a `priority` (vLLM's --scheduling-policy priority, lower first), a known request sent
-    with a larger one is overtaken unless its prefill starts before this one joins: a prefill
-    that has started is not interrupted (vLLM schedules its RUNNING requests before any waiting
-    one, vllm/v1/core/sched/scheduler.py). Work of unknown priority (other gateways') is counted
-    as ahead."""
-    return _queue_wait(load, joins_in_s, per_token_s, extra_tokens, priority)[0]
-
-
-def _closed_form_wait(
-    load: Load, joins_in_s: float, per_token_s: float, extra_tokens: int
-) -> float:
-    """The wait when no known request joins the queue: what is queued (less the progress on the
-    head) drains first. Conditionals rather than min() / max(): this runs per candidate per
-    request, and a builtin call costs more than the arithmetic it guards."""
-    pending = load.pending_prefill_tokens
-    work_s = ((pending if pending > 0 else 0) + extra_tokens) * per_token_s
-    if not work_s:
-        return 0.0
-    busy_s = load.busy_s
-    wait_s = work_s - (busy_s if busy_s < work_s else work_s) - joins_in_s
-    return wait_s if wait_s > 0.0 else 0.0
-
-
-def _queue_wait(
-    load: Load,
-    joins_in_s: float,
-    per_token_s: float,
-    extra_tokens: int,
-    priority: int | None,
-) -> tuple[float, int]:
-    """queue_wait_s, and how many known requests the request overtakes."""
-    if not load.queue:  # nothing known to join: the general replay below, in closed form
-        return _closed_form_wait(load, joins_in_s, per_token_s, extra_tokens), 0
-    known = sum(q.tokens for q in load.queue)
-    unknown = max(0, load.pending_prefill_tokens - known) + extra_tokens
-    progress_s = load.busy_s
-    free_at_s = 0.0  # when the prefill is free of the work replayed so far, from now
-
-    def run(start_s: float, tokens: float) -> float:
-        nonlocal progress_s
-        work_s = tokens * per_token_s
-        done = min(progress_s, work_s) if start_s <= 0 else 0.0  # the head is already waiting
-        progress_s -= done
-        return start_s + work_s - done
-
-    if unknown:
-        free_at_s = run(0.0, unknown)
-    overtakes = 0
-    for q in sorted(load.queue, key=lambda q: q.joins_in_s):
-        if q.joins_in_s > joins_in_s:
-            break
-        start_s = max(free_at_s, q.joins_in_s)
-        overtaken = (
-            priority is not None
-            and (q.priority or 0) > priority
-            and start_s >= max(joins_in_s, 0.0)
-            and not (start_s <= 0 and progress_s > 0)  # the head, already prefilling
-        )
-        if overtaken:
-            overtakes += 1
-        else:
-            free_at_s = run(start_s, q.tokens)
-    return max(0.0, free_at_s - joins_in_s), overtakes

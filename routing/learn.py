@@ -1,11 +1,12 @@
 """Learn a replica's costs from the TTFTs the gateway observes. Pure: no IO, no clock.
 
-The cost model (routing/cost.py) is linear in four terms:
+The cost model (routing/cost.py) is linear in five terms:
 
     ttft_s = fixed_s
            + prefill_s_per_token * (queued_tokens + uncached_tokens)
            + swap_s_per_token    * swapped_tokens    # CPU-tier tokens x (1 + swap-ins on PCIe)
            + fetch_s_per_token   * fetched_tokens    # remote-tier tokens fetched, not recomputed
+           + step_s              * steps             # engine steps until its first token
 
 so every streamed request is one observation of a linear regression. `OnlineFit` solves it over
 a sliding window of the last WINDOW observations, weighted by exponential forgetting (the memory
@@ -47,9 +48,9 @@ from dataclasses import dataclass
 
 from routing.cost import CostTerms
 
-TERMS = ("fixed_s", "prefill_s_per_token", "swap_s_per_token", "fetch_s_per_token")
+TERMS = ("fixed_s", "prefill_s_per_token", "swap_s_per_token", "fetch_s_per_token", "step_s")
 Vector = list[float]
-Row = tuple[float, float, float, float]
+Row = tuple[float, ...]  # one coefficient per term of TERMS
 
 FORGETTING = 0.98
 # Memory of ~1 / (1 - 0.98) = 50 observations: converges within the ~50 requests the fit is asked
@@ -108,13 +109,15 @@ class Sample:
     swapped_tokens: float  # swapped in from the CPU tier, x (1 + swap-ins sharing the link)
     fetched_tokens: float  # fetched from the remote tier
     observed_s: float
+    steps: float = 0.0  # engine steps until its first token (routing/prefill_steps.py)
 
-    def features(self) -> tuple[float, float, float, float]:
+    def features(self) -> tuple[float, float, float, float, float]:
         return (
             1.0,
             self.queued_tokens + self.uncached_tokens,
             self.swapped_tokens,
             self.fetched_tokens,
+            self.steps,
         )
 
 
@@ -132,11 +135,12 @@ class OnlineFit:
     def __init__(self, seed: CostTerms) -> None:
         self.seed = seed
         self._scale = _seed_vector(seed)  # parameter i = theta[i] * scale[i]
-        self._theta: Vector = [1.0] * 4
+        self._theta: Vector = [1.0] * len(TERMS)
         fixed_var = (FIXED_PRIOR_S / self._scale[0]) ** 2
-        self._precision: Vector = [1.0 / fixed_var, *[1.0 / PRIOR_SPREAD**2] * 3]  # the ridge
-        self._low: Vector = [0.0, *[1 / RATE_BOUND] * 3]
-        self._high: Vector = [MAX_FIXED_S / self._scale[0], *[RATE_BOUND] * 3]
+        rates = len(TERMS) - 1
+        self._precision: Vector = [1.0 / fixed_var, *[1.0 / PRIOR_SPREAD**2] * rates]  # the ridge
+        self._low: Vector = [0.0, *[1 / RATE_BOUND] * rates]
+        self._high: Vector = [MAX_FIXED_S / self._scale[0], *[RATE_BOUND] * rates]
         # the window, oldest first: the rows and targets of the relative equations
         self._rows: deque[Row] = deque(maxlen=WINDOW)
         self._targets: deque[float] = deque(maxlen=WINDOW)
@@ -146,8 +150,10 @@ class OnlineFit:
         self.resets = 0
 
     def terms(self) -> CostTerms:
-        fixed, prefill, swap, fetch = (t * s for t, s in zip(self._theta, self._scale, strict=True))
-        return CostTerms(fixed, prefill, swap, fetch, samples=self.samples)
+        fixed, prefill, swap, fetch, step = (
+            t * s for t, s in zip(self._theta, self._scale, strict=True)
+        )
+        return CostTerms(fixed, prefill, swap, fetch, step, samples=self.samples)
 
     def predict_s(self, sample: Sample) -> float:
         return sum(w * x for w, x in zip(self.terms().as_vector(), sample.features(), strict=True))
@@ -164,7 +170,7 @@ class OnlineFit:
             return False
         raw = [f * s for f, s in zip(sample.features(), self._scale, strict=True)]
         norm = math.sqrt(y * sum(raw))
-        row = (raw[0] / norm, raw[1] / norm, raw[2] / norm, raw[3] / norm)
+        row = tuple(r / norm for r in raw)
         target = y / norm
         self._misses.append(target - _dot(self._theta, row))
         self._rows.append(row)  # the oldest leaves a full window
@@ -240,14 +246,15 @@ class OnlineFit:
             samples = int(data["samples"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError):
             return fit
-        if len(theta) != 4 or len(rows) != len(targets) or any(len(r) != 4 for r in rows):
+        size = len(TERMS)
+        if len(theta) != size or len(rows) != len(targets) or any(len(r) != size for r in rows):
             return fit
         if not all(math.isfinite(v) for v in [*theta, *(v for r in rows for v in r), *targets]):
             return fit
         fit._theta = [
             min(max(t, lo), hi) for t, lo, hi in zip(theta, fit._low, fit._high, strict=True)
         ]
-        fit._rows.extend((r[0], r[1], r[2], r[3]) for r in rows[-WINDOW:])
+        fit._rows.extend(tuple(r) for r in rows[-WINDOW:])
         fit._targets.extend(targets[-WINDOW:])
         fit.samples = max(samples, 0)
         return fit
@@ -276,34 +283,25 @@ def solve_window(
         weights = [
             w if r <= limit else w * limit / r for w, r in zip(weights, residuals, strict=True)
         ]
-    # The normal equations, written out for four terms: the Gram matrix is symmetric (10 sums),
-    # and a refit follows every observation, so this loop is the fit's cost.
-    g00 = g01 = g02 = g03 = g11 = g12 = g13 = g22 = g23 = g33 = 0.0
-    b0 = b1 = b2 = b3 = 0.0
-    for (x0, x1, x2, x3), y, w in zip(rows, targets, weights, strict=True):
-        a0, a1, a2, a3 = w * x0, w * x1, w * x2, w * x3
-        g00 += a0 * x0
-        g01 += a0 * x1
-        g02 += a0 * x2
-        g03 += a0 * x3
-        g11 += a1 * x1
-        g12 += a1 * x2
-        g13 += a1 * x3
-        g22 += a2 * x2
-        g23 += a2 * x3
-        g33 += a3 * x3
-        b0 += a0 * y
-        b1 += a1 * y
-        b2 += a2 * y
-        b3 += a3 * y
-    p0, p1, p2, p3 = precision
-    gram = [
-        [g00 + p0, g01, g02, g03],
-        [g01, g11 + p1, g12, g13],
-        [g02, g12, g22 + p2, g23],
-        [g03, g13, g23, g33 + p3],
-    ]
-    rhs = [b0 + p0, b1 + p1, b2 + p2, b3 + p3]  # the prior's mean is theta = 1
+    # The normal equations: the Gram matrix is symmetric, so only its upper triangle is summed;
+    # a refit follows every observation, so this loop is the fit's cost.
+    size = len(theta)
+    gram = [[0.0] * size for _ in range(size)]
+    rhs = [0.0] * size
+    for row, y, w in zip(rows, targets, weights, strict=True):
+        for i in range(size):
+            a = w * row[i]
+            if not a:
+                continue
+            rhs[i] += a * y
+            gram_i = gram[i]
+            for j in range(i, size):
+                gram_i[j] += a * row[j]
+    for i in range(size):
+        for j in range(i):
+            gram[i][j] = gram[j][i]
+        gram[i][i] += precision[i]
+        rhs[i] += precision[i]  # the prior's mean is theta = 1
     return _bounded_solve(gram, rhs, low, high)
 
 
@@ -312,11 +310,7 @@ def _dot(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def _residuals(rows: Sequence[Row], targets: Sequence[float], theta: Sequence[float]) -> Vector:
-    t0, t1, t2, t3 = theta
-    return [
-        y - (x0 * t0 + x1 * t1 + x2 * t2 + x3 * t3)
-        for (x0, x1, x2, x3), y in zip(rows, targets, strict=True)
-    ]
+    return [y - _dot(theta, row) for row, y in zip(rows, targets, strict=True)]
 
 
 def _robust_scale(residuals: Sequence[float]) -> float:

@@ -251,6 +251,9 @@ async def test_debug_route_explains_without_sending() -> None:
                 explained["candidates"][0]["estimate_ms"]
             )
             assert all(c["others_wait_ms"] == 0 for c in explained["candidates"])  # idle fleet
+            # idle: a short prompt is one engine step, its own; the fit's per-step cost is shown
+            assert all(c["steps"] == c["prefill_steps"] == 1 for c in explained["candidates"])
+            assert all(r["step_ms"] > 0 for r in explained["costs"]["replicas"].values())
             assert all(r.in_flight == 0 for r in f.gw.registry.replicas.values())
             metrics = (await h.get("/metrics")).text
             assert "cachelane_decisions_total{" not in metrics, "nothing was routed"

@@ -181,3 +181,44 @@ def test_forwarded_allow_ips_refuse_a_name() -> None:
 def test_a_published_example_replica_key_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"pools.0 \('p'\).api_key"):
         parse_config(_pool(api_key="change-me-vllm-api-key-000000000000000000"))
+
+
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [
+        (_pool(engine={"max_num_batched_token": 512}), "pools.0.engine.max_num_batched_token"),
+        (_pool(engine={"max_num_batched_tokens": 0}), "pools.0.engine.max_num_batched_tokens"),
+        (
+            _pool(engine={"long_prefill_token_threshold": -1}),
+            "pools.0.engine.long_prefill_token_threshold",
+        ),
+        (_pool(engine={"scheduling_policy": "lifo"}), "pools.0.engine.scheduling_policy"),
+        (
+            _pool(engine_priority=True, engine={"scheduling_policy": "fcfs"}),
+            "engine.scheduling_policy is 'fcfs' but engine_priority",
+        ),
+        (_pool(costs={"prefill_chunk_tokens": 8192}), "pools.0.costs.prefill_chunk_tokens"),
+    ],
+    ids=["typo", "zero-budget", "negative-threshold", "policy", "priority-on-fcfs", "old-chunk"],
+)
+def test_bad_engine_keys_are_named(data: dict[str, object], names: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert names in str(err.value)
+
+
+def test_the_engine_flags_reach_the_cost_model() -> None:
+    """vLLM's defaults unless given; engine_priority implies the priority policy."""
+    from gateway.registry import Registry
+    from routing.cost import EngineSettings
+
+    default = parse_config(_pool()).pools[0]
+    assert default.engine.to_settings() == EngineSettings(8192, 0, "fcfs", 1024)
+    assert parse_config(_pool(engine_priority=True)).pools[0].engine.scheduling_policy == (
+        "priority"
+    )
+    engine = {"max_num_batched_tokens": 256, "long_prefill_token_threshold": 64}
+    config = parse_config(_pool(engine=engine, costs={"step_s": 0.02}))
+    replica = next(iter(Registry(config).replicas.values()))
+    assert replica.costs.engine == EngineSettings(256, 64, "fcfs", 1024)
+    assert replica.costs.step_s == 0.02

@@ -12,10 +12,12 @@ from routing.cost import (
     PoolCosts,
     Queued,
     estimate,
-    queue_wait_s,
 )
+from routing.prefill_steps import queue_wait_s
 
-COSTS = PoolCosts(fixed_s=0.0)  # the per-token terms alone; the overhead has its own test
+COSTS = PoolCosts(
+    fixed_s=0.0, step_s=0.0
+)  # the per-token terms alone; the overheads have their tests
 
 
 @pytest.mark.parametrize(
@@ -62,23 +64,37 @@ def test_remote_fetch_flag() -> None:
     assert not estimate(Overlap(300, remote_tokens=300), Load(), COSTS).remote_fetch
 
 
-def test_running_decodes_interfere_per_prefill_chunk() -> None:
-    idle = estimate(Overlap(20_000), Load(), COSTS).queue_s
-    busy = estimate(Overlap(20_000), Load(in_flight=100), COSTS).queue_s
-    assert idle == 0
-    assert busy == pytest.approx(100 * 3 / PREFILL_TOKENS_PER_S)  # 3 chunks of 8192
+def test_running_decodes_take_a_token_of_each_of_its_steps() -> None:
+    """100 running decodes take 100 tokens of each step's 8,192-token budget: 20k tokens still
+    take 3 steps, each also computing the 100 decode tokens (in its prefill, not a queue: the
+    decodes of the one-at-a-time model were a wait before it)."""
+    idle = estimate(Overlap(20_000), Load(), COSTS)
+    busy = estimate(Overlap(20_000), Load(in_flight=100), COSTS)
+    assert idle.queue_s == busy.queue_s == 0
+    assert busy.prefill_steps == 3
+    assert busy.prefill_s - idle.prefill_s == pytest.approx(3 * 100 / PREFILL_TOKENS_PER_S)
 
 
 def test_fixed_overhead_is_added_once() -> None:
-    with_fixed = estimate(Overlap(3000), Load(), PoolCosts(fixed_s=0.05))
+    with_fixed = estimate(Overlap(3000), Load(), PoolCosts(fixed_s=0.05, step_s=0.0))
     assert with_fixed.ttft_s == pytest.approx(0.05 + 3000 / PREFILL_TOKENS_PER_S)
 
 
+def test_each_step_costs_its_forward_pass() -> None:
+    """20k tokens are 3 steps of the default 8,192-token budget: 3 step costs."""
+    e = estimate(Overlap(20_000), Load(), PoolCosts(fixed_s=0.0, step_s=0.01))
+    assert e.prefill_s == pytest.approx(3 * 0.01 + 20_000 / PREFILL_TOKENS_PER_S)
+    assert e.steps == e.prefill_steps == 3
+
+
 def test_progress_on_the_queue_head_shortens_the_wait() -> None:
-    """30k tokens queued at 30k tokens/s, of which the replica has worked 0.4 s: 0.6 s left."""
+    """30k tokens queued at 30k tokens/s, of which the replica has worked 0.4 s: 0.6 s left.
+    (In steps of 8,192 tokens the last 5,424 share the request's step: its first chunk is
+    scheduled 0.181 s before the work ahead ends, and its step computes them.)"""
     load = Load(pending_prefill_tokens=30_000, busy_s=0.4)
     e = estimate(Overlap(0), load, COSTS)
-    assert e.queue_s == pytest.approx(0.6)
+    assert e.queue_s + e.prefill_s == pytest.approx(0.6)
+    assert e.queue_s == pytest.approx(0.6 - (30_000 % 8192) / PREFILL_TOKENS_PER_S)
     assert e.queue_tokens == pytest.approx(18_000)
     assert estimate(Overlap(0), Load(pending_prefill_tokens=300, busy_s=5.0), COSTS).queue_s == 0
 
@@ -103,7 +119,7 @@ def test_a_kv_load_overlaps_the_queue_ahead() -> None:
     assert e.swap_s > 0.5
     assert e.queue_s == 0
     cold = estimate(Overlap(3000), load, COSTS)
-    assert cold.queue_s == pytest.approx(0.5)
+    assert cold.queue_s + cold.prefill_s == pytest.approx(0.5 + 3000 * PER_TOKEN)
 
 
 def test_requests_that_reach_the_prefill_later_do_not_delay_it() -> None:
@@ -174,13 +190,14 @@ def test_a_prefill_that_starts_while_another_loads_charges_it_the_wait() -> None
 
 
 def test_the_wait_added_to_others_counts_overtaken_and_cut_in_requests() -> None:
-    """others_wait_s: the prefill for each request overtaken, plus the cut-in waits."""
+    """others_wait_s: its own tokens' time for each request overtaken, plus the cut-in waits."""
     e = estimate(
         Overlap(6000), Load(pending_prefill_tokens=3000, queue=(Queued(0.1, 3000),)), COSTS
     )
     assert e.others_wait_s == pytest.approx(e.cuts_in_s) and e.cuts_in_s > 0
-    head = Queued(-0.2, 3000, priority=0)
-    queued = Load(pending_prefill_tokens=9000, busy_s=0.05, queue=(head, Queued(-0.1, 6000)))
+    head = Queued(-0.2, 3000, priority=0)  # sent after the step under way was formed:
+    queued = Load(pending_prefill_tokens=9000, busy_s=0.05, queue=(head, Queued(-0.01, 6000)))
     urgent = estimate(Overlap(3000), queued, COSTS, priority=-1)
     assert urgent.overtakes == 1
-    assert urgent.others_wait_s == pytest.approx(urgent.prefill_s)
+    # the overtaken one shares its steps: it waits for the urgent one's own tokens
+    assert urgent.others_wait_s == pytest.approx(3000 * PER_TOKEN)

@@ -224,13 +224,16 @@ def test_every_configurable_policy_is_registered() -> None:
 
 
 def test_an_urgent_request_goes_to_its_cache_past_standard_work_it_will_overtake() -> None:
-    """Replica a holds the prompt and has 200k standard tokens queued behind a short prefill in
-    progress. Where the engines schedule by priority, a critical request (-1) overtakes that
-    queue and goes to its cache; a standard one (0), or any request where they do not, waits
-    for it and goes to b."""
-    queued = (Queued(-0.1, 1000, priority=0), Queued(-0.05, 200_000, priority=0))
+    """Replica a holds the 16k-token prompt and has 200k standard tokens waiting behind a short
+    prefill in progress (sent after its step was formed: not running yet). Where the engines
+    schedule by priority, a critical request (-1) overtakes that queue and goes to its cache
+    (one step, which the waiting work fills); a standard one (0), or any request where they do
+    not, waits for it and goes to b. (The waiting request used to be sent before the step under
+    way: vLLM gives it that step's spare budget, a partial first chunk, so it runs and nothing
+    overtakes it.)"""
+    queued = (Queued(-0.1, 1000, priority=0), Queued(-0.005, 200_000, priority=0))
     busy = Load(2, 201_000, busy_s=0.01, queue=queued)
-    block_hits = hits(*[{hbm("a")}] * 100)
+    block_hits = hits(*[{hbm("a")}] * 1000)
     for engine_priority, priority, expected in [
         (True, -1, "a"),
         (True, 0, "b"),
@@ -238,23 +241,24 @@ def test_an_urgent_request_goes_to_its_cache_past_standard_work_it_will_overtake
     ]:
         rules = PoolRules(engine_priority=engine_priority)
         cands = [Candidate("a", busy, pool=rules), Candidate("b", pool=rules)]
-        req = RouteRequest(list(range(100)), 100 * B, B, priority=priority)
+        req = RouteRequest(list(range(1000)), 1000 * B, B, priority=priority)
         assert choose(Policy.CACHE_AWARE, cands, block_hits, req)[0] == expected
 
 
 def test_an_urgent_request_does_not_jump_a_queue_to_save_less_than_it_costs_the_others() -> None:
-    """Replica a holds half the prompt and has five standard requests waiting; b is idle and
-    cold. Jumping a's queue would save the critical request 800 tokens of prefill and delay each
-    of the five by its own 800: it goes to b. Holding the whole prompt (no prefill to impose) it
-    goes to a."""
+    """Replica a holds half of a 16k-token prompt and has five standard requests waiting; b is
+    idle and cold. Jumping a's queue would save the critical request 8,000 tokens of prefill
+    and delay each of the five by its own 8,000: it goes to b. Holding the whole prompt (no
+    prefill to impose) it goes to a. (The prompt was 1,600 tokens: on a budget of 8,192 its
+    one step on a is full of the queue it jumped, longer than its whole prefill on b.)"""
     queued = tuple(Queued(-0.1 + i * 0.01, 3000, priority=0) for i in range(6))
     busy = Load(6, 18_000, busy_s=0.099, queue=queued)  # the head is nearly done
     rules = PoolRules(engine_priority=True)
     cands = [Candidate("a", busy, pool=rules), Candidate("b", pool=rules)]
-    req = RouteRequest(list(range(100)), 100 * B, B, priority=-1)
-    half = hits(*[{hbm("a")}] * 50)
+    req = RouteRequest(list(range(1000)), 1000 * B, B, priority=-1)
+    half = hits(*[{hbm("a")}] * 500)
     assert choose(Policy.CACHE_AWARE, cands, half, req)[0] == "b"
-    whole = hits(*[{hbm("a")}] * 100)
+    whole = hits(*[{hbm("a")}] * 1000)
     assert choose(Policy.CACHE_AWARE, cands, whole, req)[0] == "a"
 
 

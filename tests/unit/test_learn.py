@@ -18,6 +18,7 @@ from routing.learn import (
     MIN_ROBUST,
     MIN_SCALE,
     RATE_BOUND,
+    TERMS,
     WINDOW,
     OnlineFit,
     Row,
@@ -238,7 +239,7 @@ def _numpy_window_solve(
     gram = xw.T @ x + np.diag(precision)
     rhs = xw.T @ y + precision
     out = np.linalg.solve(gram, rhs)
-    free = np.ones(4, dtype=bool)
+    free = np.ones(len(theta), dtype=bool)
     while True:
         leaving = free & ((out < low) | (out > high))
         if not leaving.any():
@@ -253,25 +254,48 @@ def _numpy_window_solve(
 
 
 def test_the_pure_python_solve_matches_numpy_on_random_windows() -> None:
-    """The serving install has no numpy: the fit's own 4x4 solve must give numpy's answer
+    """The serving install has no numpy: the fit's own solve must give numpy's answer
     (within 1e-9) on windows of every size, with unexcited terms, outliers and active bounds."""
     pytest.importorskip("numpy")
     rng = random.Random(26)
     held = 0
     for _ in range(400):
         n = rng.randint(1, WINDOW)
-        excited = [True, True, rng.random() < 0.6, rng.random() < 0.6]
-        rows: list[Row] = []
-        for _ in range(n):
-            x0, x1, x2, x3 = (rng.uniform(0, 2) if on else 0.0 for on in excited)
-            rows.append((x0, x1, x2, x3))
+        excited = [True, True, *(rng.random() < 0.6 for _ in TERMS[2:])]
+        rows: list[Row] = [
+            tuple(rng.uniform(0, 2) if on else 0.0 for on in excited) for _ in range(n)
+        ]
         targets = [rng.lognormvariate(0, 0.3) * (8 if rng.random() < 0.1 else 1) for _ in rows]
-        theta = [rng.uniform(0.2, 5) for _ in range(4)]
-        precision = [10 ** rng.uniform(-6, 0) for _ in range(4)]
-        low = [rng.choice([0.0, 1e-3, 0.5]) for _ in range(4)]
-        high = [rng.choice([1e3, 2.0, 1.1]) for _ in range(4)]
+        theta = [rng.uniform(0.2, 5) for _ in TERMS]
+        precision = [10 ** rng.uniform(-6, 0) for _ in TERMS]
+        low = [rng.choice([0.0, 1e-3, 0.5]) for _ in TERMS]
+        high = [rng.choice([1e3, 2.0, 1.1]) for _ in TERMS]
         got = solve_window(rows, targets, theta, precision, low, high)
         want = _numpy_window_solve(rows, targets, theta, precision, low, high)
         assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
         held += any(v in (lo, hi) for v, lo, hi in zip(got, low, high, strict=True))
     assert held > 50  # the active set was exercised, not only the unconstrained solve
+
+
+def test_learns_the_step_cost_and_the_prefill_rate() -> None:
+    """A replica with steps of 256 tokens shared with 0-200 running decodes (so the tokens per
+    step vary): its 20 ms per step, 4k tokens/s and 30 ms overhead are learned from the seed's
+    3.4 ms, 30k tokens/s and 3 ms."""
+    rng = random.Random(5)
+    real = CostTerms(0.03, 1 / 4000, SEED.swap_s_per_token, SEED.fetch_s_per_token, 0.02)
+    fit = OnlineFit(SEED)
+
+    def step_request() -> Sample:
+        uncached = rng.uniform(20, 3000)
+        decodes = rng.randint(0, 200)
+        steps = -(-uncached // (256 - decodes))
+        shared = decodes * steps  # the decode tokens computed in its steps
+        ttft = real.fixed_s + real.prefill_s_per_token * (shared + uncached) + real.step_s * steps
+        noisy = ttft * rng.lognormvariate(0, 0.05)
+        return Sample(shared, uncached, 0.0, 0.0, noisy, steps=steps)
+
+    for _ in range(100):
+        fit.update(step_request())
+    learned = fit.terms()
+    assert learned.step_s == pytest.approx(real.step_s, rel=0.25)
+    assert learned.prefill_s_per_token == pytest.approx(real.prefill_s_per_token, rel=0.15)
