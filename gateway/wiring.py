@@ -4,10 +4,10 @@ order they start (`components`). Adding a background part is one line in `compon
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -61,7 +61,7 @@ def components(
 ) -> list[Component]:
     """The gateway's long-lived parts in the order they start (they close in reverse); a part
     absent from this configuration is left out. `client` and `upstream`: closed when owned."""
-    config, redis = gw.config, gw.redis
+    config, redis, fits = gw.config, gw.redis, gw.fit_store
     parts: list[Component | None] = [
         Resource("http-client", closed=client.aclose) if client is not None else None,
         Resource("upstream", closed=upstream.aclose) if upstream is not None else None,
@@ -70,20 +70,14 @@ def components(
         Resource("rate-limits", closed=gw.limits.close),  # waits for its pending Redis writes
         _gc_pauses(gw.metrics),
         _capture(gw.capture) if gw.capture is not None else None,
-        Resource(
-            "fleet", opened=functools.partial(_replicas_unhealthy, gw), closed=gw.fleet.aclose
-        ),
-        Resource(
-            "discovery", opened=lambda: gw.discovery.sync(config.pools), closed=gw.discovery.aclose
-        ),
+        Resource("fleet", opened=partial(_replicas_unhealthy, gw), closed=gw.fleet.aclose),
+        Resource("discovery", opened=partial(_follow_pools, gw), closed=gw.discovery.aclose),
         loop("health-checks", gw.health.run, prepare=gw.health.check_all),
         _sighup(gw.reloader) if config_path and gw.reloader is not None else None,
-        loop("tenant-refresh", gw.tenants.run, prepare=functools.partial(_load_tenants, gw)),
+        loop("tenant-refresh", gw.tenants.run, prepare=partial(_load_tenants, gw)),
         loop("prewarm", gw.prewarmer.run) if config.prewarm.enabled else None,
         _siblings(gw.siblings) if gw.siblings is not None else None,
-        loop("cost-fit-sharing", gw.fit_store.run, prepare=gw.fit_store.load)
-        if gw.fit_store
-        else None,
+        loop("cost-fit-sharing", fits.run, prepare=fits.load) if fits is not None else None,
         loop("cost-sharing", gw.cost_store.run) if gw.cost_store is not None else None,
         loop("worker-costs", gw.worker_costs.run) if gw.worker_costs is not None else None,
         loop("flow-control", gw.flow.run) if gw.flow is not None else None,
@@ -134,14 +128,14 @@ def _routing(config: GatewayConfig, metrics: Metrics) -> _Routing:
     index = build_index(
         config,
         registry,
-        on_error=functools.partial(_index_failed, metrics),
+        on_error=partial(_index_failed, metrics),
         on_removed=costs.index_removed,
     )
     if isinstance(index, ResilientIndex):
         resilient = index
         metrics.index_degraded.set_function(lambda: float(resilient.degraded))
     # cachelane serve --workers N: the other workers hear of this one's records and load
-    siblings = Siblings.from_env(registry, functools.partial(exposition, metrics, registry))
+    siblings = Siblings.from_env(registry, partial(exposition, metrics, registry))
     routing_index: Index = index
     if siblings is not None:
         registry.load_listener = siblings
@@ -267,7 +261,7 @@ def _tenancy(config: GatewayConfig, metrics: Metrics, redis: Any | None) -> dict
         redis=redis,
         reserved_digests=[admin_digest] if admin_digest else [],
         on_rejected=lambda reason: metrics.tenant_records_rejected.labels(reason).inc(),
-        on_refresh=functools.partial(_tenant_refreshed, metrics),
+        on_refresh=partial(_tenant_refreshed, metrics),
     )
     metrics.tenants_loaded.set(1 if tenants.loaded else 0)
     if not tenants.open_mode and not (config.tenants or config.admin.configured or redis):
@@ -311,9 +305,7 @@ def _flow_control(
     )
     registry.on_load_change = flow.kick
     for klass in TenantClass:
-        metrics.flow_waiting.labels(klass.value).set_function(
-            functools.partial(_depth_of, flow, klass.value)
-        )
+        metrics.flow_waiting.labels(klass.value).set_function(partial(_depth_of, flow, klass.value))
     return flow
 
 
@@ -357,9 +349,7 @@ def _capture_of(
             name: (r.pool.name, learner.terms_of(name)) for name, r in registry.replicas.items()
         }
 
-    return Capture(
-        config.capture, functools.partial(capture_header, config, registry), metrics, terms_in_use
-    )
+    return Capture(config.capture, partial(capture_header, config, registry), metrics, terms_in_use)
 
 
 def _prewarmer(
@@ -452,8 +442,8 @@ def _capture(capture: Capture) -> Component:
     """Opens (and rotates) the file, and flushes it at the end, off the event loop."""
     return Resource(
         "capture",
-        opened=functools.partial(asyncio.to_thread, capture.start),
-        closed=functools.partial(asyncio.to_thread, capture.close),
+        opened=partial(asyncio.to_thread, capture.start),
+        closed=partial(asyncio.to_thread, capture.close),
     )
 
 
@@ -474,6 +464,11 @@ def _sighup(reloader: Reloader) -> Component:
             stops.pop()()
 
     return Resource("sighup-reload", opened=install, closed=remove)
+
+
+async def _follow_pools(gw: Gateway) -> None:
+    """Discovered pools: resolved once before the gateway serves, then followed."""
+    await gw.discovery.sync(gw.config.pools)
 
 
 async def _load_tenants(gw: Gateway) -> None:
