@@ -79,7 +79,7 @@ class Gateway:
     cost_store: CostStore | None = None
     worker_costs: WorkerCosts | None = None
     capture: Capture | None = None
-    reloader: Reloader | None = None
+    reloader: Reloader = field(init=False)  # it reads the gateway: set once the gateway is built
     components: list[Component] = field(default_factory=list)
 
     def loads(self) -> dict[str, dict[str, int]]:

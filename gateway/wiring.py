@@ -73,7 +73,7 @@ def components(
         Resource("fleet", opened=partial(_replicas_unhealthy, gw), closed=gw.fleet.aclose),
         Resource("discovery", opened=partial(_follow_pools, gw), closed=gw.discovery.aclose),
         loop("health-checks", gw.health.run, prepare=gw.health.check_all),
-        _sighup(gw.reloader) if config_path and gw.reloader is not None else None,
+        _sighup(gw.reloader) if config_path else None,
         loop("tenant-refresh", gw.tenants.run, prepare=partial(_load_tenants, gw)),
         loop("prewarm", gw.prewarmer.run) if config.prewarm.enabled else None,
         _siblings(gw.siblings) if gw.siblings is not None else None,
