@@ -3,7 +3,6 @@ and /debug/route. Built by `create_app(config)`; the lifespan owns every long-li
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import logging
@@ -11,7 +10,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -24,7 +22,8 @@ from gateway import __version__, logs, replica_auth, tracing
 from gateway.admin import _require_admin, admin_router
 from gateway.body import BodyError, parse_body_async
 from gateway.body_fields import check_fields
-from gateway.config import GatewayConfig, no_tenant_warning
+from gateway.components import start_all
+from gateway.config import GatewayConfig
 from gateway.costs import costs_router
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, bad_request
@@ -36,16 +35,16 @@ from gateway.exposure import (
     ReadDeadline,
     require_monitoring,
 )
+from gateway.handling import Dispatch, authenticate, dispatch_now, hold, served_at_asked_class
 from gateway.lease import Lease
 from gateway.metrics import Metrics, model_label
 from gateway.openapi import schema_of
 from gateway.planner import Plan
 from gateway.proxy import RelayResponse
-from gateway.reload import install_sighup
 from gateway.request_schema import check_request
-from gateway.state import Dispatch, Gateway, served_at_asked_class
+from gateway.state import Gateway
 from gateway.tenants import ANONYMOUS, Tenant
-from gateway.upstream import AiohttpUpstream
+from gateway.wiring import build_gateway
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -64,78 +63,15 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        up = config.upstream
-        limits = httpx.Limits(
-            max_connections=up.max_connections,
-            max_keepalive_connections=up.max_connections,
-            keepalive_expiry=60.0,
-        )
-        timeout = httpx.Timeout(
-            connect=up.connect_timeout_s,
-            read=up.read_timeout_s,
-            write=30.0,
-            pool=up.connect_timeout_s,
-        )
+        gw = build_gateway(config, config_path=config_path)
+        app.state.gw = gw
         async with contextlib.AsyncExitStack() as stack:
-            # trust_env=False: replica traffic never goes through an HTTP(S)_PROXY from the env
-            client = await stack.enter_async_context(
-                httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
-            )
-            upstream = AiohttpUpstream(  # the proxied requests (gateway/upstream.py: why)
-                max_connections_per_replica=up.max_connections,
-                connect_timeout_s=up.connect_timeout_s,
-                read_timeout_s=up.read_timeout_s,
-                keepalive_s=60.0,
-            )
-            stack.push_async_callback(upstream.aclose)
-            gw = Gateway(config, client, upstream, config_path=config_path)
-            app.state.gw = gw
-            gw.metrics.gc_pauses.install()
-            stack.callback(gw.metrics.gc_pauses.uninstall)
-            if gw.capture is not None:
-                await asyncio.to_thread(gw.capture.start)  # opens (and rotates) the file
-            for replica in gw.registry.replicas.values():
-                gw.metrics.replica_healthy.labels(replica.name).set(0)
-            await gw.discovery.sync(config.pools)  # discovered pools: resolved once, then followed
-            await gw.health.check_all()
-            stop_sighup = install_sighup(gw.reloader) if config_path else None
-            await gw.tenants.load()
-            if not gw.tenants.open_mode and not gw.tenants.list():  # say it, do not guess
-                log.warning("%s", no_tenant_warning(config))
-            tasks = [
-                asyncio.create_task(gw.health.run(), name="health-checks"),
-                asyncio.create_task(gw.tenants.run(), name="tenant-refresh"),
-            ]
-            if config.prewarm.enabled:
-                tasks.append(asyncio.create_task(gw.prewarmer.run(), name="prewarm"))
-            if gw.siblings is not None:  # --workers N
-                tasks.append(gw.siblings.start())
-            if gw.fit_store is not None:
-                await gw.fit_store.load()
-                tasks.append(asyncio.create_task(gw.fit_store.run(), name="cost-fit-sharing"))
-            if gw.cost_store is not None:
-                tasks.append(asyncio.create_task(gw.cost_store.run(), name="cost-sharing"))
-            if gw.worker_costs is not None:
-                tasks.append(asyncio.create_task(gw.worker_costs.run(), name="worker-costs"))
-            if gw.flow is not None:
-                tasks.append(asyncio.create_task(gw.flow.run(), name="flow-control"))
-            if config.engine_metrics.enabled:
-                tasks.append(asyncio.create_task(gw.scraper.run(), name="engine-metrics"))
-            if gw.kv_events is not None:
-                tasks += gw.kv_events.start()
+            await start_all(gw.components, stack)  # closed in reverse when the stack unwinds
             policy = ConnectionPolicy(  # read by the HTTP protocol (gateway/exposure.py)
                 config.listen.header_timeout_s,
                 lambda part: gw.metrics.read_timeouts.labels(part).inc(),
             )
-            try:
-                yield {POLICY_STATE_KEY: policy}
-            finally:
-                if stop_sighup is not None:
-                    stop_sighup()
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                await gw.close()
+            yield {POLICY_STATE_KEY: policy}
 
     logs.quiet_http_clients()
     docs = config.exposure.docs  # the OpenAPI schema and its pages: off unless enabled
@@ -190,13 +126,13 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         gw: Gateway = request.app.state.gw
-        gw.authenticate(request)
+        authenticate(gw, request)
         return {"object": "list", "data": list(gw.registry.model_cards().values())}
 
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> dict[str, Any]:
         gw: Gateway = request.app.state.gw
-        gw.authenticate(request)
+        authenticate(gw, request)
         card = gw.registry.model_cards().get(model)
         if card is None:
             gw.planner.model_of({"model": model})  # 503 while it may yet be served, else 404
@@ -271,7 +207,7 @@ def debug_tenant(gw: Gateway, request: Request) -> Tenant:
     """/debug/route's tenant: the admin key is required unless auth is open; the tenant named
     in DEBUG_TENANT_HEADER (404 if there is none of that name), else the anonymous one."""
     if gw.tenants.open_mode:
-        return gw.authenticate(request)
+        return authenticate(gw, request)
     _require_admin(request)
     name = request.headers.get(DEBUG_TENANT_HEADER)
     if name is None:
@@ -381,7 +317,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     relay: RelayResponse | None = None
     reserved: Lease | None = None
     try:
-        tenant = gw.authenticate(request)
+        tenant = authenticate(gw, request)
         logs.note_tenant(tenant)
         replica_auth.remember_client_headers(request.headers)  # pools[].forward_headers
         await gw.limits.admit_request(tenant)
@@ -391,7 +327,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
         model = body.get("model")
         plan = await gw.planner.plan(endpoint, body, tenant, received_s=started)
         await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
-        dispatched = gw.dispatch_now(plan)  # decided and reserved in one step when not held
+        dispatched = dispatch_now(gw, plan)  # decided and reserved in one step when not held
         plan, reserved = dispatched if dispatched is not None else await _hold(gw, request, plan)
         logs.note_plan(plan)
         tracing.note_plan(plan)
@@ -431,7 +367,7 @@ async def _hold(gw: Gateway, request: Request, plan: Plan) -> Dispatch:
     otherwise keep its place and be sent)."""
     try:
         return await while_client_waits(
-            gw.hold(plan), request.is_disconnected, abandoned=_release_abandoned
+            hold(gw, plan), request.is_disconnected, abandoned=_release_abandoned
         )
     except ClientGone:
         raise ApiError(

@@ -66,7 +66,7 @@ class CostAccounting:
         self._clock = clock
         self._rows = Windows()
         self._pools = Windows()
-        # --workers N with a view every worker shares: only one counts evictions (gateway/state.py)
+        # --workers N with a view every worker shares: only one counts evictions (gateway/wiring.py)
         self.counts_evictions: Callable[[], bool] = lambda: True
         self._ledgers: dict[str, RemoteLedger] = {}
         for tier in config.remote_tiers:

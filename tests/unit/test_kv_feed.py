@@ -200,7 +200,7 @@ async def test_after_the_replica_was_down_the_next_batch_is_checked_from_zero() 
     feed, index, metrics = make_feed()
     await feed_all(feed, [frames(0, store(0, 2)), frames(1, store(2, 1, parent=1001))])
     feed.replica_down()  # the health checker ejected it: the gateway resets its feed
-    await index.drop_replica(REPLICA)  # and drops its entries (gateway/state.py)
+    await index.drop_replica(REPLICA)  # and drops its entries (gateway/wiring.py)
     await feed.handle(frames(0, store(0, 1)))  # a restarted engine, seen from its first batch
     assert held(index, HBM) == 1 and feed.blocks.gateway_keys(1002) is None
     await feed.handle(frames(7, store(5, 1)))  # or a batch from later on: a gap, so a resync

@@ -4,7 +4,7 @@ onto another replica, a request held by flow control whose client leaves.
 
 gateway/proxy.py against the in-process fake replicas of tests/unit/test_proxy.py; a listener on
 the registry counts each reservation's releases, a recording observer each answer's settlements.
-The flow-control exits run through the real Gateway.hold and the handler's own `_hold`."""
+The flow-control exits run through the real gateway.handling.hold and the handler's own `_hold`."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ from gateway.app import _hold
 from gateway.config import parse_config
 from gateway.disconnect import while_client_waits
 from gateway.errors import ApiError
+from gateway.handling import dispatch_now
 from gateway.lease import Lease
 from gateway.proxy import Proxy, RelayResponse
 from gateway.registry import Joining, Registry, Reservation
 from gateway.settlement import Observer, Settled, Settlement, observers
 from gateway.state import Gateway
 from gateway.upstream import UpstreamDisconnected
+from gateway.wiring import build_gateway
 from tests.unit.test_proxy import (
     ASGI_23,
     MODEL,
@@ -317,7 +319,7 @@ async def held_gateway() -> AsyncIterator[Gateway]:
         "pools": [{"name": "p", "replicas": [URLS[0]], "models": [MODEL]}],
     }
     async with httpx.AsyncClient() as http:
-        gw = Gateway(parse_config(data), http, FakeFleet())
+        gw = build_gateway(parse_config(data), http, FakeFleet())
         for replica in gw.registry.replicas.values():
             await gw.registry.mark_ok(replica, frozenset())
         yield gw
@@ -328,7 +330,7 @@ async def test_a_held_request_whose_client_leaves_reserves_nothing() -> None:
         releases = watch(gw.registry)
         with busy(gw):
             plan = await gw.planner.plan("chat", json.loads(raw_chat()), STANDARD)
-            assert gw.dispatch_now(plan) is None  # over its budget: held
+            assert dispatch_now(gw, plan) is None  # over its budget: held
             polls = 0
 
             async def gone() -> bool:
