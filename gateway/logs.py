@@ -219,13 +219,21 @@ _BARE_VALUE = re.compile(r"[!#-<>-\[\]-~]+")  # printable ASCII but space, `"`, 
 
 
 def key_values(fields: dict[str, Any]) -> str:
-    def show(value: Any) -> str:
+    """`k=v` pairs: None as `-`, a value with a space, quote, `=`, `\\` or anything but
+    printable ASCII as a JSON string. An int or float is written as str() writes it, always
+    bare, without the pattern's test (most of an access line's values are numbers)."""
+    parts = []
+    for k, value in fields.items():
         if value is None:
-            return "-"
-        text = str(value)
-        return text if _BARE_VALUE.fullmatch(text) else json.dumps(text, ensure_ascii=True)
-
-    return " ".join(f"{k}={show(v)}" for k, v in fields.items())
+            parts.append(f"{k}=-")
+        elif type(value) is int or type(value) is float:
+            parts.append(f"{k}={value}")
+        else:
+            text = str(value)
+            if not _BARE_VALUE.fullmatch(text):
+                text = json.dumps(text, ensure_ascii=True)
+            parts.append(f"{k}={text}")
+    return " ".join(parts)
 
 
 _UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})

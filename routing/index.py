@@ -251,13 +251,18 @@ class MemoryIndex:
         """Record `keys` at `location`; return the live entries its capacity pushed out."""
         lru = self._lru.setdefault(location, OrderedDict())
         here = self._location_id(location)
+        blocks = self._blocks
         for key in keys:
-            holders = self._blocks.setdefault(key, {})
-            if here not in holders:
+            holders = blocks.get(key)
+            if holders is None:  # a block nobody held: it cannot be frozen, nothing to unfreeze
+                holders = blocks[key] = {}
+            elif here not in holders:
                 self._unfreeze(key)
             holders[here] = expiry
-            lru[key] = None
-            lru.move_to_end(key)
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None  # a new key goes to the end already
         capacity = self._capacity(location)
         pushed_out: list[BlockKey] = []
         while capacity is not None and len(lru) > capacity:

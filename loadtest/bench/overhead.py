@@ -14,6 +14,8 @@
    (memory, and Redis on a throwaway redis-server) and decide(cache_aware), for 1k/8k/32k-token
    prompts over 4/16/64 replicas that hold prefixes of different lengths.
 
+The stack's floor, arms taking turns and ratios to it: loadtest/bench/overhead_floor.py.
+
 Machine caveat: client, routers and replica share the same cores; compare routers as ratios
 within one run, not the absolute numbers across machines.
 """
@@ -84,6 +86,7 @@ SEED = 5
 
 ROUTERS = (
     RouterSpec("cachelane", "cache_aware"),
+    RouterSpec("bare", "round_robin"),  # the stack's floor (loadtest/bench/bare_proxy.py)
     RouterSpec("sglang", "cache_aware"),
     RouterSpec("vllm", "cache_aware"),
 )

@@ -28,6 +28,8 @@ EXTERNAL_POLICIES = {
     "sglang": ("cache_aware", "round_robin", "power_of_two"),
     "vllm": ("cache_aware", "round_robin", "consistent_hash"),
 }
+BARE_POLICY = "round_robin"  # the bare proxy's only one
+READY_PATHS = {"cachelane": "/ready", "bare": "/health"}  # the Rust routers: /v1/models
 CACHELANE_POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
 
 PIP_TIMEOUT_S = 600.0  # wheels of both routers are ~10-20 MB each; a slow mirror takes minutes
@@ -36,7 +38,7 @@ START_TIMEOUT_S = 30.0  # both Rust routers probe every worker first; ~1 s here
 
 @dataclass(frozen=True)
 class RouterSpec:
-    kind: str  # cachelane | sglang | vllm
+    kind: str  # cachelane | bare (loadtest/bench/bare_proxy.py: the stack's floor) | sglang | vllm
     policy: str
     config: Path | None = None  # cachelane only: a YAML config instead of --replicas
     label_suffix: str = ""
@@ -55,7 +57,10 @@ def with_workers(spec: RouterSpec, workers: int) -> RouterSpec:
 
 
 def ensure_installed(kind: str) -> str | None:
-    """Install one external router into ROUTERS_VENV if needed; None if ready, else why not."""
+    """Install one external router into ROUTERS_VENV if needed; None if ready, else why not
+    (cachelane and the bare proxy run from this checkout: always ready)."""
+    if kind not in EXTERNAL_PACKAGES:
+        return None
     exe = ROUTERS_VENV / "bin" / f"{kind}-router"
     if exe.exists():
         return None
@@ -99,6 +104,9 @@ def router_args(spec: RouterSpec, replica_urls: Sequence[str], port: int) -> lis
             *launch, "serve", *where, *workers,
             "--policy", spec.policy, "--port", str(port), "--log-level", "warning",
         ]  # fmt: skip
+    if spec.kind == "bare":
+        launch = [sys.executable, "-m", "loadtest.bench.bare_proxy"]
+        return [*launch, "--replicas", ",".join(replica_urls), "--port", str(port)]
     exe = str(ROUTERS_VENV / "bin" / f"{spec.kind}-router")
     # Each Rust router also serves Prometheus metrics on a fixed default port (29000): two at
     # once collide, so every start gets a free one.
@@ -124,7 +132,7 @@ class RunningRouter:
 def running_router(
     spec: RouterSpec, replica_urls: Sequence[str], log_dir: Path
 ) -> Iterator[RunningRouter]:
-    """Start the router, wait until it answers (cachelane /ready, the others /v1/models), yield
+    """Start the router, wait until it answers (READY_PATHS, else /v1/models), yield
     its URL and pid, stop it."""
     port = free_port()
     name = spec.label.replace(":", "-")
@@ -132,7 +140,7 @@ def running_router(
         spec.label, router_args(spec, replica_urls, port), log_dir / f"{name}.log"
     )
     url = f"http://127.0.0.1:{port}"
-    ready = f"{url}/ready" if spec.kind == "cachelane" else f"{url}/v1/models"
+    ready = f"{url}{READY_PATHS.get(spec.kind, '/v1/models')}"
     try:
         proc.start()
         wait_ready(proc, [ready], timeout_s=START_TIMEOUT_S)

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from gateway.logs import (
+    _BARE_VALUE,
     JsonFormatter,
     RequestIdFilter,
     TextFormatter,
@@ -123,3 +124,10 @@ def test_plain_values_stay_bare() -> None:
     assert key_values({"a": "/v1/chat/completions", "b": None, "c": 3.5, "d": ""}) == (
         'a=/v1/chat/completions b=- c=3.5 d=""'
     )
+
+
+@pytest.mark.parametrize("value", [0, -3, 7.25, 1e300, -2.5e-7, float("nan"), float("inf")])
+def test_numbers_are_written_as_str_writes_them_and_stay_bare(value: float) -> None:
+    line = key_values({"n": value})
+    assert line == f"n={value}"
+    assert _BARE_VALUE.fullmatch(line.removeprefix("n="))  # what the pattern would have said

@@ -1,0 +1,107 @@
+"""Before/after of the small hot-path cuts, in one process, arms alternating.
+
+    python -m loadtest.bench.cuts --baseline REF      # ~20 s
+
+Each arm is one module as it is here and as it was at git REF (loaded from `git show`):
+MemoryIndex.record_now of a new 256-token prompt (16 blocks, as `record_sent` does for a
+request whose prompt is new) into an index that already holds 50,000 blocks; and key_values
+of a streamed request's access line. Rounds alternate the two versions so both see the same
+machine; the ratio (here / REF) of the medians is the figure to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from routing.types import Location, Tier
+
+ROUNDS = 20
+CALLS = 500  # per round and arm
+BLOCKS = 16  # a 256-token prompt at 16 tokens a block
+FILLED = 50_000  # blocks already held: a warm index
+ACCESS = {
+    "request_id": "9f1c0e6a2b7d4c3e8f5a1b2c3d4e5f60", "method": "POST",
+    "path": "/v1/chat/completions", "status": 200, "code": None, "tenant": "default",
+    "class": "standard", "model": "sim-llama-8b", "replica": "r0", "reason": "cache_hit",
+    "ttft_ms": 3.412, "e2e_ms": 5.031, "prompt_tokens": 262, "cached_tokens": 240,
+    "expected_cached_tokens": 240,
+}  # fmt: skip
+
+
+def module_at(ref: str, path: str, name: str, tmp: Path) -> ModuleType:
+    source = subprocess.run(["git", "show", f"{ref}:{path}"], check=True, capture_output=True)
+    file = tmp / f"{name}.py"
+    file.write_bytes(source.stdout)
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def index_arm(module: ModuleType) -> Callable[[], None]:
+    index = module.MemoryIndex()
+    where = Location("r0", Tier.HBM)
+    index.record_now("m", list(range(1, FILLED + 1)), where)
+    counter = iter(range(FILLED + 1, 1 << 62, BLOCKS))
+
+    def record() -> None:
+        start = next(counter)
+        index.record_now("m", list(range(start + BLOCKS - 1, start - 1, -1)), where)
+
+    return record
+
+
+def key_values_arm(module: ModuleType) -> Callable[[], None]:
+    return lambda: module.key_values(ACCESS)
+
+
+def timed(call: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    for _ in range(CALLS):
+        call()
+    return (time.perf_counter() - started) / CALLS * 1e6
+
+
+def compare(arms: dict[str, Callable[[], None]]) -> dict[str, float]:
+    samples: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(ROUNDS):
+        order = list(arms) if r % 2 == 0 else list(reversed(arms))
+        for name in order:
+            samples[name].append(timed(arms[name]))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.cuts", description=__doc__)
+    parser.add_argument("--baseline", required=True, metavar="GIT_REF")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        results: dict[str, Any] = {}
+        for label, path, arm in (
+            ("MemoryIndex.record_now, 16 new blocks", "routing/index.py", index_arm),
+            ("key_values, an access line", "gateway/logs.py", key_values_arm),
+        ):
+            here = module_at("HEAD", path, "here_" + Path(path).stem, tmp)
+            then = module_at(args.baseline, path, "then_" + Path(path).stem, tmp)
+            results[label] = compare({"here": arm(here), args.baseline: arm(then)})
+    for label, medians in results.items():
+        here, then = medians["here"], medians[args.baseline]
+        print(f"{label}: {here:.2f} us here, {then:.2f} us at {args.baseline}: {here / then:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
