@@ -117,11 +117,12 @@ DESCRIPTIONS: dict[str, str] = {
     "faster.",
     "classes.standard": "Standard: held while every replica is estimated over 1 s to first token.",
     "classes.batch": "Batch: held sooner (500 ms) than standard, so standard goes first.",
-    "flow_control": "Class-aware flow control in the gateway (gateway/flow.py).",
+    "flow_control": "Class-aware flow control in the gateway (gateway/serving/flow.py).",
     "overload.batch_max_queue_s": "A batch request is shed (503) when even its best replica has "
     "more than this many seconds of prefill queued.",
     "tracing": "OpenTelemetry tracing (the [otel] extra): one span per request with the routing "
-    "decision and its outcome, exported over OTLP/HTTP (gateway/tracing.py). Off by default.",
+    "decision and its outcome, exported over OTLP/HTTP (gateway/telemetry/tracing.py). Off by "
+    "default.",
     "capture": "Opt-in traffic capture for `cachelane plan` (docs/planning.md): prefix "
     "structure and outcomes, written off the event loop, bounded; off by default.",
     "prewarm": "Warming hot prefixes onto replicas before they are needed (never on the request "

@@ -27,13 +27,14 @@ from pydantic import (
     model_validator,
 )
 
-from gateway import config_env, replica_auth
-from gateway.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
-from gateway.body_fields import ENGINE_CONTROL_FIELDS
-from gateway.example_keys import example_keys_in
+from gateway import config_env
 from gateway.extras import OTEL_MODULES, PRECISE_MODULES, missing_message, missing_modules
-from gateway.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS, sha256_hex
-from gateway.tenants import name_key, name_problem
+from gateway.fleet import replica_auth
+from gateway.http.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
+from gateway.http.body_fields import ENGINE_CONTROL_FIELDS
+from gateway.tenancy.example_keys import example_keys_in
+from gateway.tenancy.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS, sha256_hex
+from gateway.tenancy.tenants import name_key, name_problem
 from routing.cost import (
     FIXED_S,
     HBM_CAPACITY_TOKENS,
@@ -238,7 +239,7 @@ DEFAULT_DISCOVERY_INTERVAL_S = 5.0
 
 
 class DiscoveryConfig(Strict):
-    """A pool's replicas from DNS (gateway/discovery.py), re-resolved every `interval_s`."""
+    """A pool's replicas from DNS (gateway/fleet/discovery.py), re-resolved every `interval_s`."""
 
     name: str = Field(
         min_length=1,
@@ -539,7 +540,7 @@ class ListenConfig(Strict):
         default=DEFAULT_HEADER_TIMEOUT_S,
         description="A connection that has not sent a whole request line and headers this long "
         "after it opened (or after its previous answer) is closed. 20: Apache mod_reqtimeout's "
-        "default. Applies under `cachelane serve` (its HTTP protocol, gateway/exposure.py).",
+        "default. Applies under `cachelane serve` (its HTTP protocol, gateway/http/exposure.py).",
     )
     body_timeout_s: PositiveFloat = Field(
         default=DEFAULT_BODY_TIMEOUT_S,
@@ -575,7 +576,7 @@ class TenantConfig(Strict):
     def _safe_name(cls, name: str) -> str:
         problem = name_problem(name)
         if problem is not None:
-            raise ValueError(f"tenant name {name!a} {problem} (gateway/tenants.py)")
+            raise ValueError(f"tenant name {name!a} {problem} (gateway/tenancy/tenants.py)")
         return name
 
     @model_validator(mode="after")
@@ -595,7 +596,7 @@ class AdminConfig(Strict):
 
 
 class AuthConfig(Strict):
-    """How requests are authenticated (gateway/tenant_store.py) and what signs tenant records."""
+    """How requests are authenticated (gateway/tenancy/store.py) and what signs tenant records."""
 
     allow_example_keys: bool = Field(
         default=False,
@@ -649,7 +650,7 @@ class CriticalConfig(Strict):
 
 
 class ClassConfig(Strict):
-    """Flow control for one tenant class (gateway/flow.py)."""
+    """Flow control for one tenant class (gateway/serving/flow.py)."""
 
     ttft_budget_ms: PositiveFloat | None = Field(
         default=None,
@@ -708,8 +709,8 @@ class RateLimit(Strict):
 
 
 class RateLimitsConfig(Strict):
-    """Per-tenant rate limits (gateway/limits.py): each tenant has its own budget, shared by
-    every gateway through Redis when the index is there."""
+    """Per-tenant rate limits (gateway/tenancy/rate_limits.py): each tenant has its own budget,
+    shared by every gateway through Redis when the index is there."""
 
     classes: dict[TenantClass, RateLimit] = Field(
         default_factory=dict,
@@ -734,7 +735,7 @@ class RateLimitsConfig(Strict):
 
 
 class BodyFieldsConfig(Strict):
-    """Request body fields clients must not set (gateway/exposure.py)."""
+    """Request body fields clients must not set (gateway/http/exposure.py)."""
 
     deny: list[str] = Field(
         default_factory=lambda: list(ENGINE_CONTROL_FIELDS),
@@ -750,7 +751,7 @@ class BodyFieldsConfig(Strict):
 
 
 class ExposureConfig(Strict):
-    """Who may read the gateway's own endpoints (gateway/exposure.py)."""
+    """Who may read the gateway's own endpoints (gateway/http/exposure.py)."""
 
     docs: bool = Field(
         default=False,
@@ -798,7 +799,7 @@ class OverloadConfig(Strict):
 
 
 class TracingConfig(Strict):
-    """OpenTelemetry spans, one per request (gateway/tracing.py; the [otel] extra)."""
+    """OpenTelemetry spans, one per request (gateway/telemetry/tracing.py; the [otel] extra)."""
 
     enabled: bool = Field(
         default=False,
@@ -839,7 +840,7 @@ DEFAULT_CAPTURE_MAX_RECORDS = 1_000_000
 
 
 class CaptureConfig(Strict):
-    """Opt-in traffic capture for `cachelane plan` (gateway/capture.py; format:
+    """Opt-in traffic capture for `cachelane plan` (gateway/accounting/capture.py; format:
     routing/whatif/capture.py)."""
 
     path: str | None = Field(
@@ -907,7 +908,7 @@ class GatewayConfig(Strict):
                 raise ValueError(
                     f"tenants.{i}.name: {name!a} is the same name as tenants.{first}.name "
                     f"{tenant_names[first]!a} (names are compared case- and width-folded, "
-                    "gateway/tenants.py)"
+                    "gateway/tenancy/tenants.py)"
                 )
         _check_auth(self)
         _check_exposure(self)

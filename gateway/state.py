@@ -1,5 +1,6 @@
 """What one running gateway holds: its parts, built by gateway/wiring.py `build_gateway`, read by
-the handlers (gateway/handling.py, gateway/app.py). Request logic lives in handling.py."""
+the handlers (gateway/serving/handling.py, gateway/http/app.py). Request logic lives in
+handling.py."""
 
 from __future__ import annotations
 
@@ -9,35 +10,35 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import generate_latest
 
-from gateway.calibration import CostLearner
-from gateway.capture import Capture
+from gateway.accounting.calibration import CostLearner
+from gateway.accounting.capture import Capture
+from gateway.accounting.fit_store import FitStore
+from gateway.accounting.ledger import CostAccounting
+from gateway.accounting.ledger_store import CostStore, WorkerCosts
 from gateway.components import Component
 from gateway.config import GatewayConfig
-from gateway.cost_store import CostStore, WorkerCosts
-from gateway.costs import CostAccounting
-from gateway.discovery import Discovery
-from gateway.fit_store import FitStore
-from gateway.fleet import Fleet
-from gateway.flow import FlowControl
+from gateway.fleet.discovery import Discovery
+from gateway.fleet.membership import Fleet
+from gateway.fleet.registry import HealthChecker, Registry
+from gateway.fleet.scraper import Scraper
+from gateway.fleet.siblings import Siblings
 from gateway.index.resilient import ErrorHook, ResilientIndex
-from gateway.keys import Keyring
-from gateway.limits import RateLimiter
-from gateway.metrics import Metrics
-from gateway.planner import Planner
-from gateway.prewarm import Prewarmer
-from gateway.proxy import Proxy
-from gateway.registry import HealthChecker, Registry
-from gateway.reuse import ReuseCounter
-from gateway.scraper import Scraper
-from gateway.siblings import Siblings
-from gateway.tenant_store import TenantStore
+from gateway.index.reuse import ReuseCounter
+from gateway.serving.flow import FlowControl
+from gateway.serving.planner import Planner
+from gateway.serving.prewarm import Prewarmer
+from gateway.serving.proxy import Proxy
+from gateway.telemetry.metrics import Metrics
+from gateway.tenancy.keys import Keyring
+from gateway.tenancy.rate_limits import RateLimiter
+from gateway.tenancy.store import TenantStore
 from routing.index import Index, MemoryIndex, RemovedFn, ignore_removed
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
 
 if TYPE_CHECKING:  # precise mode only: pyzmq and msgpack are the [precise] extra
     from gateway.engines.feed import KvEvents
-    from gateway.reload import Reloader
+    from gateway.fleet.reload import Reloader
 
 
 PRECISE_CAPACITY_SLACK = 2  # precise mode: index capacity = twice what the replica can hold
@@ -48,7 +49,7 @@ REDIS_TIMEOUT_S = 0.25  # as the index's: a slow Redis must not hold requests up
 class Gateway:
     """Everything one running gateway owns. `components` is its one ordered list of long-lived
     parts, started in order and closed in reverse by the app's lifespan (gateway/components.py);
-    `config` is replaced by a reload (gateway/reload.py)."""
+    `config` is replaced by a reload (gateway/fleet/reload.py)."""
 
     config: GatewayConfig
     metrics: Metrics
@@ -61,7 +62,7 @@ class Gateway:
     monitoring_digest: str | None  # reads /metrics and /ready when they need a key
     tenants: TenantStore
     limits: RateLimiter
-    denied_fields: dict[TenantClass, tuple[str, ...]]  # per class (gateway/body_fields.py)
+    denied_fields: dict[TenantClass, tuple[str, ...]]  # per class (gateway/http/body_fields.py)
     reuse: ReuseCounter
     costs: CostAccounting
     learner: CostLearner
@@ -120,7 +121,9 @@ def build_index(
     A Redis index is backed by a local one (ResilientIndex): if Redis goes away the gateway
     routes on its own view, and `on_error(op, error)` hears of every failed Redis call."""
     block = config.routing.block_size_tokens
-    replicas = registry.replicas  # read at each call: replicas join and leave (gateway/fleet.py)
+    replicas = (
+        registry.replicas
+    )  # read at each call: replicas join and leave (gateway/fleet/membership.py)
     remote_caps = {t.name: t.capacity_tokens // block for t in config.remote_tiers}
 
     def capacity_blocks(loc: Location) -> int | None:

@@ -12,34 +12,34 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from gateway.body_fields import denied_fields
-from gateway.calibration import CostLearner
-from gateway.capture import Capture
-from gateway.capture import header as capture_header
+from gateway.accounting.calibration import CostLearner
+from gateway.accounting.capture import Capture
+from gateway.accounting.capture import header as capture_header
+from gateway.accounting.fit_store import FitStore
+from gateway.accounting.ledger import CostAccounting
+from gateway.accounting.ledger_store import CostStore, WorkerCosts
 from gateway.components import Background, Component, Resource, loop
 from gateway.config import GatewayConfig, no_tenant_warning
-from gateway.cost_store import CostStore, WorkerCosts
-from gateway.costs import CostAccounting
-from gateway.discovery import Discovery
-from gateway.fit_store import FitStore
-from gateway.fleet import Fleet
-from gateway.flow import ClassLimits, FlowControl
+from gateway.fleet.discovery import Discovery
+from gateway.fleet.membership import Fleet
+from gateway.fleet.registry import HealthChecker, Registry, Replica
+from gateway.fleet.reload import Reloader, install_sighup
+from gateway.fleet.scraper import Scraper
+from gateway.fleet.siblings import Siblings
+from gateway.http.body_fields import denied_fields
 from gateway.index.resilient import ResilientIndex
-from gateway.keys import Keyring
-from gateway.limits import RateLimiter
-from gateway.metrics import Metrics
-from gateway.planner import Planner
-from gateway.prewarm import Prewarmer
-from gateway.proxy import Proxy
-from gateway.registry import HealthChecker, Registry, Replica
-from gateway.reload import Reloader, install_sighup
-from gateway.reuse import ReuseCounter
-from gateway.scraper import Scraper
-from gateway.settlement import observers
-from gateway.siblings import Siblings
+from gateway.index.reuse import ReuseCounter
+from gateway.serving.flow import ClassLimits, FlowControl
+from gateway.serving.planner import Planner
+from gateway.serving.prewarm import Prewarmer
+from gateway.serving.proxy import Proxy
+from gateway.serving.settlement import observers
+from gateway.serving.upstream import AiohttpUpstream, Upstream
 from gateway.state import Gateway, build_index, exposition, shared_redis
-from gateway.tenant_store import TenantStore
-from gateway.upstream import AiohttpUpstream, Upstream
+from gateway.telemetry.metrics import Metrics
+from gateway.tenancy.keys import Keyring
+from gateway.tenancy.rate_limits import RateLimiter
+from gateway.tenancy.store import TenantStore
 from routing.cost import CostTerms
 from routing.index import Index
 from routing.speculative import SpeculativeIndex
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # precise mode only: pyzmq and msgpack are the [precise] extr
 
 log = logging.getLogger("cachelane.wiring")
 
-KEEPALIVE_S = 60.0  # idle replica connections kept a minute (gateway/upstream.py: why)
+KEEPALIVE_S = 60.0  # idle replica connections kept a minute (gateway/serving/upstream.py: why)
 
 
 def components(
@@ -237,7 +237,7 @@ def _client_limits(config: GatewayConfig) -> dict[str, Any]:
 
 
 def _upstream(config: GatewayConfig) -> Upstream:
-    """The proxied requests' connections (gateway/upstream.py: why aiohttp). Made inside the
+    """The proxied requests' connections (gateway/serving/upstream.py: why aiohttp). Made inside the
     running event loop (the app's lifespan builds the gateway)."""
     up = config.upstream
     return AiohttpUpstream(
@@ -472,7 +472,7 @@ async def _follow_pools(gw: Gateway) -> None:
 
 
 async def _load_tenants(gw: Gateway) -> None:
-    """The first read of the tenants, before the gateway serves (gateway/tenant_store.py)."""
+    """The first read of the tenants, before the gateway serves (gateway/tenancy/store.py)."""
     await gw.tenants.load()
     if not gw.tenants.open_mode and not gw.tenants.list():  # say it, do not guess
         log.warning("%s", no_tenant_warning(gw.config))

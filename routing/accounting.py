@@ -1,8 +1,8 @@
 """Where the cost of offloading lands: per-request attribution, sliding windows, a remote ledger.
 
-Pure: no IO, no clock (every call takes `now_s`). The gateway's edge (gateway/costs.py) feeds it
-from each answered request and serves it as metrics and GET /debug/costs; `cachelane report`
-(gateway/report.py) and any other reader use the names below.
+Pure: no IO, no clock (every call takes `now_s`). The gateway's edge (gateway/accounting/ledger.py)
+feeds it from each answered request and serves it as metrics and GET /debug/costs; `cachelane
+report` (gateway/cli/report.py) and any other reader use the names below.
 
 Public API
 ----------
@@ -161,8 +161,8 @@ def confirmed_tokens(overlap: Overlap, remote_fetch: bool, cached_tokens: int | 
 
     Fewer cached than expected: the shortfall was prefilled, taken from the remote part first,
     then the CPU part, then HBM (the farther a tier, the likelier its index entry is stale: the
-    same order as the cost fit's samples, gateway/calibration.py). More than expected: the
-    surplus was found in HBM (another request prefilled it in the meantime, as vLLM's scheduler
+    same order as the cost fit's samples, gateway/accounting/calibration.py). More than expected:
+    the surplus was found in HBM (another request prefilled it in the meantime, as vLLM's scheduler
     reuses)."""
     hbm, cpu = overlap.hbm_tokens, overlap.cpu_tokens
     remote = overlap.remote_tokens if remote_fetch else 0

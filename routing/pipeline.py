@@ -1,9 +1,9 @@
 """The routing of one request: from its candidates to what the index records, and when. Pure.
 
-One pipeline, two callers: the gateway (gateway/planner.py gathers the inputs from its registry
-and index, and turns the outcome into HTTP errors, metrics and index writes) and the what-if
-replay (routing/whatif/replay.py gathers them from its modelled fleet and applies the outcome to
-its modelled engines). Neither decides anything of its own, so a planned routing is the
+One pipeline, two callers: the gateway (gateway/serving/planner.py gathers the inputs from its
+registry and index, and turns the outcome into HTTP errors, metrics and index writes) and the
+what-if replay (routing/whatif/replay.py gathers them from its modelled fleet and applies the
+outcome to its modelled engines). Neither decides anything of its own, so a planned routing is the
 gateway's routing on the same inputs.
 
 route(), in order:

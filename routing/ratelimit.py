@@ -18,8 +18,8 @@ being refused forever. `charge` applies a correction afterwards (the tokens the 
 minus those estimated): it may push `tat_s` further than a minute ahead, which then delays later
 requests, or bring it back, never before `now_s`.
 
-The same arithmetic runs in Redis as a Lua script (gateway/limits.py) when several gateways share
-a budget; tests/unit/test_ratelimit.py holds the table both must satisfy.
+The same arithmetic runs in Redis as a Lua script (gateway/tenancy/rate_limits.py) when several
+gateways share a budget; tests/unit/test_ratelimit.py holds the table both must satisfy.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from gateway.engines.events import (
 )
 from gateway.engines.source import EventSource, ReplayFn
 from gateway.engines.vllm import VLLM_EVENTS
-from gateway.metrics import Metrics
+from gateway.telemetry.metrics import Metrics
 from routing.cost import HBM_CAPACITY_TOKENS
 from routing.index import Index
 from routing.types import Location

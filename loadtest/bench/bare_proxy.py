@@ -5,9 +5,9 @@
 Round robin over the replicas, no routing, no parsing, no metrics, no logs: the request's body
 is read whole and POSTed to the next replica; the answer's status, content type and bytes are
 relayed as they arrive. What it shares with `cachelane serve` is everything under the gateway's
-own code: uvicorn with the same settings (gateway/cli.py: uvloop when installed, the httptools
+own code: uvicorn with the same settings (gateway/cli/main.py: uvloop when installed, the httptools
 protocol with its header deadline, no access log) and the same upstream client
-(gateway/upstream.py's AiohttpUpstream with the gateway's default timeouts and pool). So
+(gateway/serving/upstream.py's AiohttpUpstream with the gateway's default timeouts and pool). So
 cachelane's time minus this proxy's is what cachelane's own code adds
 (loadtest/bench/overhead_floor.py runs the two side by side).
 """
@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.config import UpstreamConfig
-from gateway.upstream import AiohttpUpstream, Upstream, UpstreamError
+from gateway.serving.upstream import AiohttpUpstream, Upstream, UpstreamError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
-KEEPALIVE_S = 60.0  # what gateway/app.py gives AiohttpUpstream
+KEEPALIVE_S = 60.0  # what gateway/http/app.py gives AiohttpUpstream
 
 
 class BareProxy:
@@ -101,7 +101,7 @@ async def _answer(send: Any, status: int, body: bytes) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
-    from gateway.exposure import HTTP_PROTOCOL
+    from gateway.http.exposure import HTTP_PROTOCOL
 
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.bare_proxy", description=__doc__)
     p.add_argument("--replicas", required=True, help="comma-separated base URLs")
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8100)
     args = p.parse_args(argv)
     app = BareProxy([u.rstrip("/") for u in args.replicas.split(",") if u])
-    # gateway/cli.py's settings: no uvicorn access log, its HTTP protocol, loop "auto" (uvloop)
+    # gateway/cli/main.py's settings: no uvicorn access log, its HTTP protocol, loop "auto" (uvloop)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", log_config=None,
         access_log=False, http=HTTP_PROTOCOL,

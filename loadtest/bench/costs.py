@@ -35,7 +35,9 @@ from loadtest.workloads.traces import TraceRecord
 from routing.cost import KV_BYTES_PER_TOKEN, PoolCosts
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 
-ADMIN_KEY = "bench-admin-key-" + "0" * 32  # keys have at least 32 characters (gateway/keys.py)
+ADMIN_KEY = (
+    "bench-admin-key-" + "0" * 32
+)  # keys have at least 32 characters (gateway/tenancy/keys.py)
 TENANT_KEYS = {name: f"bench-{name}-key-" + "0" * 32 for name in TENANT_CLASSES}
 REQUEST_TIMEOUT_S = 60.0  # one streamed request on a loaded 2-core machine, with margin
 BLOCK_BYTES = DEFAULT_BLOCK_SIZE_TOKENS * KV_BYTES_PER_TOKEN

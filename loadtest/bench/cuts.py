@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results: dict[str, Any] = {}
         for label, path, arm in (
             ("MemoryIndex.record_now, 16 new blocks", "routing/index.py", index_arm),
-            ("key_values, an access line", "gateway/logs.py", key_values_arm),
+            ("key_values, an access line", "gateway/telemetry/logs.py", key_values_arm),
         ):
             here = module_at("HEAD", path, "here_" + Path(path).stem, tmp)
             then = module_at(args.baseline, path, "then_" + Path(path).stem, tmp)

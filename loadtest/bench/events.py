@@ -24,7 +24,7 @@ from gateway.engines.events import BlockRemoved, BlockStored, Event, EventBatch
 from gateway.engines.feed import ReplicaFeed
 from gateway.engines.vllm import encode_batch, encode_seq
 from gateway.index.redis_backend import RedisIndex
-from gateway.metrics import Metrics
+from gateway.telemetry.metrics import Metrics
 from loadtest.bench.redis_servers import RedisServer
 from routing.index import Index, MemoryIndex
 

@@ -387,7 +387,7 @@ async def bench_decision(backends: dict[str, Index], budget_s: float) -> list[di
             candidates = [Candidate(f"r{i}", load=loads[i], costs=costs) for i in range(replicas)]
             for name, index in backends.items():
                 namespace = f"{SIM_MODEL}|{name}-{tokens}-{replicas}"
-                hasher = PrefixHasher()  # the gateway's (gateway/planner.py)
+                hasher = PrefixHasher()  # the gateway's (gateway/serving/planner.py)
                 strangers = PrefixHasher()  # unique prompts only, so they evict none of hasher's
                 sent = [{"role": "user", "content": prefix}]
                 await _fill(

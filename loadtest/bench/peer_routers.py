@@ -97,8 +97,12 @@ def router_args(spec: RouterSpec, replica_urls: Sequence[str], port: int) -> lis
         if spec.source is None:
             launch = [sys.executable, "-m", "gateway"]
         else:  # that tree's gateway and routing packages, ahead of this checkout's
-            code = f"import sys; sys.path.insert(0, {str(spec.source)!r}); import gateway.cli; "
-            launch = [sys.executable, "-c", code + "sys.exit(gateway.cli.main())"]
+            # `python -m gateway` of that tree, whatever its layout
+            code = (
+                f"import runpy, sys; sys.path.insert(0, {str(spec.source)!r}); "
+                "runpy.run_module('gateway', run_name='__main__', alter_sys=True)"
+            )
+            launch = [sys.executable, "-c", code]
         workers = ["--workers", str(spec.workers)] if spec.workers > 1 else []
         return [
             *launch, "serve", *where, *workers,

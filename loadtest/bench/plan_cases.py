@@ -28,9 +28,9 @@ from typing import Any
 
 from rich.console import Console
 
-from gateway import plan_cli
-from gateway.findings import findings, merge
-from gateway.report import draw, fetch_windows, render
+from gateway.accounting.findings import findings, merge
+from gateway.cli import plan as plan_cli
+from gateway.cli.report import draw, fetch_windows, render
 from loadtest.bench.processes import (
     gateway_from_config,
     loopback_urls,

@@ -1,5 +1,5 @@
-"""What a rate-limit check costs a request: RateLimiter (gateway/limits.py) in memory and against a
-real redis-server on loopback.
+"""What a rate-limit check costs a request: RateLimiter (gateway/tenancy/rate_limits.py) in memory
+and against a real redis-server on loopback.
 
     .venv/bin/python -m loadtest.bench.rate_limits [--requests N]
 
@@ -18,9 +18,9 @@ import time
 from redis.asyncio import Redis
 
 from gateway.config import RateLimitsConfig
-from gateway.limits import RateLimiter
-from gateway.metrics import Metrics
-from gateway.tenants import Tenant
+from gateway.telemetry.metrics import Metrics
+from gateway.tenancy.rate_limits import RateLimiter
+from gateway.tenancy.tenants import Tenant
 from loadtest.bench.redis_servers import RedisServer
 from routing.types import TenantClass
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m loadtest.bench.read_deadlines [--wait-s 60]
 
 Serves a trivial ASGI app with uvicorn's h11 and httptools protocols as they come, and with
-cachelane's (gateway/exposure.py: DeadlineHttpToolsProtocol and the ReadDeadline middleware,
+cachelane's (gateway/http/exposure.py: DeadlineHttpToolsProtocol and the ReadDeadline middleware,
 header and body deadlines of 5 s here), on loopback; opens three raw sockets against each: one
 that sends nothing, one that sends a request line and a header but never the blank line, and one
 that sends whole headers promising 100 body bytes and sends 10. Prints how long each stayed open
@@ -21,7 +21,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.exposure import (
+from gateway.http.exposure import (
     HTTP_PROTOCOL,
     POLICY_STATE_KEY,
     BodyTimeout,

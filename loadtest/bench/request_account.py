@@ -53,8 +53,8 @@ def stop(*_):
     profile.dump_stats({path!r})
 signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
 signal.signal(signal.SIGUSR2, stop)
-import gateway.cli
-sys.exit(gateway.cli.main())
+import gateway.cli.main
+sys.exit(gateway.cli.main.main())
 """
 
 # (phase, when, functions, minus): cumulative CPU of `functions` less that of `minus` (the
@@ -62,50 +62,111 @@ sys.exit(gateway.cli.main())
 # `when`: before the first byte is sent, per chunk, or after the last.
 F = tuple[tuple[str, str], ...]
 HASH: F = (("routing/hashing.py", "block_hashes"), ("routing/prompt.py", "chat_text"))
-LOOKUP: F = (("gateway/planner.py", "_lookup"),)
-DECIDE: F = (("gateway/planner.py", "_route"),)
+LOOKUP: F = (("gateway/serving/planner.py", "_lookup"),)
+DECIDE: F = (("gateway/serving/planner.py", "_route"),)
 SETTLE: F = (
-    ("gateway/proxy.py", "_count_usage"),
-    ("gateway/costs.py", "answered"),
-    ("gateway/capture.py", "answered"),
+    ("gateway/serving/proxy.py", "_count_usage"),
+    ("gateway/accounting/ledger.py", "answered"),
+    ("gateway/accounting/capture.py", "answered"),
 )
-LEARN: F = (("gateway/proxy.py", "_learn"),)
+LEARN: F = (("gateway/serving/proxy.py", "_learn"),)
 PHASES: tuple[tuple[str, str, F, F], ...] = (
     ("auth (key -> tenant)", "before", (("gateway/state.py", "authenticate"),), ()),
-    ("rate limits", "before", (("gateway/limits.py", "admit_request"),
-                               ("gateway/limits.py", "admit_tokens")), ()),
-    ("body read + JSON parse", "before", (("gateway/app.py", "_read_json"),), ()),
-    ("request checks (fields, schema)", "before", (("gateway/request_schema.py", "check_request"),
-                                                  ("gateway/body_fields.py", "check_fields")), ()),
+    (
+        "rate limits",
+        "before",
+        (
+            ("gateway/tenancy/rate_limits.py", "admit_request"),
+            ("gateway/tenancy/rate_limits.py", "admit_tokens"),
+        ),
+        (),
+    ),
+    ("body read + JSON parse", "before", (("gateway/http/app.py", "_read_json"),), ()),
+    (
+        "request checks (fields, schema)",
+        "before",
+        (
+            ("gateway/http/request_schema.py", "check_request"),
+            ("gateway/http/body_fields.py", "check_fields"),
+        ),
+        (),
+    ),
     ("plan: prompt text + hash", "before", HASH, ()),
     ("plan: index lookup", "before", LOOKUP, ()),
     ("plan: decide (candidates, estimate, rank)", "before", DECIDE, ()),
-    ("plan: the rest (tokens, admission, Plan)", "before", (("gateway/planner.py", "plan"),),
-     HASH + LOOKUP + DECIDE),
-    ("flow control + reserve", "before", (("gateway/state.py", "dispatch_now"),), ()),
-    ("decision metrics + log + trace notes", "before", (("gateway/app.py", "_count_decision"),
-                                                        ("gateway/logs.py", "note_plan"),
-                                                        ("gateway/tracing.py", "note_plan")), ()),
-    ("client-gone watch (task + asyncio.wait)", "before",
-     (("gateway/disconnect.py", "while_client_waits"),), ()),
-    ("upstream connect + send (aiohttp)", "before", (("gateway/upstream.py", "post"),), ()),
-    ("index write: prompt sent", "before", (("gateway/planner.py", "record_sent"),), ()),
-    ("index write: prompt loaded", "before", (("gateway/planner.py", "record_loaded"),), ()),
-    ("first-byte metrics (TTFT histograms)", "before", (("gateway/proxy.py", "_first_byte"),), ()),
-    ("response headers (decision headers)", "before",
-     (("gateway/proxy.py", "decision_headers"),), ()),
-    ("relay: chunk reads + usage scan", "per chunk", (("gateway/proxy.py", "_relay"),),
-     SETTLE + LEARN),
+    (
+        "plan: the rest (tokens, admission, Plan)",
+        "before",
+        (("gateway/serving/planner.py", "plan"),),
+        HASH + LOOKUP + DECIDE,
+    ),
+    ("flow control + reserve", "before", (("gateway/serving/handling.py", "dispatch_now"),), ()),
+    (
+        "decision metrics + log + trace notes",
+        "before",
+        (
+            ("gateway/http/app.py", "_count_decision"),
+            ("gateway/telemetry/logs.py", "note_plan"),
+            ("gateway/telemetry/tracing.py", "note_plan"),
+        ),
+        (),
+    ),
+    (
+        "client-gone watch (task + asyncio.wait)",
+        "before",
+        (("gateway/http/disconnect.py", "while_client_waits"),),
+        (),
+    ),
+    ("upstream connect + send (aiohttp)", "before", (("gateway/serving/upstream.py", "post"),), ()),
+    ("index write: prompt sent", "before", (("gateway/serving/planner.py", "record_sent"),), ()),
+    (
+        "index write: prompt loaded",
+        "before",
+        (("gateway/serving/planner.py", "record_loaded"),),
+        (),
+    ),
+    (
+        "first-byte metrics (TTFT histograms)",
+        "before",
+        (("gateway/serving/proxy.py", "_first_byte"),),
+        (),
+    ),
+    (
+        "response headers (decision headers)",
+        "before",
+        (("gateway/serving/proxy.py", "decision_headers"),),
+        (),
+    ),
+    (
+        "relay: chunk reads + usage scan",
+        "per chunk",
+        (("gateway/serving/proxy.py", "_relay"),),
+        SETTLE + LEARN,
+    ),
     ("settlement: usage counters, costs, capture", "after last", SETTLE, ()),
     ("settlement: TTFT fit update (learn)", "after last", LEARN, ()),
-    ("access log line (format + write)", "after last", (("gateway/logs.py", "fields"),
-                                                        ("gateway/logs.py", "key_values"),
-                                                        ("logging/__init__.py", "log")), ()),
-)  # fmt: skip
+    (
+        "access log line (format + write)",
+        "after last",
+        (
+            ("gateway/telemetry/logs.py", "fields"),
+            ("gateway/telemetry/logs.py", "key_values"),
+            ("logging/__init__.py", "log"),
+        ),
+        (),
+    ),
+)
 BACKGROUND_FILES = (
-    "gateway/scraper.py", "gateway/registry.py", "gateway/prewarm.py", "gateway/cost_store.py",
-    "gateway/fit_store.py", "gateway/flow.py", "gateway/tenant_store.py", "httpx/", "httpcore/",
-)  # fmt: skip
+    "gateway/fleet/scraper.py",
+    "gateway/fleet/registry.py",
+    "gateway/serving/prewarm.py",
+    "gateway/accounting/ledger_store.py",
+    "gateway/accounting/fit_store.py",
+    "gateway/serving/flow.py",
+    "gateway/tenancy/store.py",
+    "httpx/",
+    "httpcore/",
+)
 # Where the tasks that serve no request start (health checks, engine-metric scrapes, stores):
 # a request's CPU is the profile's less what ran under these roots.
 
@@ -166,17 +227,20 @@ async def send_sequentially(url: str, requests: int, pid: int) -> dict[str, floa
 
 # Self time of the ASGI layers between uvicorn and the endpoint (the middlewares' own frames).
 MIDDLEWARE_FILES = (
-    "gateway/logs.py",
-    "gateway/exposure.py",
-    "gateway/tracing.py",
-    "gateway/app.py",
+    "gateway/telemetry/logs.py",
+    "gateway/http/exposure.py",
+    "gateway/telemetry/tracing.py",
+    "gateway/http/app.py",
 )
 MIDDLEWARE_NAMES = {"__call__", "wrapped", "tracked", "dispatch", "_serve_hot", "receive", "send"}
 PACKAGES = (
     ("uvicorn + httptools (server)", ("uvicorn/", "httptools")),
     ("asyncio + uvloop (event loop)", ("asyncio/", "uvloop", "{method 'run_until_complete'")),
     ("aiohttp (upstream client)", ("aiohttp/", "multidict", "yarl")),
-    ("prometheus_client + gateway/metrics.py", ("prometheus_client/", "gateway/metrics.py")),
+    (
+        "prometheus_client + gateway/telemetry/metrics.py",
+        ("prometheus_client/", "gateway/telemetry/metrics.py"),
+    ),
     ("starlette + fastapi", ("starlette/", "fastapi/")),
     ("logging", ("logging/",)),
     ("json", ("json/", "orjson")),
@@ -228,8 +292,9 @@ def account(dump: Path, requests: int, unprofiled_us: float) -> dict[str, Any]:
         for key, row in stats.items()
         if key[2] in MIDDLEWARE_NAMES and _where(key).endswith(MIDDLEWARE_FILES)
     )
-    phases.insert(0, {"phase": "middleware layers (own frames)", "when": "both",
-                      "us": middleware * per})  # fmt: skip
+    phases.insert(
+        0, {"phase": "middleware layers (own frames)", "when": "both", "us": middleware * per}
+    )
     packages = []
     for name, needles in PACKAGES:
         self_s = sum(row[2] for key, row in stats.items() if any(n in _where(key) for n in needles))
@@ -241,8 +306,13 @@ def account(dump: Path, requests: int, unprofiled_us: float) -> dict[str, Any]:
     )
     request_us = (total - background) * per
     named = sum(float(r["us"]) for r in phases)
-    phases.append({"phase": "the rest: server, event loop, responses", "when": "both",
-                   "us": request_us - named})  # fmt: skip
+    phases.append(
+        {
+            "phase": "the rest: server, event loop, responses",
+            "when": "both",
+            "us": request_us - named,
+        }
+    )
     for row in phases + packages:
         row["share"] = row["us"] / request_us if request_us else 0.0
         row["scaled_us"] = row["share"] * unprofiled_us

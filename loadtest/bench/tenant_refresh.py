@@ -17,9 +17,9 @@ import time
 
 from redis.asyncio import Redis
 
-from gateway.keys import Keyring
-from gateway.tenant_records import Record, dump
-from gateway.tenant_store import TenantStore
+from gateway.tenancy.keys import Keyring
+from gateway.tenancy.records import Record, dump
+from gateway.tenancy.store import TenantStore
 from loadtest.bench.redis_servers import RedisServer
 from routing.types import TenantClass
 

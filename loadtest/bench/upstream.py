@@ -4,8 +4,8 @@
     python -m loadtest.bench.upstream --quick    # ~20 s
 
 One zero-delay simulated replica (as in loadtest/bench/overhead.py); this process sends it the
-same chat requests the way gateway/proxy.py does (the client's bytes as the body, the answer read
-as a stream: whole for non-streaming, chunk by chunk for streaming), CONCURRENCY in flight over
+same chat requests the way gateway/serving/proxy.py does (the client's bytes as the body, the answer
+read as a stream: whole for non-streaming, chunk by chunk for streaming), CONCURRENCY in flight over
 kept-alive connections, with each client in turn, interleaved in ROUNDS so that the machine's
 drift falls on every client alike. What counts is this process's CPU time per request (the
 replica runs in another process): the gateway's cost of talking to its replicas.

@@ -8,7 +8,7 @@ remote tier that cannot be reached counts as holding nothing, as an LMCache back
   POST /fetch    the engine read these blocks (LMCache's `retrieve`): they count as read
   POST /store    write blocks; the tier keeps the new ones
 Its counters say which stored blocks were evicted without ever being fetched (the ground truth
-of the gateway's "written, never read" estimate, gateway/costs.py).
+of the gateway's "written, never read" estimate, gateway/accounting/ledger.py).
 """
 
 from __future__ import annotations

@@ -54,7 +54,9 @@ from routing.prompt import (
     responses_messages,
 )
 
-NAMESPACE_HEADER = "x-cachelane-namespace"  # same names as the gateway's proxy (gateway/proxy.py)
+NAMESPACE_HEADER = (
+    "x-cachelane-namespace"  # same names as the gateway's proxy (gateway/serving/proxy.py)
+)
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default for max_tokens (API reference)

@@ -1,3 +1,3 @@
 """What-if planning: replay a traffic capture through a cache model and the cost model under
-alternative set-ups (`cachelane plan`). Pure: no IO; the CLI (gateway/plan_cli.py) reads the file
+alternative set-ups (`cachelane plan`). Pure: no IO; the CLI (gateway/cli/plan.py) reads the file
 and prints."""

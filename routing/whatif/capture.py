@@ -1,5 +1,5 @@
-"""The traffic capture's format: what the gateway writes (gateway/capture.py), what the planner
-reads. Pure: records are built from values and parsed from decoded JSON, never from a file.
+"""The traffic capture's format: what the gateway writes (gateway/accounting/capture.py), what the
+planner reads. Pure: records are built from values and parsed from decoded JSON, never from a file.
 
 A capture is JSON lines. The first is the header (the set-up the traffic was served on); then one
 line per answered request, in the order the answers ended; and, every so often and at the end,

@@ -133,7 +133,7 @@ class _Replica:
     queue: list[tuple[int, float, int, _Job]] = field(default_factory=list)
     busy: bool = False
     swaps_in_flight: int = 0
-    # the gateway's view (gateway/registry.py: Replica.load, Registry.reserve)
+    # the gateway's view (gateway/fleet/registry.py: Replica.load, Registry.reserve)
     in_flight: int = 0
     joining: dict[int, tuple[float, int, bool, int | None]] = field(default_factory=dict)
     head_since_s: float = 0.0
@@ -346,7 +346,7 @@ class Fleet:
             return Arrival(routed)
         r = self.by_name[routed.decision.replica]
         write = self.admission(routed, req, hits)
-        # the gateway's bookkeeping once the replica took it (gateway/registry.py reserve, the
+        # the gateway's bookkeeping once the replica took it (gateway/fleet/registry.py reserve, the
         # pipeline's index-write plan)
         score = routed.decision.score()
         priority = ENGINE_PRIORITY[klass] if r.pool.engine_priority else None

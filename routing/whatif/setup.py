@@ -68,7 +68,7 @@ class Setup:
 
     def pipeline_settings(self) -> PipelineSettings:
         """The routing pipeline's settings (routing/pipeline.py) on this set-up, as the gateway
-        builds them from its config (gateway/planner.py pipeline_settings)."""
+        builds them from its config (gateway/serving/planner.py pipeline_settings)."""
         return PipelineSettings(
             policy=Policy(self.policy),
             block_size_tokens=self.block_size_tokens,

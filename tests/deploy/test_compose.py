@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import build_parser as cli_parser
+from gateway.cli.main import build_parser as cli_parser
 from gateway.config import GatewayConfig, load_config
-from gateway.metrics import Metrics
+from gateway.telemetry.metrics import Metrics
 from loadtest.sim.fleet import build_parser as sim_parser
 from tests.deploy.util import COMPOSE_DIR, DEPLOY, load_one, rel, yaml_files
 
@@ -255,7 +255,9 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\b(cachelane_[a-z0-9_]+)", e)}
     missing = used - _exported_metric_names()
-    assert not missing, f"the dashboard queries metrics gateway/metrics.py lacks: {missing}"
+    assert not missing, (
+        f"the dashboard queries metrics gateway/telemetry/metrics.py lacks: {missing}"
+    )
     for required in (
         "cachelane_decisions_total",
         "cachelane_expected_cached_tokens_total",

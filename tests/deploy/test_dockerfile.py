@@ -223,8 +223,8 @@ def test_wheel_is_this_project_with_the_cli(wheel: Path) -> None:
         meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
         entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         assert "Name: cachelane" in z.read(meta).decode()
-        assert "cachelane = gateway.cli:main" in z.read(entry).decode()
-    for package in ("gateway/app.py", "routing/decide.py", "loadtest/sim/fleet.py"):
+        assert "cachelane = gateway.cli.main:main" in z.read(entry).decode()
+    for package in ("gateway/http/app.py", "routing/decide.py", "loadtest/sim/fleet.py"):
         assert package in names, package
 
 

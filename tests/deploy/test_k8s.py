@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.cli import build_parser as cli_parser
+from gateway.cli.main import build_parser as cli_parser
 from gateway.config import ConfigError, GatewayConfig, load_config
 from tests.deploy import kustomize_check
 from tests.deploy.util import COMPOSE_DIR, K8S_DIR, load_docs, load_one, rel, yaml_files

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.http.app import create_app
 from tests.engine.conftest import MODEL, VllmReplica, start_vllm, stop, wait_ready
 from tests.helpers.servers import running_app
 

@@ -21,8 +21,8 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.http.app import create_app
 from loadtest.sim.tiny_tokenizer import BOS, EOS
 from tests.engine.conftest import BLOCK_SIZE_TOKENS, GPU_BLOCKS, MODEL, VllmReplica
 from tests.engine.test_vllm_precise import until

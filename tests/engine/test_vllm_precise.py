@@ -14,12 +14,12 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.engines.events import precise_namespace
 from gateway.engines.tokenizer import PromptTokenizer
-from gateway.planner import engine_salt
-from gateway.tenants import ANONYMOUS
+from gateway.http.app import create_app
+from gateway.serving.planner import engine_salt
+from gateway.tenancy.tenants import ANONYMOUS
 from loadtest.sim.tiny_tokenizer import BOS, EOS
 from routing.hashing import token_block_hashes
 from routing.types import Location, Tier

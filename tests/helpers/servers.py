@@ -32,7 +32,7 @@ async def running_app(
     forwarded_allow_ips: str = "",
 ) -> AsyncIterator[str]:
     """Serve an ASGI app until the block exits; yields its base URL, e.g. http://127.0.0.1:41234.
-    `http`: uvicorn's HTTP protocol (gateway.exposure.HTTP_PROTOCOL: as `cachelane serve`);
+    `http`: uvicorn's HTTP protocol (gateway.http.exposure.HTTP_PROTOCOL: as `cachelane serve`);
     `forwarded_allow_ips`: peers whose X-Forwarded-For is taken ("": none, as `cachelane serve`
     by default: config listen.trusted_proxies)."""
     sock = bind_socket(host, port)

@@ -7,8 +7,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.app import create_app
 from gateway.config import GatewayConfig, parse_config
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from routing.cost import PoolCosts

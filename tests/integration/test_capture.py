@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.plan_cli import run as plan_run
-from gateway.planner import namespace_of
-from gateway.tenants import ANONYMOUS
+from gateway.cli.plan import run as plan_run
+from gateway.serving.planner import namespace_of
+from gateway.tenancy.tenants import ANONYMOUS
 from routing.hashing import block_hashes
 from routing.prompt import chat_text
 from routing.whatif.capture import hex_hashes, parse_capture

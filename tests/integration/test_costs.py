@@ -16,8 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.http.app import create_app
 from loadtest.bench.costs import (
     ADMIN_KEY,
     TENANT_KEYS,

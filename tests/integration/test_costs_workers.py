@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow  # `make check` leaves it out: multi-process gatew
 ADMIN_KEY = "costs-workers-admin-" + "0" * 32
 HBM_TOKENS = 1_600  # 100 blocks: a handful of ~400-token prompts fill it
 REQUESTS = 16
-SHARE_WAIT_S = 2.5  # the workers write their accounting every second (gateway/cost_store.py)
+SHARE_WAIT_S = (
+    2.5  # the workers write their accounting every second (gateway/accounting/ledger_store.py)
+)
 
 
 @asynccontextmanager

@@ -1,4 +1,5 @@
-"""Replica discovery from DNS against a real dnsmasq on a loopback port (gateway/discovery.py).
+"""Replica discovery from DNS against a real dnsmasq on a loopback port
+(gateway/fleet/discovery.py).
 
 A pool names a DNS name instead of URLs; the test changes the name's records while the gateway
 runs and checks that the change is applied within two resolutions (counted on the gateway's own
@@ -23,9 +24,9 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
 from gateway.config import DiscoveryConfig, parse_config
-from gateway.discovery import DiscoveryFailed, make_resolver, resolve
+from gateway.fleet.discovery import DiscoveryFailed, make_resolver, resolve
+from gateway.http.app import create_app
 from loadtest.bench.processes import free_port_run
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app

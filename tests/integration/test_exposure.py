@@ -24,10 +24,10 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.app import create_app
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway.config import ConfigError
-from gateway.exposure import HTTP_PROTOCOL
+from gateway.http.app import create_app
+from gateway.http.exposure import HTTP_PROTOCOL
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app

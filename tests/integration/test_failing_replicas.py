@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.faulty_replica import FaultyReplica, Mode

@@ -31,10 +31,10 @@ from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
 from gateway.config import GatewayConfig, parse_config
-from gateway.proxy import upstream_body
-from gateway.tenants import Tenant
+from gateway.http.app import create_app
+from gateway.serving.proxy import upstream_body
+from gateway.tenancy.tenants import Tenant
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.prefill_queue import SchedulingPolicy
 from loadtest.sim.server import create_sim_app
@@ -588,7 +588,7 @@ async def test_engine_priority_orders_the_replicas_prefill_queue() -> None:
 async def test_pinned_replica_lent_while_idle_and_reclaimed_after_a_critical_spill(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gateway import pinning
+    from gateway.serving import pinning
 
     cooldown_s = 2.0  # LEND_COOLDOWN_S is 5 s; shorter, so the test also sees lending resume
     monkeypatch.setattr(pinning, "LEND_COOLDOWN_S", cooldown_s)

@@ -1,6 +1,6 @@
 """Property-based fuzz of the request bodies: whatever a client sends to the chat, completions
 and responses endpoints, the gateway answers below 500, every error in the OpenAI envelope, and
-keeps serving; and the one request schema (gateway/request_schema.py) holds on all three: every
+keeps serving; and the one request schema (gateway/http/request_schema.py) holds on all three: every
 body it refuses gets a 400. Real gateways (approximate and precise mode) in front of simulated
 replicas on loopback; hypothesis draws bodies shaped like the OpenAI schema with any JSON in any
 place, lone surrogates, numbers past every limit, deep nesting and bytes that are not JSON.
@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.body import BodyError, parse_body
-from gateway.request_schema import schema_problem
+from gateway.http.body import BodyError, parse_body
+from gateway.http.request_schema import schema_problem
 from loadtest.sim.tiny_tokenizer import TinyTokenizerFiles
 from tests.integration.fleet import MODEL, fleet
 from tests.integration.test_input import errors_by_code, is_envelope

@@ -262,7 +262,7 @@ async def test_debug_route_explains_without_sending() -> None:
 async def test_route_explain_picks_the_served_model_and_prints_errors_readably(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from gateway.cli import main
+    from gateway.cli.main import main
 
     async with fleet(2) as f:
         # without --model: the first model the gateway lists

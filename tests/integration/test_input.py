@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import body as body_module
+from gateway.http import body as body_module
 from loadtest.sim.protocol import VOCAB_SIZE
 from loadtest.sim.tiny_tokenizer import TinyTokenizerFiles
 from tests.integration.fleet import MODEL, fleet
@@ -247,8 +247,8 @@ async def test_non_ascii_tenant_and_share_group_are_served(key: str) -> None:
 
 
 def test_namespaces_are_ascii_and_one_to_one() -> None:
-    from gateway.planner import namespace_of
-    from gateway.tenants import Tenant
+    from gateway.serving.planner import namespace_of
+    from gateway.tenancy.tenants import Tenant
     from routing.types import TenantClass
 
     names = ["é", "%C3%A9", "a b", "a%20b", "a\nb", "東京", "\ud800"]

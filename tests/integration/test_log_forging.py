@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.logs import TextFormatter
+from gateway.telemetry.logs import TextFormatter
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.redis_server import RedisServer

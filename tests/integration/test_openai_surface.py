@@ -15,8 +15,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.http.app import create_app
 from tests.helpers.servers import running_app
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 

@@ -1,5 +1,5 @@
-"""`cachelane plan --redis URL`: the cost fits the gateways share in Redis (gateway/fit_store.py)
-price the replay, on a real redis-server of the test session."""
+"""`cachelane plan --redis URL`: the cost fits the gateways share in Redis
+(gateway/accounting/fit_store.py) price the replay, on a real redis-server of the test session."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import redis
 from rich.console import Console
 
-from gateway.fit_store import FITS_KEY
-from gateway.plan_cli import build_parser, plan, read_capture, redis_fit
+from gateway.accounting.fit_store import FITS_KEY
+from gateway.cli.plan import build_parser, plan, read_capture, redis_fit
 from routing.cost import CostTerms, PoolCosts
 from routing.learn import OnlineFit, Sample
 from tests.unit.test_whatif import _header_obj, _request_obj

@@ -15,8 +15,8 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer

@@ -10,7 +10,7 @@ import logging
 import httpx
 import pytest
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL, gateway_config

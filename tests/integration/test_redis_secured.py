@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
 from gateway.config import load_config
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.redis_server import RedisServer
@@ -106,7 +106,7 @@ async def test_gateways_share_tenants_and_index_through_a_secured_redis(
 
 
 async def test_a_gateway_without_the_password_does_not_start(tmp_path: Path) -> None:
-    """A wrong password is a start-up error (gateway/tenant_store.py TenantStoreRefused), not a
+    """A wrong password is a start-up error (gateway/tenancy/store.py TenantStoreRefused), not a
     gateway that serves its file's tenants while ignoring the revocations in Redis."""
     with RedisServer(password="the-real-password") as server:
         wrong = server.url.replace("the-real-password", "a-wrong-password")

@@ -1,5 +1,5 @@
-"""Reloading pools and replicas from the config file (gateway/reload.py): POST /admin/reload under
-load through a uvicorn-served gateway and simulated replicas, and SIGHUP to `cachelane serve`.
+"""Reloading pools and replicas from the config file (gateway/fleet/reload.py): POST /admin/reload
+under load through a uvicorn-served gateway and simulated replicas, and SIGHUP to `cachelane serve`.
 
 Under load (a bounded loop of concurrent requests with the real openai client, streamed and not,
 no client retries): a reload that removes one replica while requests are in flight on it and adds
@@ -29,8 +29,8 @@ import yaml
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.app import create_app
 from gateway.config import load_config
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from routing.types import Location, Tier

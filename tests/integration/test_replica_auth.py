@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app

@@ -33,8 +33,8 @@ import openai
 import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.app import create_app
-from gateway.logs import RequestIdFilter
+from gateway.http.app import create_app
+from gateway.telemetry.logs import RequestIdFilter
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app

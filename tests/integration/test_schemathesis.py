@@ -1,5 +1,5 @@
 """schemathesis against the gateway's own OpenAPI schema: requests generated from
-/openapi.json, the chat and completions bodies included (gateway/openapi.py), sent to a running
+/openapi.json, the chat and completions bodies included (gateway/http/openapi.py), sent to a running
 gateway in front of a simulated replica; none may be answered 5xx (schemathesis's
 not_a_server_error check), and the gateway keeps serving.
 
@@ -20,7 +20,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app

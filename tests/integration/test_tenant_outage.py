@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.tenant_store import TenantStoreRefused
+from gateway.http.app import create_app
+from gateway.tenancy.store import TenantStoreRefused
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.redis_server import RedisServer

@@ -16,9 +16,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.app import create_app
-from gateway.keys import Keyring
-from gateway.tenant_records import Record, dump, load
+from gateway.http.app import create_app
+from gateway.tenancy.keys import Keyring
+from gateway.tenancy.records import Record, dump, load
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from routing.types import TenantClass

@@ -298,8 +298,8 @@ async def test_admin_api_without_restart() -> None:
 
 
 async def test_admin_change_reaches_a_second_gateway_on_the_same_redis(redis_url: str) -> None:
-    from gateway.app import create_app
     from gateway.config import parse_config
+    from gateway.http.app import create_app
     from tests.helpers.servers import running_app
 
     async with tiered_fleet([SHARED], tenants=TENANTS) as f:

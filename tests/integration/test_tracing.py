@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app
@@ -284,7 +284,7 @@ async def test_tracing_is_off_by_default_and_sends_no_traceparent() -> None:
 def test_the_sdk_is_not_imported_when_tracing_is_off() -> None:
     code = (
         "import sys\n"
-        "from gateway.app import create_app\n"
+        "from gateway.http.app import create_app\n"
         "from tests.integration.fleet import gateway_config\n"
         "create_app(gateway_config(['http://127.0.0.1:9']))\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n"

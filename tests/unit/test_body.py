@@ -1,4 +1,4 @@
-"""gateway/body.py: the request body parser's bounds, and large bodies parsed off the event loop."""
+"""gateway/http/body.py: the body parser's bounds, and large bodies parsed off the event loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gateway.body import BodyError, parse_body, parse_body_async
+from gateway.http.body import BodyError, parse_body, parse_body_async
 
 
 @pytest.mark.parametrize(

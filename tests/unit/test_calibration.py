@@ -1,4 +1,4 @@
-"""gateway/calibration.py: what the gateway learns from each observed TTFT, per mode."""
+"""gateway/accounting/calibration.py: what the gateway learns from each observed TTFT, per mode."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.calibration import (
+from gateway.accounting.calibration import (
     CORRECTION_BOUNDS,
     MIN_OWN_SAMPLES,
     CostLearner,
@@ -15,8 +15,8 @@ from gateway.calibration import (
     sample_of,
 )
 from gateway.config import parse_config
-from gateway.metrics import Metrics
-from gateway.registry import Registry, Replica
+from gateway.fleet.registry import Registry, Replica
+from gateway.telemetry.metrics import Metrics
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, estimate
 from routing.decide import Score
 
@@ -122,8 +122,8 @@ def test_a_new_replica_uses_its_pools_fit_until_it_has_its_own() -> None:
 
 def test_a_replica_that_joins_later_starts_from_the_pools_latest_fit() -> None:
     """Once both replicas have their own fits the pool's is solved only every few observations
-    (gateway/calibration.py POOL_REFIT_EVERY); a replica joining after the fleet slowed down
-    starts from a pool fit that followed the slowdown."""
+    (gateway/accounting/calibration.py POOL_REFIT_EVERY); a replica joining after the fleet slowed
+    down starts from a pool fit that followed the slowdown."""
     rs = replicas()
     learner = CostLearner("fit", rs, Metrics())
     rng = random.Random(3)

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.components import Background, Component, Resource, loop, start_all
 from gateway.config import parse_config
-from gateway.flow import ClassLimits, FlowControl
+from gateway.serving.flow import ClassLimits, FlowControl
 from gateway.wiring import build_gateway
 from routing.types import TenantClass
 

@@ -209,7 +209,7 @@ def test_bad_engine_keys_are_named(data: dict[str, object], names: str) -> None:
 
 def test_the_engine_flags_reach_the_cost_model() -> None:
     """vLLM's defaults unless given; engine_priority implies the priority policy."""
-    from gateway.registry import Registry
+    from gateway.fleet.registry import Registry
     from routing.cost import EngineSettings
 
     default = parse_config(_pool()).pools[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway.config import ConfigError, load_config
 
 CONFIG = """\

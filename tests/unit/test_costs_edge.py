@@ -1,13 +1,13 @@
-"""gateway/costs.py: HBM churn from the index's removals, the snapshot's shape and windows."""
+"""gateway/accounting/ledger.py: HBM churn from index removals, the snapshot, windows."""
 
 from __future__ import annotations
 
 import pytest
 
+from gateway.accounting.ledger import CostAccounting
 from gateway.config import parse_config
-from gateway.costs import CostAccounting
-from gateway.metrics import Metrics
-from gateway.registry import Registry
+from gateway.fleet.registry import Registry
+from gateway.telemetry.metrics import Metrics
 from routing.index import MemoryIndex
 from routing.types import Location, Tier
 

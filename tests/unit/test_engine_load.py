@@ -4,8 +4,8 @@ import time
 import pytest
 
 from gateway.config import parse_config
-from gateway.registry import Joining, Registry, Replica
-from gateway.scraper import EngineLoad, parse_engine_load
+from gateway.fleet.registry import Joining, Registry, Replica
+from gateway.fleet.scraper import EngineLoad, parse_engine_load
 from routing.cost import Load
 
 VLLM = """\

@@ -1,4 +1,4 @@
-"""gateway/findings.py: merging gateways' windows, and each rule at its threshold."""
+"""gateway/accounting/findings.py: merging gateways' windows, and each rule at its threshold."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway import findings as f
-from gateway.report import as_json, parse_window
+from gateway.accounting import findings as f
+from gateway.cli.report import as_json, parse_window
 from routing.accounting import FIELDS
 
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""gateway/fleet.py: replicas joining and leaving, and what each change reaches.
+"""gateway/fleet/membership.py: replicas joining and leaving, and what each change reaches.
 
 The replicas' URLs refuse connections (ports 1-3 on loopback), so the health check run as a
 replica joins fails at once and nothing else is contacted.
@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.calibration import CostLearner
+from gateway.accounting.calibration import CostLearner
 from gateway.config import GatewayConfig, PoolConfig, parse_config
-from gateway.fleet import Fleet
-from gateway.metrics import Metrics
-from gateway.registry import HealthChecker, Registry
+from gateway.fleet.membership import Fleet
+from gateway.fleet.registry import HealthChecker, Registry
+from gateway.telemetry.metrics import Metrics
 from routing.index import MemoryIndex
 from routing.types import Location, Tier
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.flow import ClassLimits, FlowControl, Shed
+from gateway.serving.flow import ClassLimits, FlowControl, Shed
 from routing.types import TenantClass
 
 C, S, B = TenantClass.CRITICAL, TenantClass.STANDARD, TenantClass.BATCH

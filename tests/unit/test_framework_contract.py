@@ -1,7 +1,7 @@
 """What the gateway relies on inside its web framework, beyond the frameworks' documented APIs.
 
-gateway/exposure.py's header deadline subclasses uvicorn's HttpToolsProtocol (uvicorn has no
-setting for a deadline on a request's headers), and gateway/app.py's ASGI entry wraps the hot
+gateway/http/exposure.py's header deadline subclasses uvicorn's HttpToolsProtocol (uvicorn has no
+setting for a deadline on a request's headers), and gateway/http/app.py's ASGI entry wraps the hot
 endpoints in the app's `user_middleware`. pyproject.toml bounds uvicorn, starlette and fastapi to
 the versions these were tested on; when an upgrade moves what they use, these tests say what moved
 before the integration tests (tests/integration/test_exposure.py) show only a symptom."""
@@ -19,13 +19,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from gateway.exposure import POLICY_STATE_KEY, ConnectionPolicy
+from gateway.http.exposure import POLICY_STATE_KEY, ConnectionPolicy
 
 httptools_impl = pytest.importorskip("uvicorn.protocols.http.httptools_impl")
-from gateway.exposure import DeadlineHttpToolsProtocol  # noqa: E402  (needs httptools)
+from gateway.http.exposure import DeadlineHttpToolsProtocol  # noqa: E402  (needs httptools)
 
 MOVED = (
-    "uvicorn {version} changed HttpToolsProtocol.{name}, which gateway/exposure.py's header "
+    "uvicorn {version} changed HttpToolsProtocol.{name}, which gateway/http/exposure.py's header "
     "deadline overrides or reads: adapt DeadlineHttpToolsProtocol, or keep uvicorn within the "
     "range pyproject.toml names"
 )
@@ -109,6 +109,6 @@ def test_the_app_middlewares_the_hot_entry_wraps_are_where_starlette_keeps_them(
     assert all(isinstance(m, Middleware) for m in app.user_middleware)
     cls, args, kwargs = app.user_middleware[0]
     assert (cls, args, kwargs) == (Marker, (), {"tag": "outer"}), (
-        f"starlette {version('starlette')} changed FastAPI.user_middleware, which gateway/app.py's "
-        "hot entry wraps its endpoints in"
+        f"starlette {version('starlette')} changed FastAPI.user_middleware, which "
+        "gateway/http/app.py's hot entry wraps its endpoints in"
     )

@@ -2,7 +2,7 @@ import gc
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.heap import CollectionTimer
+from gateway.telemetry.heap import CollectionTimer
 
 
 def samples(timer: CollectionTimer) -> dict[tuple[str, str, str], float]:

@@ -11,7 +11,7 @@ import pytest
 from gateway.engines.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from gateway.engines.feed import ReplicaFeed
 from gateway.engines.vllm import encode_batch, encode_seq
-from gateway.metrics import Metrics
+from gateway.telemetry.metrics import Metrics
 from routing.hashing import token_block_hashes
 from routing.index import MemoryIndex
 from routing.types import Location, Tier

@@ -1,4 +1,4 @@
-"""gateway/logs.py: request id cleaning, the request id filter, and the two log formats."""
+"""gateway/telemetry/logs.py: request id cleaning, the request id filter, the two log formats."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from gateway.logs import (
+from gateway.telemetry.logs import (
     _BARE_VALUE,
     JsonFormatter,
     RequestIdFilter,

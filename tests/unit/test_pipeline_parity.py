@@ -17,17 +17,17 @@ from typing import Any
 
 import pytest
 
-import gateway.planner
-import gateway.registry
-from gateway.capture import header
+import gateway.fleet.registry
+import gateway.serving.planner
+from gateway.accounting.capture import header
 from gateway.config import GatewayConfig, parse_config
-from gateway.errors import ApiError
-from gateway.metrics import Metrics
-from gateway.planner import Plan, Planner
-from gateway.registry import Registry
-from gateway.request_input import PromptHasher, engine_salt
-from gateway.reuse import ReuseCounter
-from gateway.tenants import Tenant
+from gateway.fleet.registry import Registry
+from gateway.http.errors import ApiError
+from gateway.index.reuse import ReuseCounter
+from gateway.serving.planner import Plan, Planner
+from gateway.serving.request_input import PromptHasher, engine_salt
+from gateway.telemetry.metrics import Metrics
+from gateway.tenancy.tenants import Tenant
 from routing.index import MemoryIndex, record_prompt
 from routing.types import Location, TenantClass, Tier
 from routing.whatif.capture import CapturedRequest, HitTiers, parse_capture
@@ -208,7 +208,7 @@ class Gateway:
             return Routed(None, None, _fallback_of(err), refused, False)
         replica = self.registry.replicas[plan.decision.replica]
         score = plan.decision.score()
-        self.registry.reserve(  # as gateway/proxy.py _reserve does
+        self.registry.reserve(  # as gateway/serving/proxy.py _reserve does
             replica,
             prefill_tokens=score.overlap.prompt_tokens - score.expected_cached_tokens,
             swaps=1 if score.overlap.cpu_tokens else 0,
@@ -286,8 +286,8 @@ class StillClock:
 
 @pytest.fixture
 def still_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gateway.registry, "time", StillClock)
-    monkeypatch.setattr(gateway.planner, "time", StillClock)
+    monkeypatch.setattr(gateway.fleet.registry, "time", StillClock)
+    monkeypatch.setattr(gateway.serving.planner, "time", StillClock)
 
 
 @pytest.mark.usefixtures("still_clock")

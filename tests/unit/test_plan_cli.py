@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.plan_cli import _targets, read_capture
+from gateway.cli.plan import _targets, read_capture
 from routing.whatif.capture import CaptureError
 from tests.unit.test_whatif import _header_obj, _request_obj
 

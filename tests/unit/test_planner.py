@@ -1,4 +1,4 @@
-"""gateway/planner.py with a real in-process index (MemoryIndex) and registry, no network."""
+"""gateway/serving/planner.py with a real in-process index (MemoryIndex) and registry."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from gateway.config import GatewayConfig, parse_config
-from gateway.errors import ApiError
-from gateway.metrics import Metrics
-from gateway.planner import Plan, Planner
-from gateway.registry import Registry
-from gateway.reuse import ReuseCounter
-from gateway.tenants import Tenant
+from gateway.fleet.registry import Registry
+from gateway.http.errors import ApiError
+from gateway.index.reuse import ReuseCounter
+from gateway.serving.planner import Plan, Planner
+from gateway.telemetry.metrics import Metrics
+from gateway.tenancy.tenants import Tenant
 from routing.admission import AdmissionVerdict
 from routing.decide import Reason
 from routing.filters import Fallback

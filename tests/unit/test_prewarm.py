@@ -1,4 +1,4 @@
-"""gateway/prewarm.py: what a hot prefix enqueues and what the worker sends (to a MockTransport)."""
+"""gateway/serving/prewarm.py: what a hot prefix enqueues, what the worker sends (MockTransport)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from gateway.config import GatewayConfig, parse_config
-from gateway.metrics import Metrics
-from gateway.planner import Plan, Planner
-from gateway.prewarm import Prewarmer
-from gateway.registry import Registry
-from gateway.reuse import ReuseCounter
-from gateway.tenants import Tenant
+from gateway.fleet.registry import Registry
+from gateway.index.reuse import ReuseCounter
+from gateway.serving.planner import Plan, Planner
+from gateway.serving.prewarm import Prewarmer
+from gateway.telemetry.metrics import Metrics
+from gateway.tenancy.tenants import Tenant
 from routing.index import MemoryIndex, record_prompt
 from routing.prompt import approx_tokens, chat_text
 from routing.types import Location, TenantClass, Tier

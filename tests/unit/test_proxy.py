@@ -1,6 +1,6 @@
-"""gateway/proxy.py against fake replicas answering in process through the Upstream interface
-(gateway/upstream.py, whose aiohttp implementation tests/unit/test_upstream.py tests on real
-sockets)."""
+"""gateway/serving/proxy.py against fake replicas answering in process through the Upstream
+interface (gateway/serving/upstream.py, whose aiohttp implementation tests/unit/test_upstream.py
+tests on real sockets)."""
 
 from __future__ import annotations
 
@@ -16,22 +16,22 @@ import pytest
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from gateway.calibration import CostLearner
+from gateway.accounting.calibration import CostLearner
 from gateway.config import GatewayConfig, parse_config
-from gateway.errors import ApiError
-from gateway.metrics import Metrics
-from gateway.planner import Plan, Planner
-from gateway.proxy import Proxy
-from gateway.registry import Registry, Replica
-from gateway.reuse import ReuseCounter
-from gateway.settlement import observers
-from gateway.tenants import Tenant
-from gateway.upstream import (
+from gateway.fleet.registry import Registry, Replica
+from gateway.http.errors import ApiError
+from gateway.index.reuse import ReuseCounter
+from gateway.serving.planner import Plan, Planner
+from gateway.serving.proxy import Proxy
+from gateway.serving.settlement import observers
+from gateway.serving.upstream import (
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamResponse,
     UpstreamTimeout,
 )
+from gateway.telemetry.metrics import Metrics
+from gateway.tenancy.tenants import Tenant
 from routing.index import MemoryIndex
 from routing.types import Location, TenantClass, Tier
 

@@ -1,5 +1,5 @@
-"""routing/ratelimit.py: GCRA per minute. The Redis script (gateway/limits.py) is checked against
-the same table in tests/integration/test_rate_limits.py."""
+"""routing/ratelimit.py: GCRA per minute. The Redis script (gateway/tenancy/rate_limits.py) is
+checked against the same table in tests/integration/test_rate_limits.py."""
 
 from __future__ import annotations
 

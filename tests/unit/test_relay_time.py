@@ -1,6 +1,6 @@
 import pytest
 
-from gateway.relay_time import RelayTime
+from gateway.serving.relay_time import RelayTime
 
 
 def test_nothing_seen_is_zero() -> None:

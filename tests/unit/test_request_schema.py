@@ -1,4 +1,4 @@
-"""gateway/request_schema.py: one schema for chat, completions and responses, table-driven."""
+"""gateway/http/request_schema.py: one schema for chat, completions and responses, table-driven."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gateway.request_schema import schema_problem
+from gateway.http.request_schema import schema_problem
 
 USER = {"role": "user", "content": "hi"}
 

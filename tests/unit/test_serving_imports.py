@@ -1,6 +1,6 @@
-"""Serving loads only what serving needs: `cachelane serve` imports gateway.app and gateway.cli, and
-neither may pull in the load-testing code or its heavy dependencies (`sim` and `demo` are imported
-only when those commands run), so the plain `pip install cachelane` serves."""
+"""Serving loads only what serving needs: `cachelane serve` imports gateway.http.app and
+gateway.cli.main, and neither may pull in the load-testing code or its heavy dependencies (`sim` and
+`demo` are imported only when those commands run), so the plain `pip install cachelane` serves."""
 
 import functools
 import json
@@ -26,8 +26,8 @@ PROBE = """
 import json, sys
 for name in sys.argv[1:]:  # as if not installed: importing it raises ImportError
     sys.modules[name] = None
-import gateway.app, gateway.cli, gateway.plan_cli, gateway.report
-gateway.cli.build_parser()  # `cachelane --help` lists sim and demo without importing them
+import gateway.http.app, gateway.cli.main, gateway.cli.plan, gateway.cli.report
+gateway.cli.main.build_parser()  # `cachelane --help` lists sim and demo without importing them
 print(json.dumps(sorted({name.split(".")[0] for name in sys.modules if sys.modules[name]})))
 """
 

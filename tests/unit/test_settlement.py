@@ -2,9 +2,10 @@
 (streamed and whole), a client gone before and after the first byte, an upstream error, a retry
 onto another replica, a request held by flow control whose client leaves.
 
-gateway/proxy.py against the in-process fake replicas of tests/unit/test_proxy.py; a listener on
-the registry counts each reservation's releases, a recording observer each answer's settlements.
-The flow-control exits run through the real gateway.handling.hold and the handler's own `_hold`."""
+gateway/serving/proxy.py against the in-process fake replicas of tests/unit/test_proxy.py; a
+listener on the registry counts each reservation's releases, a recording observer each answer's
+settlements. The flow-control exits run through the real gateway.serving.handling.hold and the
+handler's own `_hold`."""
 
 from __future__ import annotations
 
@@ -19,17 +20,17 @@ import httpx
 import pytest
 from fastapi import Request
 
-from gateway.app import _hold
 from gateway.config import parse_config
-from gateway.disconnect import while_client_waits
-from gateway.errors import ApiError
-from gateway.handling import dispatch_now
-from gateway.lease import Lease
-from gateway.proxy import Proxy, RelayResponse
-from gateway.registry import Joining, Registry, Reservation
-from gateway.settlement import Observer, Settled, Settlement, observers
+from gateway.fleet.registry import Joining, Registry, Reservation
+from gateway.http.app import _hold
+from gateway.http.disconnect import while_client_waits
+from gateway.http.errors import ApiError
+from gateway.serving.handling import dispatch_now
+from gateway.serving.lease import Lease
+from gateway.serving.proxy import Proxy, RelayResponse
+from gateway.serving.settlement import Observer, Settled, Settlement, observers
+from gateway.serving.upstream import UpstreamDisconnected
 from gateway.state import Gateway
-from gateway.upstream import UpstreamDisconnected
 from gateway.wiring import build_gateway
 from tests.unit.test_proxy import (
     ASGI_23,
@@ -54,7 +55,7 @@ from tests.unit.test_proxy import (
 
 
 class Releases:
-    """A registry load listener (gateway/registry.py LoadListener) that counts each
+    """A registry load listener (gateway/fleet/registry.py LoadListener) that counts each
     reservation's releases."""
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""gateway/siblings.py: two workers' ends in one process, on real Unix sockets in a temporary
+"""gateway/fleet/siblings.py: two workers' ends in one process, on real Unix sockets in a temporary
 directory (each end named after a live process: this one and its parent)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import parse_config
-from gateway.registry import Registry
-from gateway.siblings import Siblings, merge_expositions
+from gateway.fleet.registry import Registry
+from gateway.fleet.siblings import Siblings, merge_expositions
 from routing.index import MemoryIndex
 from routing.types import Location, Tier
 

@@ -1,11 +1,11 @@
-"""The tenant name rule (gateway/tenants.py), table-driven, and the same rule in config files."""
+"""The tenant name rule (gateway/tenancy/tenants.py), table-driven, and in config files."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.tenants import MAX_TENANT_NAME_CHARS, name_key, name_problem
+from gateway.tenancy.tenants import MAX_TENANT_NAME_CHARS, name_key, name_problem
 
 KEY = "k" * 32
 

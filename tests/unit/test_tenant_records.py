@@ -1,5 +1,5 @@
-"""Signed tenant records (gateway/tenant_records.py), key digests (gateway/keys.py) and the auth
-section of the config: what is trusted, what is refused and why."""
+"""Signed tenant records (gateway/tenancy/records.py), key digests (gateway/tenancy/keys.py) and the
+auth section of the config: what is trusted, what is refused and why."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway.config import ConfigError, parse_config
-from gateway.keys import Keyring
-from gateway.tenant_records import Record, RecordError, dump, load, tombstone
+from gateway.tenancy.keys import Keyring
+from gateway.tenancy.records import Record, RecordError, dump, load, tombstone
 from routing.types import TenantClass
 
 SECRET = "s" * 40

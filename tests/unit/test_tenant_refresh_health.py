@@ -1,4 +1,4 @@
-"""gateway/tenant_store.py RefreshHealth: failed reads of the tenants are counted every time,
+"""gateway/tenancy/store.py RefreshHealth: failed reads of the tenants are counted every time,
 logged at a bounded rate (a clock of the test's own: no timing), and shown in /ready's status."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import pytest
 from redis.exceptions import AuthenticationError, TimeoutError
 
-from gateway.tenant_store import REFRESH_LOG_EVERY_S, RefreshHealth
+from gateway.tenancy.store import REFRESH_LOG_EVERY_S, RefreshHealth
 
 
 class Clock:

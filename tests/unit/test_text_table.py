@@ -1,8 +1,8 @@
-"""The command line's plain-text tables (gateway/text_table.py): aligned columns, sections."""
+"""The command line's plain-text tables (gateway/cli/text_table.py): aligned columns, sections."""
 
 import pytest
 
-from gateway.text_table import TextTable
+from gateway.cli.text_table import TextTable
 
 
 def test_columns_are_as_wide_as_their_widest_cell_and_numbers_align_right() -> None:

@@ -1,5 +1,5 @@
-"""gateway/upstream.py's aiohttp client against real loopback servers (raw asyncio sockets, so
-each test controls every byte the replica sends and sees when the gateway hangs up)."""
+"""gateway/serving/upstream.py's aiohttp client against real loopback servers (raw asyncio sockets,
+so each test controls every byte the replica sends and sees when the gateway hangs up)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.upstream import (
+from gateway.serving.upstream import (
     AiohttpUpstream,
     UpstreamConnectError,
     UpstreamDisconnected,

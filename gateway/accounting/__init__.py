@@ -1,0 +1,1 @@
+"""What offloading costs and what the gateway learns: ledgers, capture, findings, fits."""

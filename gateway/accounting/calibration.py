@@ -1,0 +1,244 @@
+"""Calibration: keep each replica's cost terms true to what the gateway observes.
+
+After every streamed request the gateway knows what the request cost (tokens queued ahead,
+prefilled, swapped in, fetched: the decision's estimate, corrected by the engine's own
+`usage.prompt_tokens_details.cached_tokens` when the stream carries it) and its time to first
+byte. `routing.calibration` says what is done with that:
+
+  fit         routing/learn.py fits each replica's terms online. A replica with fewer than
+              MIN_OWN_SAMPLES observations uses its pool's fit (every replica of the pool feeds
+              it), so a new replica starts from what its siblings taught.
+  correction  one multiplicative factor per replica, a moving geometric mean of observed /
+              estimated TTFT bounded to CORRECTION_BOUNDS (kept as a baseline).
+  none        the pool's configured constants.
+
+Non-streamed responses arrive whole, so their first byte includes the decode; only prefill-only
+ones (max_tokens <= 1, such as prewarms) are observations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.fleet.registry import Replica
+from gateway.telemetry.metrics import Metrics
+from routing.cost import CostTerms
+from routing.decide import Score
+from routing.learn import TERMS, OnlineFit, Sample
+
+Mode = Literal["fit", "correction", "none"]
+
+MIN_OWN_SAMPLES = 20
+# Below 20 observations a replica's own 4-term fit is still mostly prior; its pool's is not.
+POOL_REFIT_EVERY = 8
+# Once every replica of a pool has its own fit, the pool's is read only by a replica that joins:
+# it takes every observation but is solved every 8th (the solve is the fit's costly step,
+# routing/learn.py).
+
+MIN_ESTIMATE_S = 0.005
+# correction mode: below 5 ms the observation is dominated by the network round trip and the first
+# decode step, which a single factor cannot separate from the prefill.
+EWMA_WEIGHT = 0.05  # correction mode: ~the last 20 observations
+CORRECTION_BOUNDS = (0.25, 4.0)  # correction mode: a 4x miss was taken for misconfiguration
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    replica: Replica
+    score: Score  # the decision's view of this replica when the request was sent
+    observed_s: float  # time to first byte
+    cached_tokens: int | None  # what the engine reported, when the response carried usage
+
+
+def sample_of(
+    score: Score, observed_s: float, cached_tokens: int | None, remote_fixed_s: float = 0.0
+) -> Sample:
+    """The regression sample of one request: the tokens the decision expected in each tier,
+    moved to "prefilled" (or from it) by what the engine says it actually reused. A request that
+    fetched from the remote tier paid the tier's fixed cost per fetch (`remote_fixed_s`, a
+    configured constant the fit does not learn, routing/cost.py): it is taken out of the
+    observation, or the fit would spread it over the per-token rates."""
+    o, e = score.overlap, score.estimate
+    fetched = o.remote_tokens if e.remote_fetch else 0
+    uncached = o.prompt_tokens - o.hbm_tokens - o.cpu_tokens - fetched
+    swapped = o.cpu_tokens
+    if cached_tokens is not None:
+        missing = (o.hbm_tokens + swapped + fetched) - cached_tokens
+        if missing > 0:  # the engine reused less than expected: the rest was prefilled
+            from_fetch = min(missing, fetched)
+            from_swap = min(missing - from_fetch, swapped)
+            fetched -= from_fetch
+            swapped -= from_swap
+            uncached += missing
+        elif missing < 0:  # it reused more than the estimate counted on
+            extra = -missing
+            if o.remote_tokens and not e.remote_fetch:
+                # the estimate would have recomputed what the remote tier held; the engine
+                # loaded it instead (a KV connector loads what it finds): that time is a fetch's
+                moved = min(extra, o.remote_tokens)
+                fetched += moved
+                uncached -= moved
+                extra -= moved
+            uncached = max(0, uncached - extra)  # the rest: HBM the index did not know of
+    share = e.swap_tokens / o.cpu_tokens if o.cpu_tokens else 1.0  # 1 + swap-ins sharing PCIe
+    return Sample(
+        queued_tokens=e.queue_tokens,
+        uncached_tokens=float(uncached),
+        swapped_tokens=float(swapped * share),
+        fetched_tokens=float(fetched),
+        observed_s=observed_s - remote_fixed_s if fetched else observed_s,
+        steps=e.steps,
+    )
+
+
+class CostLearner:
+    """Per-replica cost terms for the decision, learned as `routing.calibration` says."""
+
+    def __init__(self, mode: Mode, replicas: Iterable[Replica], metrics: Metrics) -> None:
+        self.mode = mode
+        self._metrics = metrics
+        self._replicas: dict[str, Replica] = {}
+        self._own: dict[str, OnlineFit] = {}
+        self._pooled: dict[str, OnlineFit] = {}
+        for r in replicas:
+            self.add(r)
+
+    def add(self, r: Replica) -> None:
+        """Learn for a replica that joined, or whose pool's costs changed: its own fit, and the
+        pool's if it was seeded from other costs, start again from the new seed."""
+        seed = CostTerms.seed(r.costs)
+        self._replicas[r.name] = r
+        self._own[r.name] = OnlineFit(seed)
+        pooled = self._pooled.get(r.pool.name)
+        if pooled is None or pooled.seed != seed:
+            self._pooled[r.pool.name] = OnlineFit(seed)
+        else:
+            pooled.refit()  # the newcomer reads it: solve what it took since its last refit
+        r.terms = None if self.mode == "none" else self.terms_of(r.name)
+        self._export(r)
+
+    def remove(self, name: str) -> None:
+        """Forget a replica that left (its pool's fit stays)."""
+        self._replicas.pop(name, None)
+        self._own.pop(name, None)
+
+    def observe(self, ob: Observation) -> None:
+        replica, est_s = ob.replica, ob.score.estimate.ttft_s
+        if self._replicas.get(replica.name) is not replica:
+            return  # it left the fleet while this request was finishing
+        if ob.observed_s > 0:
+            self._metrics.estimate_error.labels(replica.name).observe(
+                abs(est_s - ob.observed_s) / ob.observed_s
+            )
+            self._metrics.estimate_ratio.labels(replica.name).observe(
+                ob.observed_s / est_s if est_s > 0 else 0.0
+            )
+        if self.mode == "fit":
+            remote_fixed_s = replica.costs.remote_fixed_s
+            sample = sample_of(ob.score, ob.observed_s, ob.cached_tokens, remote_fixed_s)
+            if self._own[replica.name].update(sample):
+                pooled = self._pooled[replica.pool.name]
+                read = self._pool_fit_in_use(replica.pool.name)
+                pooled.update(sample, refit=read or pooled.samples % POOL_REFIT_EVERY == 0)
+                if read:
+                    self._refresh_pool(replica.pool.name)
+                else:  # only its own fit moved
+                    replica.terms = self.terms_of(replica.name)
+                    self._export(replica)
+        elif self.mode == "correction":
+            self._correct(replica, est_s, ob.observed_s)
+
+    def _correct(self, replica: Replica, est_s: float, observed_s: float) -> None:
+        if est_s < MIN_ESTIMATE_S or observed_s <= 0:
+            return
+        low, high = CORRECTION_BOUNDS
+        ratio = min(high, max(low, observed_s / est_s))  # est_s already carries the factor
+        factor = replica.correction * ratio
+        log_c = (1 - EWMA_WEIGHT) * math.log(replica.correction) + EWMA_WEIGHT * math.log(factor)
+        replica.correction = min(high, max(low, math.exp(log_c)))
+        replica.terms = CostTerms.seed(replica.costs).scaled(replica.correction)
+        self._metrics.correction.labels(replica.name).set(replica.correction)
+        self._export(replica)
+
+    def _pool_fit_in_use(self, pool: str) -> bool:
+        """Does a replica of `pool` still use the pool's fit (too few observations of its own)?"""
+        return any(
+            r.pool.name == pool and self._own[name].samples < MIN_OWN_SAMPLES
+            for name, r in self._replicas.items()
+        )
+
+    def _refresh_pool(self, pool: str) -> None:
+        for r in self._replicas.values():
+            if r.pool.name == pool:
+                r.terms = self.terms_of(r.name)
+                self._export(r)
+
+    def terms_of(self, replica: str) -> CostTerms:
+        r = self._replicas[replica]
+        if self.mode == "none":
+            return CostTerms.seed(r.costs)
+        if self.mode == "correction":
+            return CostTerms.seed(r.costs).scaled(r.correction)
+        own = self._own[replica]
+        if own.samples >= MIN_OWN_SAMPLES:
+            return own.terms()
+        pooled = self._pooled[r.pool.name].terms()
+        return CostTerms(*pooled.as_vector(), samples=own.samples)
+
+    def _export(self, r: Replica) -> None:
+        terms = self.terms_of(r.name)
+        for name, value in zip(TERMS, terms.as_vector(), strict=True):
+            self._metrics.cost_fit.labels(r.name, name).set(value)
+        self._metrics.cost_fit_samples.labels(r.name).set(self._own[r.name].samples)
+
+    def describe(self) -> dict[str, Any]:
+        """For /debug/route and route-explain: the terms in use per replica, and their source."""
+        out: dict[str, Any] = {"mode": self.mode, "replicas": {}}
+        for name, r in self._replicas.items():
+            terms = self.terms_of(name)
+            own = self._own[name].samples
+            source = {
+                "none": "config",
+                "correction": "config x correction",
+                "fit": "own fit" if own >= MIN_OWN_SAMPLES else f"pool {r.pool.name!r} fit",
+            }[self.mode]
+            out["replicas"][name] = {
+                "source": source,
+                "samples": own,
+                "pool_samples": self._pooled[r.pool.name].samples,
+                "fixed_ms": round(terms.fixed_s * 1000, 3),
+                "prefill_tokens_per_s": round(1 / terms.prefill_s_per_token, 1),
+                "swap_tokens_per_s": round(1 / terms.swap_s_per_token, 1),
+                "fetch_tokens_per_s": round(1 / terms.fetch_s_per_token, 1),
+                "step_ms": round(terms.step_s * 1000, 3),
+            }
+        return out
+
+    def states(self) -> dict[str, dict[str, object]]:
+        """The fits' states, by replica and by pool (key "pool:NAME"), for sharing."""
+        out = {name: fit.to_dict() for name, fit in self._own.items()}
+        out |= {f"pool:{name}": fit.to_dict() for name, fit in self._pooled.items()}
+        return out
+
+    def resume(self, states: dict[str, dict[str, object]]) -> int:
+        """Adopt states another gateway shared (only where they have more samples than ours);
+        returns how many fits were adopted."""
+        adopted = 0
+        for key, data in states.items():
+            pool = key.removeprefix("pool:") if key.startswith("pool:") else None
+            table = self._pooled if pool is not None else self._own
+            name = pool if pool is not None else key
+            mine = table.get(name)
+            if mine is None:
+                continue
+            theirs = OnlineFit.from_dict(mine.seed, data)
+            if theirs.samples > mine.samples:
+                table[name] = theirs
+                adopted += 1
+        if adopted and self.mode == "fit":
+            for pool in self._pooled:
+                self._refresh_pool(pool)
+        return adopted

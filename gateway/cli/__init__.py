@@ -1,0 +1,1 @@
+"""`cachelane`'s commands."""

@@ -1,0 +1,1 @@
+"""The replicas: registry, health and load scrapes, discovery, reloads, sibling workers."""

@@ -1,0 +1,289 @@
+"""What the gateway exposes to whoever can connect: how long a client may take to send a request,
+how many bad keys an address may try, and who may read /metrics and /ready.
+
+Read deadlines. uvicorn closes an idle keep-alive connection (timeout_keep_alive) but sets no
+deadline on a request being sent: measured with `python -m loadtest.bench.read_deadlines`
+(uvicorn 0.55), a socket that sends nothing, one that sends a request line and a header without
+the blank line, and one that sends 10 of the 100 body bytes its headers promise were all still
+open after 60 s, under h11 and httptools alike. Two deadlines close that:
+
+- headers (`listen.header_timeout_s`): DeadlineHttpToolsProtocol, uvicorn's httptools protocol
+  with one timer, armed when a connection opens and after each answer (unless a pipelined request
+  is already parsed), disarmed when a request's headers are complete; when it fires the
+  connection is closed. `cachelane serve` runs uvicorn with it (HTTP_PROTOCOL).
+- body (`listen.body_timeout_s`): ReadDeadline, an ASGI middleware that gives each request's
+  body reads one deadline from when its headers were complete; past it the read raises
+  BodyTimeout, answered 408 `request_timeout` with `connection: close` (uvicorn then closes the
+  connection).
+
+Failed authentication: FailedAuthLimit counts 401 answers per client address and per credential
+presented (routing/ratelimit.py's GCRA, `rate_limits.failed_auth_per_min` a minute); once one has
+used its budget, its failures are answered 429 with Retry-After (a request without a key from a
+held address unread) until one more failure would fit. A valid key is never refused by it.
+
+Monitoring endpoints: `exposure.metrics_auth` / `ready_auth` put /metrics and /ready behind the
+monitoring key (`exposure.api_key`) or the admin key (require_monitoring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.http.errors import ApiError
+from routing.ratelimit import charge
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+log = logging.getLogger("cachelane.exposure")
+
+POLICY_STATE_KEY = "cachelane_connections"  # the lifespan state entry the protocol reads
+MAX_TRACKED_ADDRESSES = 100_000
+# Failed-auth state kept for at most this many client addresses and credential hashes (least
+# recently failed dropped): ~100 bytes each, ~10 MB at most, whatever a flood of source addresses
+# or of keys does.
+
+
+@dataclass(frozen=True)
+class ConnectionPolicy:
+    """What the HTTP protocol reads from the app's lifespan state (uvicorn hands every
+    connection that dict)."""
+
+    header_timeout_s: float
+    on_timeout: Callable[[str], None]  # counts a closed connection, by part ("headers")
+
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # uvicorn[standard] without httptools (PyPy, Windows): no header deadline
+    HTTP_PROTOCOL = "auto"
+else:
+    HTTP_PROTOCOL = "gateway.http.exposure:DeadlineHttpToolsProtocol"
+
+    class DeadlineHttpToolsProtocol(HttpToolsProtocol):
+        """uvicorn's httptools protocol with a deadline on receiving a request's headers."""
+
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_headers_complete(self) -> None:
+            self._disarm_header_deadline()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            pipelined = bool(self.pipeline)  # its headers are in: the next request starts now
+            super().on_response_complete()
+            if not pipelined and not self.transport.is_closing():
+                self._arm_header_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            self._disarm_header_deadline()
+            policy = self.app_state.get(POLICY_STATE_KEY)
+            if isinstance(policy, ConnectionPolicy):
+                self._header_timer = self.loop.call_later(
+                    policy.header_timeout_s, self._header_deadline_passed, policy
+                )
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_deadline_passed(self, policy: ConnectionPolicy) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                policy.on_timeout("headers")
+                self.transport.close()
+
+
+class BodyTimeout(ApiError):
+    """Raised from a request's receive (so inside the handler, where the app's ApiError handler
+    answers it) when its body is late."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s",
+            code="request_timeout",
+            headers={"connection": "close"},  # uvicorn closes the connection after the answer
+        )
+
+
+class ReadDeadline:
+    """The body of a request must arrive within `body_timeout_s` of its headers. Receives after
+    the body (a disconnect poll) pass through untouched."""
+
+    def __init__(
+        self, app: ASGIApp, *, body_timeout_s: float, on_timeout: Callable[[str], None]
+    ) -> None:
+        self.app = app
+        self._timeout_s = body_timeout_s
+        self._on_timeout = on_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                self._on_timeout("body")
+                raise BodyTimeout(self._timeout_s) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+class AuthFailures:
+    """Failed authentications per client address and per credential presented (its SHA-256), as
+    routing/ratelimit.py's GCRA state: each failure moves a party's state 60 / per_min seconds on;
+    the party is held while one more failure would not fit in the minute."""
+
+    def __init__(self, per_min: int) -> None:
+        self.per_min = per_min
+        self._tat: OrderedDict[str, float] = OrderedDict()  # party -> GCRA state
+
+    def held_for_s(self, party: str) -> float:
+        """0 if the party (an address, or a credential's hash) may go on, else the seconds
+        until it may."""
+        tat = self._tat.get(party)
+        if tat is None or self.per_min == 0:
+            return 0.0
+        window_s = 60.0 - 60.0 / self.per_min  # past it, one more failure would not fit
+        return max(tat - time.time() - window_s, 0.0)
+
+    def failed(self, party: str) -> None:
+        self._tat[party] = charge(self._tat.get(party, 0.0), time.time(), 1, self.per_min)
+        self._tat.move_to_end(party)
+        while len(self._tat) > MAX_TRACKED_ADDRESSES:
+            self._tat.popitem(last=False)
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    """The bearer token a request presents, or None when it presents none."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            token = token.strip()
+            return token if scheme.lower() == b"bearer" and token else None
+    return None
+
+
+def credential_party(token: bytes) -> str:
+    """A credential as the failures know it: its SHA-256, never the token."""
+    return "key:" + hashlib.sha256(token).hexdigest()
+
+
+class FailedAuthLimit:
+    """Limits failed authentications (401 answers, whatever the endpoint) without ever refusing
+    a valid key. The state is an argument: the app builds this middleware twice (its hot path
+    and the usual stack).
+
+    - Every 401 counts against the client address and, when the request presented one, against
+      its credential (a hash of it).
+    - A request without a credential from an address that failed more than `failures.per_min`
+      times a minute gets 429 with Retry-After, unread.
+    - A request with a credential always reaches authentication, so a valid key is served
+      whatever its address or other keys did (behind a proxy every client may share one
+      address); an invalid one from a held address, or one itself held, gets the 429 instead
+      of its 401.
+
+    The client address is the peer's, or the one a trusted proxy names in X-Forwarded-For:
+    uvicorn rewrites it for peers in `listen.forwarded_allow_ips` only (none by default)."""
+
+    def __init__(
+        self, app: ASGIApp, *, failures: AuthFailures, on_refused: Callable[[], None]
+    ) -> None:
+        self.app = app
+        self._failures = failures
+        self._on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._failures.per_min == 0:
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        address = client[0] if client else ""
+        token = bearer_token(scope)
+        if token is None:
+            held_s = self._failures.held_for_s(address)
+            if held_s > 1e-9:
+                await self._refuse(held_s, scope, receive, send)
+                return
+        refused = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal refused
+            if refused:  # the rest of the 401 the 429 replaced
+                return
+            if message["type"] == "http.response.start" and message["status"] == 401:
+                credential = None if token is None else credential_party(token)
+                held_s = self._held_s(address, credential)
+                self._failures.failed(address)
+                if credential is not None:
+                    self._failures.failed(credential)
+                if held_s > 1e-9:
+                    refused = True
+                    await self._refuse(held_s, scope, receive, send)
+                    return
+            await send(message)
+
+        await self.app(scope, receive, watched_send)
+
+    def _held_s(self, address: str, credential: str | None) -> float:
+        held_s = self._failures.held_for_s(address)
+        if credential is not None:
+            held_s = max(held_s, self._failures.held_for_s(credential))
+        return held_s
+
+    async def _refuse(self, held_s: float, scope: Scope, receive: Receive, send: Send) -> None:
+        self._on_refused()
+        wait_s = max(1, math.ceil(held_s))
+        err = ApiError(
+            429,
+            f"too many failed authentications: retry after {wait_s} s",
+            code="too_many_failed_auth",
+            type="requests",
+            headers={"retry-after": str(wait_s)},
+        )
+        await err.response()(scope, receive, send)
+
+
+def require_monitoring(request: Request, gw: Any) -> None:
+    """401 unless the request carries the monitoring key or the admin key."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        presented = gw.keyring.digest(key.strip())
+        for expected in (gw.monitoring_digest, gw.admin_digest):
+            if expected is not None and hmac.compare_digest(presented, expected):
+                return
+    raise ApiError(401, "invalid or missing monitoring key", code="invalid_api_key")

@@ -1,0 +1,278 @@
+"""One request schema for the three generation endpoints: the type of every field the gateway or
+the engine reads, checked the same way for chat completions, completions and responses, before
+anything is routed or sent. A violation is OpenAI's 400 `invalid_request_error` naming the field
+in `param` (`messages[0].content[1].type`), with OpenAI's wording: "Invalid type for 'tools':
+expected an array, but got an integer instead."
+
+Shared by all three: the sampling fields (types as in OpenAI's API reference), `stream` and
+`stream_options`, `tools` (chat's `{"type": "function", "function": {"name", ...}}`, responses'
+`{"type": "function", "name", ...}`), `tool_choice`, and the content parts of a message (chat's
+`text`, `image_url`, `input_audio`, `refusal`, responses' `input_text`, `output_text`,
+`input_image`; any other part needs a string `type`). Fields this module does not know pass as
+they are: the engines take extensions of their own (vLLM's `top_k`, `chat_template_kwargs`, ...).
+The prompt itself (messages, prompt, input) is rendered by routing/prompt.py, which checks what
+is left (a non-empty prompt, token ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gateway.http.errors import bad_request
+
+Check = Callable[[Any, str], None]  # (value, its param) -> None, or raise SchemaError
+
+
+class SchemaError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _wrong(param: str, expected: str, value: Any) -> SchemaError:
+    return SchemaError(
+        f"Invalid type for '{param}': expected {expected}, but got {_kind(value)} instead.", param
+    )
+
+
+def _of(expected: str, test: Callable[[Any], bool]) -> Check:
+    def check(value: Any, param: str) -> None:
+        if not test(value):
+            raise _wrong(param, expected, value)
+
+    return check
+
+
+string = _of("a string", lambda v: isinstance(v, str))
+boolean = _of("a boolean", lambda v: isinstance(v, bool))
+integer = _of("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+number = _of("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool))
+obj = _of("an object", lambda v: isinstance(v, dict))
+
+
+def optional(check: Check) -> Check:
+    """`check`, or null."""
+
+    def check_optional(value: Any, param: str) -> None:
+        if value is not None:
+            check(value, param)
+
+    return check_optional
+
+
+def one_of(expected: str, *checks: Check) -> Check:
+    """The first check that passes; else the error of one whose shape matched but whose inside
+    is wrong (it names the field within), else one error naming every accepted type."""
+
+    def check_any(value: Any, param: str) -> None:
+        inner: SchemaError | None = None
+        for check in checks:
+            try:
+                check(value, param)
+                return
+            except SchemaError as err:
+                if err.param != param and inner is None:
+                    inner = err
+        raise inner or _wrong(param, expected, value)
+
+    return check_any
+
+
+def array(item: Check, *, non_empty: bool = False) -> Check:
+    def check_array(value: Any, param: str) -> None:
+        if not isinstance(value, list):
+            raise _wrong(param, "an array", value)
+        if non_empty and not value:
+            raise SchemaError(f"Invalid '{param}': empty array. Expected at least 1 item.", param)
+        for i, element in enumerate(value):
+            item(element, f"{param}[{i}]")
+
+    return check_array
+
+
+def fields(required: Mapping[str, Check], known: Mapping[str, Check] | None = None) -> Check:
+    """An object with the `required` fields and, when present, the `known` ones."""
+
+    def check_object(value: Any, param: str) -> None:
+        obj(value, param)
+        for name, check in required.items():
+            if name not in value:
+                raise SchemaError(
+                    f"Missing required parameter: '{param}.{name}'.", f"{param}.{name}"
+                )
+            check(value[name], f"{param}.{name}")
+        for name, check in (known or {}).items():
+            if name in value:
+                check(value[name], f"{param}.{name}")
+
+    return check_object
+
+
+def tagged(variants: Mapping[str, Check]) -> Check:
+    """An object with a string `type`; the variant of that type checks the rest (an unknown type
+    passes: the engine says whether it takes it)."""
+
+    def check_tagged(value: Any, param: str) -> None:
+        fields({"type": string})(value, param)
+        variant = variants.get(value["type"])
+        if variant is not None:
+            variant(value, param)
+
+    return check_tagged
+
+
+def _text_part(key: str) -> Check:
+    return fields({key: string})
+
+
+IMAGE = one_of("a string or an object with a string 'url'", string, fields({"url": string}))
+PART = one_of(
+    "a string or a content part object",
+    string,
+    tagged(
+        {
+            "text": _text_part("text"),
+            "input_text": _text_part("text"),
+            "output_text": _text_part("text"),
+            "refusal": _text_part("refusal"),
+            "image_url": fields({"image_url": IMAGE}),
+            "input_image": fields({}, {"image_url": optional(IMAGE), "file_id": optional(string)}),
+            "input_audio": fields(
+                {"input_audio": fields({"data": string}, {"format": optional(string)})}
+            ),
+        }
+    ),
+)
+CONTENT = optional(one_of("a string or an array of content parts", string, array(PART)))
+TOOL_CALL = fields(
+    {},
+    {
+        "id": optional(string),
+        "type": string,
+        "function": fields({"name": string}, {"arguments": optional(string)}),
+    },
+)
+MESSAGE = fields(
+    {"role": string},
+    {
+        "content": CONTENT,
+        "name": optional(string),
+        "tool_calls": optional(array(TOOL_CALL)),
+        "tool_call_id": optional(string),
+        "refusal": optional(string),
+    },
+)
+FUNCTION = {
+    "description": optional(string),
+    "parameters": optional(obj),
+    "strict": optional(boolean),
+}
+CHAT_TOOL = tagged({"function": fields({"function": fields({"name": string}, FUNCTION)})})
+RESPONSES_TOOL = tagged({"function": fields({"name": string}, FUNCTION)})
+RESPONSES_MESSAGE = fields({"role": string}, {"content": CONTENT, "type": optional(string)})
+RESPONSES_TYPED_ITEM = tagged(
+    {
+        "function_call": fields({"call_id": string, "name": string, "arguments": string}),
+        "function_call_output": fields({"call_id": string}),
+    }
+)
+
+
+def _responses_item(value: Any, param: str) -> None:
+    """A message (it has a role) or a typed item (a function call, its output, ...)."""
+    obj(value, param)
+    if "role" in value:
+        RESPONSES_MESSAGE(value, param)
+    elif "type" in value:
+        RESPONSES_TYPED_ITEM(value, param)
+    else:
+        raise SchemaError(f"Missing required parameter: '{param}.role' (or '{param}.type').", param)
+
+
+STOP = optional(one_of("a string or an array of strings", string, array(string)))
+COMMON: dict[str, Check] = {
+    "model": string,
+    "stream": optional(boolean),
+    "stream_options": optional(fields({}, {"include_usage": optional(boolean)})),
+    "temperature": optional(number),
+    "top_p": optional(number),
+    "presence_penalty": optional(number),
+    "frequency_penalty": optional(number),
+    "n": optional(integer),
+    "seed": optional(integer),
+    "max_tokens": optional(integer),
+    "user": optional(string),
+    "metadata": optional(obj),
+    "tool_choice": optional(one_of("a string or an object", string, obj)),
+    "parallel_tool_calls": optional(boolean),
+    "top_logprobs": optional(integer),
+}
+SCHEMAS: dict[str, dict[str, Check]] = {
+    "chat": {
+        **COMMON,
+        "messages": array(MESSAGE, non_empty=True),
+        "tools": optional(array(CHAT_TOOL)),
+        "stop": STOP,
+        "max_completion_tokens": optional(integer),
+        "logprobs": optional(boolean),
+        "logit_bias": optional(obj),
+        "response_format": optional(obj),
+    },
+    "completions": {
+        **COMMON,
+        "stop": STOP,
+        "logprobs": optional(integer),
+        "logit_bias": optional(obj),
+        "echo": optional(boolean),
+        "best_of": optional(integer),
+        "suffix": optional(string),
+    },
+    "responses": {
+        **COMMON,
+        "input": one_of("a string or an array of input items", string, array(_responses_item)),
+        "instructions": optional(string),
+        "tools": optional(array(RESPONSES_TOOL)),
+        "max_output_tokens": optional(integer),
+        "previous_response_id": optional(string),
+        "store": optional(boolean),
+        "include": optional(array(string)),
+        "text": optional(obj),
+        "reasoning": optional(obj),
+        "truncation": optional(string),
+    },
+}
+
+
+def schema_problem(endpoint: str, body: Mapping[str, Any]) -> SchemaError | None:
+    """The first field of `body` that breaks `endpoint`'s schema, or None (pure)."""
+    for name, check in SCHEMAS.get(endpoint, {}).items():
+        if name in body:
+            try:
+                check(body[name], name)
+            except SchemaError as err:
+                return err
+    return None
+
+
+def check_request(endpoint: str, body: Mapping[str, Any]) -> None:
+    """Raise the 400 for the first field of `body` that breaks `endpoint`'s schema."""
+    problem = schema_problem(endpoint, body)
+    if problem is not None:
+        raise bad_request(str(problem), param=problem.param)

@@ -1,0 +1,1 @@
+"""A request's path: plan (the pipeline's adapter), flow control, proxy, settlement."""

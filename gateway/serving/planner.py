@@ -1,0 +1,398 @@
+"""Gather the inputs of a routing decision, call the pure pipeline, apply its outputs.
+
+Functional core, imperative shell: routing/pipeline.py is the routing of a request (eligibility,
+decide, spill, lending, shedding, remote admission, the index-write plan); this module turns an
+HTTP body into its input (gateway/serving/request_input.py: model, prompt, hashes; one index lookup,
+a snapshot of replica load, the reuse count) and its outcome into I/O (ApiError for a rejection or
+a shed, metrics, index writes, the pinned pool's watch). The same plan serves real requests and
+/debug/route.
+
+Precise mode (routing.mode: precise): the engines' KV events are the index's truth, so it writes
+no index entries of its own; it refreshes the hit prefix on the chosen replica and marks the rest
+of the prompt as speculative (routing/speculative.py) until the engine's BlockStored confirms it,
+so that a follow-up sent before the event arrives still finds it (routing/pipeline_writes.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from gateway.config import GatewayConfig
+from gateway.fleet.registry import Registry, Replica
+from gateway.http.errors import ApiError, bad_request, no_replica
+from gateway.index.reuse import ReuseCounter
+from gateway.serving.pinning import PinnedPoolWatch
+from gateway.serving.request_input import (
+    PROMPT_PARAM,
+    PromptHasher,
+    client_salt_of,
+    engine_salt,
+    load_tokenizers,
+    model_of,
+    namespace_of,
+    prompt_of,
+)
+from gateway.telemetry.metrics import Metrics
+from gateway.tenancy.tenants import Tenant
+from routing.admission import AdmissionVerdict, family_key
+from routing.cost import estimate
+from routing.decide import Decision, Policy
+from routing.filters import Fallback
+from routing.index import Index, record_prompt
+from routing.pipeline import (
+    FleetView,
+    IndexWrites,
+    PipelineRequest,
+    PipelineSettings,
+    PipelineState,
+    Routed,
+    Write,
+    admit,
+    index_writes,
+    route,
+)
+from routing.speculative import SpeculativeIndex
+from routing.types import ENGINE_PRIORITY, BlockHits, TenantClass
+
+if TYPE_CHECKING:  # precise mode only: jinja2 and tokenizers are the [precise] extra
+    from gateway.engines.tokenizer import PromptTokenizer
+
+__all__ = [
+    "PROMPT_PARAM",
+    "Plan",
+    "Planner",
+    "client_salt_of",
+    "engine_salt",
+    "load_tokenizers",
+    "namespace_of",
+    "pipeline_settings",
+    "prompt_of",
+]
+
+log = logging.getLogger("cachelane.planner")
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    tenant: Tenant
+    namespace: str
+    cache_salt: str
+    hashes: list[int]
+    prompt_tokens: int
+    decision: Decision
+    replicas: dict[str, Replica]  # candidates by name, for the proxy's fallbacks
+    fallback: Fallback | None
+    admission: AdmissionVerdict | None  # None: the chosen pool has no remote tier
+    reuse: int  # earlier requests of this family in the reuse window (0: not counted, see plan())
+    decision_s: float
+    body: dict[str, Any]
+    stream: bool
+    hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
+    endpoint: str = "chat"  # chat, completions, responses, embeddings
+    received_s: float | None = None  # perf_counter when the request reached the gateway
+
+    def in_gateway_s(self, sent_s: float) -> float:
+        """How long the request was in the gateway before it was sent at `sent_s` (reading the
+        body, deciding, flow control, a failed attempt): part of the client's TTFT, measured."""
+        return max(0.0, sent_s - self.received_s) if self.received_s is not None else 0.0
+
+    def engine_priority(self, replica: Replica) -> int | None:
+        """The `priority` the request carries to `replica`: its class's, where the replica's pool
+        schedules by priority (pools[].engine_priority); None elsewhere."""
+        if not replica.pool.engine_priority:
+            return None
+        return ENGINE_PRIORITY[self.tenant.tenant_class]
+
+
+def pipeline_settings(config: GatewayConfig) -> PipelineSettings:
+    """The routing pipeline's settings from the gateway's config."""
+    return PipelineSettings(
+        policy=config.routing.policy,
+        block_size_tokens=config.routing.block_size_tokens,
+        fallback=config.critical.fallback,
+        critical_budget_ms=config.classes.critical.ttft_budget_ms,
+        cost_placement=config.critical.placement == "cost",
+        clear_while_loading=config.critical.clear_while_loading,
+        batch_max_queue_s=config.overload.batch_max_queue_s,
+        precise=config.routing.mode == "precise",
+        **_pool_settings(config),
+    )
+
+
+def _pool_settings(config: GatewayConfig) -> dict[str, Any]:
+    return {
+        "keep_idle": {p.name: p.lend_keep_idle for p in config.pools if p.lend_keep_idle},
+        "lend_max_prefill_tokens": {
+            p.name: p.lend_max_prefill_tokens
+            for p in config.pools
+            if p.lend_max_prefill_tokens is not None
+        },
+        "remote_write": {p.name: p.remote_write for p in config.pools},
+    }
+
+
+class Planner:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        registry: Registry,
+        index: Index,
+        reuse: ReuseCounter,
+        metrics: Metrics,
+        speculative: SpeculativeIndex | None = None,
+    ) -> None:
+        self._config = config
+        self._speculative = speculative
+        self._registry = registry
+        self._index = index
+        self._reuse = reuse
+        self._metrics = metrics
+        self._settings = pipeline_settings(config)
+        self._state = PipelineState(random.Random(config.routing.seed))
+        tokenizers = load_tokenizers(config) if self._settings.precise else {}
+        self._hasher = PromptHasher(config, registry, metrics, tokenizers)
+        self.pinned = PinnedPoolWatch(metrics)
+
+    @property
+    def policy(self) -> Policy:
+        return self._settings.policy
+
+    def set_pools(self, config: GatewayConfig, tokenizers: dict[str, PromptTokenizer]) -> None:
+        """A reload changed the pools: their lending bounds and remote writes, and (precise
+        mode) their tokenizers (load_tokenizers, before anything changed)."""
+        self._hasher.tokenizers = tokenizers
+        self._settings = replace(self._settings, **_pool_settings(config))
+
+    def model_of(self, body: dict[str, Any]) -> str:
+        return model_of(self._registry, self._config, body)
+
+    async def plan(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        tenant: Tenant,
+        *,
+        dry_run: bool = False,
+        received_s: float | None = None,
+    ) -> Plan:
+        """Decide where one request goes, and gather what sending it needs.
+
+        Hashes the prompt (approximate mode: the text of `body`'s messages or prompt; precise
+        mode: the engine's token ids), looks the blocks up in the index, and routes it through
+        routing/pipeline.py (class filters, decide() with the configured policy, spill, lending,
+        shedding), then settles remote-tier admission (counting the prompt's reuse when that
+        matters).
+
+        `endpoint`: "chat" or "completions"; `body`: the parsed request body; `tenant`: who sent
+        it; `received_s`: when it reached the gateway (perf_counter), for the client's TTFT in the
+        estimate header. With `dry_run` (/debug/route) the decision is made the same way, but
+        the request counter, the reuse counts, the critical tenants' bookkeeping and the fallback
+        and admission metrics are left as they were. Nothing is written to the index here either way
+        (record_sent does that once a replica accepted the request).
+
+        Returns the Plan: the Decision (chosen replica and fallbacks), the hashes and namespace,
+        the admission verdict, and the body to forward. An index that fails is routed around
+        (no hits), never raised. Raises ApiError: 400 for a missing model or a malformed or
+        too-long prompt, 404 for an unknown model, 503 when no healthy or eligible replica is
+        left (the pinned pool down or full, per critical.fallback) or when batch traffic is shed.
+        """
+        started = time.perf_counter()
+        model = self.model_of(body)
+        client_salt = client_salt_of(body)
+        cache_salt = engine_salt(tenant, client_salt)
+        policy = Policy.LEAST_LOADED if endpoint == "embeddings" else None
+        prompt = self._hasher.hashed(endpoint, body, model, tenant, (client_salt, cache_salt))
+        self._check_length(model, prompt.prompt_tokens, endpoint)
+        if not self._registry.healthy_for(model):
+            raise no_replica(model)
+        hits = await self._lookup(model, prompt.hashes)
+        request = PipelineRequest(prompt.hashes, prompt.prompt_tokens, tenant.tenant_class, policy)
+        routed, decision = self._route(model, request, hits, dry_run=dry_run)
+        # Reuse counts feed remote-tier admission and prewarming only: with Redis they cost a
+        # round trip, so a request whose pool has no remote tier skips them unless warming is on.
+        chosen = self._registry.replicas[decision.replica]
+        family = family_key(prompt.hashes)
+        reuse = 0
+        if family is not None and (chosen.pool.remote_tier or self._config.prewarm.enabled):
+            reuse = await (self._reuse.peek(family) if dry_run else self._reuse.seen(family))
+        admission = self._admission(routed, reuse, hits, prompt.prompt_tokens, dry_run=dry_run)
+        return Plan(
+            model=model,
+            tenant=tenant,
+            namespace=prompt.namespace,
+            cache_salt=cache_salt,
+            hashes=prompt.hashes,
+            prompt_tokens=prompt.prompt_tokens,
+            decision=decision,
+            replicas=self._replicas_of(decision),
+            fallback=routed.fallback,
+            admission=admission,
+            reuse=reuse,
+            decision_s=time.perf_counter() - started,
+            body=body,
+            stream=bool(body.get("stream")),
+            hits=hits,
+            endpoint=endpoint,
+            received_s=received_s,
+        )
+
+    def replan(self, plan: Plan) -> Plan:
+        """The same request decided again on the load of now (after it waited in flow control),
+        with the index hits it looked up. Synchronous: the caller reserves right after."""
+        started = time.perf_counter()
+        request = PipelineRequest(
+            plan.hashes, plan.prompt_tokens, plan.tenant.tenant_class, plan.decision.policy
+        )
+        # counted as a dry run: the first plan of this request was counted already
+        routed, decision = self._route(plan.model, request, plan.hits, dry_run=True)
+        self._state.seq += 1
+        admission = self._admission(routed, plan.reuse, plan.hits, plan.prompt_tokens, dry_run=True)
+        return replace(
+            plan,
+            decision=decision,
+            replicas=self._replicas_of(decision),
+            fallback=routed.fallback,
+            admission=admission,
+            decision_s=plan.decision_s + time.perf_counter() - started,
+        )
+
+    def within_budget(self, plan: Plan, budget_s: float) -> bool:
+        """Flow control's test: may this request go now? Yes if one of its candidates, at its
+        current load, is estimated to give the first token within `budget_s`, or has an empty
+        prefill queue (a request whose own prefill is longer than the budget must still go)."""
+        now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
+        for score in plan.decision.scores:
+            replica = plan.replicas[score.replica]  # one that left the fleet is unhealthy
+            if not replica.healthy:
+                continue
+            load = replica.load(now_s, stale_s)
+            if load.pending_prefill_tokens == 0:  # only decodes running: the prefill is free
+                return True
+            priority = plan.engine_priority(replica)
+            est = estimate(score.overlap, load, replica.costs, replica.terms, priority)
+            if est.ttft_s <= budget_s:
+                return True
+        return False
+
+    def _replicas_of(self, decision: Decision) -> dict[str, Replica]:
+        return {s.replica: self._registry.replicas[s.replica] for s in decision.scores}
+
+    def _route(
+        self, model: str, request: PipelineRequest, hits: BlockHits, *, dry_run: bool
+    ) -> tuple[Routed, Decision]:
+        """The pipeline on the registry's healthy replicas now, and its outcome's I/O: the
+        fallback metric, the pinned pool's watch, and ApiError for a rejection or a shed."""
+        replicas = self._registry.healthy_for(model)
+        if not replicas:
+            raise no_replica(model)
+        now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
+        pinned_pool = self._registry.has_pinned_pool(model)
+        fleet = FleetView(
+            [r.candidate(now_s, stale_s) for r in replicas],
+            hits,
+            now_s,
+            pinned_pool_exists=pinned_pool,
+            lend=not self.pinned.reclaimed(now_s),
+        )
+        routed = route(request, fleet, self._settings, self._state, commit=not dry_run)
+        if not dry_run and routed.fallback is not None:
+            self._metrics.critical_fallbacks.labels(routed.fallback.value).inc()
+        if routed.decision is None:
+            raise self._rejection(model, routed.fallback)
+        klass = request.tenant_class
+        if not dry_run and klass is TenantClass.CRITICAL and pinned_pool:
+            pool = self._registry.replicas[routed.decision.replica].pool
+            self.pinned.served(pool, now_s, pressed=routed.pressed)
+        if routed.shed:
+            self._metrics.shed.labels(klass.value).inc()
+            raise ApiError(
+                503,
+                "the fleet is overloaded and batch traffic is shed first; retry later",
+                code="overloaded",
+                type="service_unavailable",
+                headers={"retry-after": str(self._config.critical.retry_after_s)},
+            )
+        return routed, routed.decision
+
+    def _check_length(self, model: str, prompt_tokens: int, endpoint: str) -> None:
+        limit = self._registry.max_prompt_tokens(model)
+        if limit is not None and prompt_tokens > limit:
+            raise bad_request(
+                f"the prompt is about {prompt_tokens} tokens; model {model!r} accepts at most "
+                f"{limit}",
+                code="context_length_exceeded",
+                param=PROMPT_PARAM.get(endpoint, "input"),
+            )
+
+    def _rejection(self, model: str, fallback: Fallback | None) -> ApiError:
+        if fallback is Fallback.REJECT:
+            return ApiError(
+                503,
+                f"the pinned pool for {model!r} is down or at its admission cap",
+                code="pinned_pool_unavailable",
+                type="service_unavailable",
+                headers={"retry-after": str(self._config.critical.retry_after_s)},
+            )
+        return no_replica(model, self._config.critical.retry_after_s)
+
+    async def _lookup(self, model: str, hashes: list[int]) -> BlockHits:
+        try:
+            return await self._index.lookup(model, hashes)
+        except Exception as err:  # the index must never fail a request
+            self._metrics.index_errors.labels("lookup").inc()
+            log.warning("index lookup failed, routing without cache hits: %r", err)
+            return []
+
+    def _admission(
+        self, routed: Routed, reuse: int, hits: BlockHits, prompt_tokens: int, *, dry_run: bool
+    ) -> AdmissionVerdict | None:
+        assert routed.chosen is not None  # _route raised for a rejection
+        verdict = admit(routed.chosen, reuse, hits, prompt_tokens, self._settings)
+        if verdict is None or dry_run:
+            return verdict
+        self._metrics.remote_admission.labels("admitted" if verdict.write else "refused").inc()
+        kv_bytes = verdict.new_tokens * routed.chosen.costs.kv_bytes_per_token
+        if verdict.write:
+            self._metrics.remote_bytes_written.inc(kv_bytes)
+        else:
+            self._metrics.remote_bytes_avoided.inc(kv_bytes)
+        return verdict
+
+    async def record_sent(self, plan: Plan, replica: Replica) -> None:
+        """Once `replica` accepted the request: the index writes routing/pipeline_writes.py
+        plans for then (a streamed request's loaded blocks and remote write wait for its first
+        byte: record_loaded); precise mode marks the rest of the prompt speculative."""
+        writes = self._writes(plan, replica)
+        if writes.speculative is not None and self._speculative is not None:
+            where, hashes = writes.speculative
+            self._speculative.speculate(plan.model, list(hashes), where)
+        await self._record(plan.model, writes.at_send)
+
+    async def record_loaded(self, plan: Plan, replica: Replica) -> None:
+        """At a streamed request's first byte: its prefill is done, every block of its prompt
+        is in the replica's HBM, the loaded ones too (record_sent left them out), and in the
+        remote tier if it was to write them there."""
+        await self._record(plan.model, self._writes(plan, replica).at_first_byte)
+
+    def _writes(self, plan: Plan, replica: Replica) -> IndexWrites:
+        return index_writes(
+            plan.decision.score(replica.name),
+            plan.hashes,
+            remote_tier=replica.pool.remote_tier,
+            write_remote=plan.admission is not None and plan.admission.write,
+            stream=plan.stream,
+            settings=self._settings,
+        )
+
+    async def _record(self, model: str, writes: tuple[Write, ...]) -> None:
+        try:
+            for where, hashes in writes:
+                await record_prompt(self._index, model, hashes, where)
+        except Exception as err:
+            self._metrics.index_errors.labels("record").inc()
+            log.warning("index record failed: %r", err)

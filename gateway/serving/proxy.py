@@ -1,0 +1,478 @@
+"""Send a planned request to its replica and relay the answer, streaming byte for byte.
+
+Retries: when the chosen replica cannot be reached before the first byte (refused, reset, stale
+keep-alive), or sends no first byte of a streamed answer within its pool's first_byte_timeout_s
+(the request is cancelled there), the next replica in the decision's ranking is tried, at most
+`retries` times; an unreachable replica is ejected at once and re-admitted by the health checker.
+Once the replica has answered, its status and body pass through as they are (4xx and 5xx
+included). Passive health (Registry.answered, Registry.errored): 5xx answers and first-byte
+timeouts in a row eject a replica, like Envoy's outlier detection.
+
+A client that leaves before its answer began (polled through `client_gone`) has its upstream
+request cancelled: the connection is closed, which makes vLLM abort the request.
+
+Every try holds its reservation in a Lease (gateway/serving/lease.py) for its lifetime: success,
+client disconnect (the relay task is cancelled), a retry and upstream failure all give the slot
+back exactly once; a streamed answer's response takes the lease over until its last byte.
+What happens after the answer (usage, costs, capture, learning, the index) is not done here:
+the settlement's observers see it (gateway/serving/settlement.py), once per answer, streamed or
+whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import orjson
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.fleet.registry import Registry, Replica, Reservation
+from gateway.http.disconnect import ClientGone, while_client_waits
+from gateway.http.errors import ApiError, no_replica, upstream_error
+from gateway.serving.lease import Lease
+from gateway.serving.planner import Plan
+from gateway.serving.relay_time import RelayTime
+from gateway.serving.settlement import Settled, Settlement, whole_answer
+from gateway.serving.upstream import (
+    Upstream,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from gateway.telemetry import logs, tracing
+from gateway.telemetry.metrics import Metrics
+from routing.cost import Estimate
+
+log = logging.getLogger("cachelane.proxy")
+
+_RETRYABLE = (UpstreamConnectError, UpstreamDisconnected)  # before the first byte
+NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in this namespace
+REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
+
+
+ENDPOINT_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
+}
+
+
+def decision_headers(
+    plan: Plan, replica: Replica, sent_s: float, relay_s: float = 0.0
+) -> dict[str, str]:
+    """The decision, and the TTFT the client can expect: the time the request spent in the
+    gateway before it was sent at `sent_s` (measured), the replica's estimate, then `relay_s`,
+    the gateway's recent time to hand a first chunk on (gateway/serving/relay_time.py)."""
+    score = plan.decision.score(replica.name)
+    gateway_s = plan.in_gateway_s(sent_s)
+    est_s = gateway_s + score.estimate.ttft_s + relay_s
+    headers = {
+        "x-cachelane-replica": replica.name,
+        "x-cachelane-reason": plan.decision.reason.value,
+        "x-cachelane-est-ttft-ms": f"{est_s * 1000:.1f}",
+        "x-cachelane-est-terms-ms": estimate_terms(score.estimate, gateway_s, relay_s),
+        "x-cachelane-expected-cached-tokens": str(score.expected_cached_tokens),
+        "x-cachelane-tenant-class": plan.tenant.tenant_class.value,
+    }
+    if plan.fallback is not None:
+        headers["x-cachelane-fallback"] = plan.fallback.value
+    if plan.admission is not None:
+        headers[REMOTE_WRITE_HEADER] = "1" if plan.admission.write else "0"
+    return headers
+
+
+def estimate_terms(e: Estimate, gateway_s: float = 0.0, relay_s: float = 0.0) -> str:
+    """The estimate's terms, e.g. "gateway=0.8,fixed=3.0,load=0.0,queue=12.5,prefill=40.1,
+    relay=0.6" (ms): gateway is the time the request spent in the gateway before it was sent
+    (measured), load the KV swap-in and fetch before it waits for the prefill, queue that wait,
+    relay the gateway's recent time from a replica's first byte to the client's first chunk."""
+    prefill_s = e.prefill_s + (0.0 if e.remote_fetch else e.remote_s)
+    parts = (
+        ("gateway", gateway_s),
+        ("fixed", e.fixed_s),
+        ("load", e.load_s),
+        ("queue", e.queue_s),
+        ("prefill", prefill_s),
+        ("relay", relay_s),
+    )
+    return ",".join(f"{name}={value * 1000:.1f}" for name, value in parts)
+
+
+def upstream_request_headers(plan: Plan) -> dict[str, str]:
+    headers = {"content-type": "application/json", NAMESPACE_HEADER: plan.namespace}
+    headers.update(logs.upstream_headers())  # x-request-id
+    tracing.inject(headers)  # traceparent, when tracing is on
+    if plan.admission is not None:
+        headers[REMOTE_WRITE_HEADER] = "1" if plan.admission.write else "0"
+    return headers
+
+
+def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
+    """The client's bytes as they came, unless the pool isolates tenants with vLLM's cache_salt
+    or schedules by the class's priority."""
+    extra: dict[str, Any] = {}
+    if replica.pool.cache_salt and plan.endpoint != "embeddings":  # vLLM's pooling takes none
+        extra["cache_salt"] = plan.cache_salt
+    priority = plan.engine_priority(replica)
+    if priority is not None:
+        extra["priority"] = priority
+    if not extra:
+        return raw_body
+    body = {**plan.body, **extra}
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # an integer beyond 64 bits (the body parser keeps them exact)
+        return json.dumps(body).encode()
+
+
+def _upstream_headers(resp: UpstreamResponse) -> dict[str, str]:
+    content_type = resp.content_type
+    return {} if content_type is None else {"content-type": content_type}
+
+
+class _TryNext(Exception):
+    """This try got no answer in a way the next replica may mend."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
+class Proxy:
+    def __init__(
+        self,
+        upstream: Upstream,
+        registry: Registry,
+        metrics: Metrics,
+        settlement: Settlement,
+        *,
+        retries: int,
+    ) -> None:
+        self._upstream = upstream
+        self._registry = registry
+        self._metrics = metrics
+        self._settlement = (
+            settlement  # what happens after an answer (gateway/serving/settlement.py)
+        )
+        self._retries = retries
+        self._relay_time = RelayTime()
+
+    async def forward(
+        self,
+        endpoint: str,
+        raw_body: bytes,
+        plan: Plan,
+        *,
+        client_gone: Callable[[], Awaitable[bool]] | None = None,
+        reserved: Lease | None = None,
+    ) -> Response:
+        """Send a planned request to its replica and return the replica's answer.
+
+        `endpoint`: "chat" or "completions" (the upstream path); `raw_body`: the client's bytes,
+        forwarded unchanged unless the replica's pool adds fields (vLLM's cache_salt, the
+        class's priority: upstream_body); `plan`: Planner.plan's output; `client_gone`: asked
+        every gateway.http.disconnect.DISCONNECT_POLL_S until the answer is ready (Starlette's
+        `Request.is_disconnected`): once the client has left, the upstream request is
+        cancelled, its reservation released, and ApiError 499 raised; `reserved`: the first
+        choice's lease made with the decision (reserve_first): forward() owns it from here,
+        sends the request on it, and releases it on every path (also when it is never tried).
+
+        Replicas are tried in the decision's ranking, skipping unhealthy ones, at most
+        `retries` more after the first (the module docstring says when); each try holds a
+        reservation on its replica; a replica that accepts the request (status < 400) is told
+        to the settlement (the index records the prompt there: Planner.record_sent).
+
+        Returns a RelayResponse for a streamed request the replica accepted (it holds the
+        reservation until the stream ends, however it ends, and then settles it), otherwise the
+        whole body as a Response; the replica's status passes through (4xx and 5xx included).
+        Raises ApiError: 502 or 504 (upstream_error) when every replica tried was unreachable or
+        silent, or when one failed or timed out in a way a retry cannot mend (after the request
+        may have reached it); 503 (no_replica) when no replica in the ranking was healthy; 499
+        when the client left first. Any other exception propagates after the reservation is
+        released.
+        """
+        try:
+            if client_gone is None:
+                return await self._forward(endpoint, raw_body, plan, reserved)
+            return await while_client_waits(
+                self._forward(endpoint, raw_body, plan, reserved),
+                client_gone,
+                abandoned=_close_abandoned,
+            )
+        except ClientGone:
+            self._metrics.client_gone.inc()
+            raise ApiError(
+                499, "the client closed the request before it was answered", code="client_closed"
+            ) from None
+        finally:
+            if reserved is not None:
+                reserved.release()  # the first choice, if no try took it
+
+    async def _forward(
+        self, endpoint: str, raw_body: bytes, plan: Plan, reserved: Lease | None
+    ) -> Response:
+        path = ENDPOINT_PATHS[endpoint]
+        last_error: UpstreamError | None = None
+        attempts = 0
+        for name in plan.decision.ranking:
+            replica = plan.replicas[name]
+            mine = reserved is not None and reserved.holds(replica)
+            if not replica.healthy and not mine:
+                continue
+            if attempts > self._retries:
+                break
+            attempts += 1
+            if mine and reserved is not None:
+                lease = reserved.hand_over()
+                lease.reservation.started_s = time.perf_counter()  # sent now: the TTFT counts
+            else:
+                lease = Lease(self._reserve(plan, replica))
+            with lease:
+                try:
+                    return await self._try(path, raw_body, plan, lease)
+                except _TryNext as failed:
+                    last_error = failed.error
+        if last_error is not None:
+            raise upstream_error(plan.decision.replica, last_error)
+        raise no_replica(plan.model)
+
+    async def _try(self, path: str, raw_body: bytes, plan: Plan, lease: Lease) -> Response:
+        """One try on the lease's replica: its answer, or _TryNext when the next may answer."""
+        replica = lease.reservation.replica
+        body = upstream_body(plan, replica, raw_body)
+        headers = replica.request_headers(upstream_request_headers(plan))
+        # a streamed answer's first byte is its first token; a whole answer's first byte
+        # comes after the whole generation, so only upstream.read_timeout_s bounds it
+        timeout_s = replica.pool.first_byte_timeout_s if plan.stream else None
+        resp: UpstreamResponse | None = None
+        chunks: AsyncIterator[bytes] | None = None
+        first: bytes | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._upstream.post(replica.url + path, body, headers)
+                if resp.status < 400:  # only a replica that took it holds its prompt
+                    await self._settlement.accepted(plan, replica)
+                    if plan.stream:
+                        chunks = resp.chunks()
+                        first = await anext(chunks, None)
+        except BaseException as err:
+            lease.release()  # a try that will not be answered gives its slot back at once
+            await _close_shielded(resp)  # the engine aborts a request whose connection closed
+            failure = await self._failed(replica, err, timeout_s)
+            if failure is err:
+                raise
+            raise failure from err
+        try:
+            await self._registry.answered(replica, resp.status)
+        except BaseException:  # cancelled here (a client gone): the lease's `with` releases
+            await _close_shielded(resp)
+            raise
+        if chunks is not None:
+            return await self._stream(plan, lease, resp, chunks, first)
+        return await self._whole(plan, lease, resp)
+
+    async def _failed(
+        self, replica: Replica, err: BaseException, timeout_s: float | None
+    ) -> BaseException:
+        """What a failed try raises: _TryNext when the next replica may answer (this one is
+        marked down or counted an error), an ApiError for an upstream failure no retry mends,
+        else the error itself."""
+        if isinstance(err, TimeoutError):
+            silent = UpstreamTimeout(f"no first byte in {timeout_s} s")
+            # 504 if no other replica answers
+            await self._registry.errored(replica, repr(silent), reason="timeout")
+            self._metrics.retries.labels(replica.name).inc()
+            log.warning(
+                "replica %s sent no first byte in %s s, trying the next one",
+                replica.name,
+                timeout_s,
+            )
+            return _TryNext(silent)
+        if isinstance(err, _RETRYABLE):
+            eject = isinstance(err, UpstreamConnectError)
+            await self._registry.mark_failed(replica, repr(err), eject=eject, reason="connect")
+            self._metrics.retries.labels(replica.name).inc()
+            log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
+            return _TryNext(err)
+        if isinstance(err, UpstreamTimeout):
+            await self._registry.errored(replica, repr(err), reason="timeout")
+        if isinstance(err, UpstreamError):
+            return upstream_error(replica.name, err)
+        return err
+
+    async def _stream(
+        self,
+        plan: Plan,
+        lease: Lease,
+        resp: UpstreamResponse,
+        chunks: AsyncIterator[bytes],
+        first: bytes | None,
+    ) -> Response:
+        """The streamed answer's response, which takes the lease over until the stream ends."""
+        reservation = lease.reservation
+        relay_s = self._relay_time.seconds
+        headers = _upstream_headers(resp) | decision_headers(
+            plan, reservation.replica, reservation.started_s, relay_s
+        )
+        headers["cache-control"] = "no-cache"
+        headers["x-accel-buffering"] = "no"
+        settled = Settled(plan, reservation, resp.status, streamed=True)
+        try:
+            if first is not None:  # its prefill is done: what it loaded is in HBM now
+                settled.ttft_s = reservation.first_byte()
+                await self._settlement.first_byte(plan, reservation, settled.ttft_s)
+        except BaseException:
+            await _close_shielded(resp)
+            raise
+        answer = _OpenStream(lease.hand_over(), resp, settled, self._settlement)
+        return RelayResponse(
+            self._relay(chunks, first, answer),
+            on_close=answer.finish,
+            status_code=resp.status,
+            headers=headers,
+        )
+
+    async def _whole(self, plan: Plan, lease: Lease, resp: UpstreamResponse) -> Response:
+        """The whole answer, read, released and settled on every path."""
+        reservation = lease.reservation
+        replica = reservation.replica
+        content: bytes | None = None
+        try:
+            content = await resp.read()
+        except UpstreamError as err:
+            raise upstream_error(replica.name, err) from err
+        finally:
+            ttft_s = reservation.first_byte()  # after the whole generation, unless prefill-only
+            lease.release()
+            await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)
+            self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
+        headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
+        return Response(content, status_code=resp.status, headers=headers)
+
+    def reserve_first(self, plan: Plan) -> Lease | None:
+        """Reserve the decision's first healthy choice now (None: none is healthy). Called in
+        the decision's own step of the event loop: a request decided in the same step (a burst
+        read at once after a stall) then sees this one's load instead of the same idle replica.
+        The caller hands the lease to forward(), or releases it."""
+        for name in plan.decision.ranking:
+            replica = plan.replicas[name]
+            if replica.healthy:
+                return Lease(self._reserve(plan, replica))
+        return None
+
+    def _reserve(self, plan: Plan, replica: Replica) -> Reservation:
+        score = plan.decision.score(replica.name)
+        prefill = score.overlap.prompt_tokens - score.expected_cached_tokens
+        swaps = 1 if score.overlap.cpu_tokens else 0
+        return self._registry.reserve(
+            replica,
+            prefill_tokens=prefill,
+            swaps=swaps,
+            load_s=score.estimate.load_s,
+            priority=plan.engine_priority(replica),
+        )
+
+    async def _relay(
+        self, chunks: AsyncIterator[bytes], first: bytes | None, answer: _OpenStream
+    ) -> AsyncIterator[bytes]:
+        """Relay the stream byte for byte, from its first chunk (read before the response was
+        returned, within the first-byte timeout); the answer is settled when it ends (the
+        engine's usage, if the client asked for it, comes in the last chunk), however it ends."""
+        settled = answer.settled
+        try:
+            if first is not None:
+                settled.saw(first)
+                yield first
+                first_byte_s = settled.reservation.first_byte_s
+                if first_byte_s is not None:  # handed on: the way back is measured
+                    self._relay_time.observe(time.perf_counter() - first_byte_s)
+                async for chunk in chunks:
+                    settled.saw(chunk)
+                    yield chunk
+        except UpstreamError as err:
+            name = settled.replica.name
+            api_error: ApiError = upstream_error(name, err)
+            self._metrics.errors.labels(api_error.code).inc()
+            log.warning("stream from %s broke: %r", name, err)
+            yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
+        finally:
+            await answer.finish()
+
+
+class _OpenStream:
+    """A streamed answer on its way: it owns the try's lease and its upstream until `finish()`,
+    which the relay's end and the response's close both call; the first releases, settles and
+    closes, the second finds the lease gone and does nothing."""
+
+    def __init__(
+        self, lease: Lease, resp: UpstreamResponse, settled: Settled, settlement: Settlement
+    ) -> None:
+        self._lease = lease
+        self._resp = resp
+        self.settled = settled
+        self._settlement = settlement
+
+    async def finish(self) -> None:
+        if not self._lease.held:
+            return
+        self._lease.release()
+        try:
+            self._settlement.settle(self.settled)
+        finally:
+            await _close_shielded(self._resp)
+
+
+class RelayResponse(StreamingResponse):
+    """A StreamingResponse that lets go of its upstream however the send ends: also when the
+    server never starts iterating the body (a client gone before the first chunk, which
+    Starlette notices and cancels the send for), where the relay's own `finally` never runs."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        on_close: Callable[[], Awaitable[None]],
+        status_code: int,
+        headers: Mapping[str, str],
+    ) -> None:
+        super().__init__(content, status_code=status_code, headers=headers)
+        self._on_close = on_close
+        self._finished: list[Callable[[], None]] = []
+
+    def on_finish(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the send has ended, however it ended."""
+        self._finished.append(callback)
+
+    async def close_upstream(self) -> None:
+        """For a response that will never be sent: release its reservation, close its upstream."""
+        await self._on_close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
+            for callback in self._finished:
+                callback()
+
+
+async def _close_shielded(resp: UpstreamResponse | None) -> None:
+    if resp is not None:
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+
+
+async def _close_abandoned(response: Response) -> None:
+    if isinstance(response, RelayResponse):
+        await response.close_upstream()

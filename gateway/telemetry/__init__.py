@@ -1,0 +1,1 @@
+"""What the gateway tells its operator: metrics, logs, traces, GC pauses."""
