@@ -16,6 +16,7 @@ from routing.pipeline import (
     PipelineSettings,
     PipelineState,
     Routed,
+    Shed,
     Write,
     admit,
     index_writes,
@@ -90,26 +91,46 @@ def test_pinned_first_spills_a_critical_request_over_its_budget(
     budget_ms: float | None, where: str, fallback: Fallback | None
 ) -> None:
     busy = replica("pinned-0", PINNED, pending=2000)  # 200 ms queued
-    settings = replace(SETTINGS, critical_budget_ms=budget_ms)
+    settings = replace(SETTINGS, critical_budget_ms=budget_ms, cost_placement=False)
     out = routed(C, [busy, replica("shared-0")], settings=settings)
     assert out.decision is not None and out.decision.replica == where
     assert out.fallback is fallback
 
 
 @pytest.mark.parametrize(
-    ("pinned_in_flight", "pressed"), [(0, False), (2, True)], ids=["headroom", "at-cap"]
+    ("pinned_in_flight", "pending", "pressed"),
+    [(0, 0, False), (2, 0, True), (1, 3000, True)],
+    ids=["idle-context-elsewhere", "at-cap", "prefill-pending"],
 )
 def test_cost_placement_presses_the_pinned_pool_only_when_it_has_no_headroom(
-    pinned_in_flight: int, pressed: bool
+    pinned_in_flight: int, pending: int, pressed: bool
 ) -> None:
-    pinned = replica("pinned-0", PINNED, pending=3000)
+    pinned = replica("pinned-0", PINNED, pending=pending)
     pinned = replace(pinned, load=replace(pinned.load, in_flight=pinned_in_flight))
-    settings = replace(SETTINGS, cost_placement=True)
-    out = routed(C, [pinned, replica("shared-0")], settings=settings)
+    shared = replica("shared-0")
+    # the critical request's context is on the shared replica: a follow-up goes there
+    out = routed(C, [pinned, shared], held(Location("shared-0", Tier.HBM)))
     assert out.decision is not None and out.decision.replica == "shared-0"
     assert out.fallback is Fallback.SPILL
     assert out.pressed is pressed
     assert reclaims_lending(out, C, pinned_pool_exists=True) is pressed
+
+
+@pytest.mark.parametrize(
+    ("pinned_pending", "where"),
+    [(0, "pinned-0"), (200, "pinned-0"), (3000, "shared-0")],
+    ids=["idle", "close", "short"],
+)
+def test_cost_placement_prefers_the_pinned_pool_when_its_estimate_is_close(
+    pinned_pending: int, where: str
+) -> None:
+    # both cold; the pinned replica has `pinned_pending` tokens queued (20 ms: within 25% of
+    # the 100 ms prefill; 300 ms: not)
+    pinned = replica("pinned-0", PINNED, pending=pinned_pending)
+    out = routed(C, [replica("shared-0"), pinned])
+    assert out.decision is not None and out.decision.replica == where
+    assert out.decision.ranking[0] == where
+    assert out.fallback is (None if where == "pinned-0" else Fallback.SPILL)
 
 
 @pytest.mark.parametrize(
@@ -157,11 +178,11 @@ def test_clear_while_loading_keeps_lent_requests_off_a_loading_critical_replica(
 
 @pytest.mark.parametrize(
     ("klass", "queued", "shed"),
-    [(B, 100, False), (B, 60_000, True), (S, 60_000, False), (C, 60_000, False)],
+    [(B, 100, None), (B, 60_000, Shed.QUEUE), (S, 60_000, None), (C, 60_000, None)],
     ids=["batch-short-queue", "batch-long-queue", "standard-never", "critical-never"],
 )
 def test_batch_is_shed_when_its_best_queue_is_too_long(
-    klass: TenantClass, queued: int, shed: bool
+    klass: TenantClass, queued: int, shed: Shed | None
 ) -> None:
     out = routed(klass, [replica("shared-0", pending=queued)])
     assert out.shed is shed  # 60,000 tokens at 10,000/s: 6 s queued, over the 5 s default
