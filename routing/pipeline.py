@@ -16,21 +16,24 @@ route(), in order:
      priority (routing/types.py ENGINE_PRIORITY) where a pool schedules by it;
   3. critical, `pinned_first`: when even the best pinned replica's estimate is over the class's
      TTFT budget, decided again over the shared pools too, a shared choice being a spill;
-  4. critical, cost placement (the default): a pinned replica is preferred when its cost is
-     within PINNED_CLOSE of the best; a shared choice is a spill, and `pressed` says whether the
-     pinned pool lacked headroom (no pinned replica under its cap with nothing to prefill),
-     which is what reclaims lent replicas; standard and batch: bounded lending (`lend_max_prefill_tokens` per pool, and with
-     `clear_while_loading` no replica where the request would start its prefill ahead of a
-     critical one still loading its KV): decided again without the replicas it may not use;
-  5. with `commit` (a real request, not /debug/route's dry run): a critical request that loads
-     KV first leaves the time it joins its replica's prefill queue (`PipelineState.critical_joins`),
-     and the request counter moves on;
-  6. a request with a TTFT objective (its own, or its class's: routing/objectives.py) goes where
+  4. a request with a TTFT objective (its own, or its class's: routing/objectives.py) goes where
      its estimate meets it with the least harm to others;
-  7. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
+  5. critical, cost placement (the default): the best pinned replica is preferred when its
+     cost is within PINNED_CLOSE of the best (under its admission cap, and meeting the objective
+     if the best does); a
+     shared choice is a spill, and `pressed` says whether the pinned pool lacked headroom (no
+     pinned replica under its cap with nothing to prefill), which is what reclaims lent
+     replicas; standard and batch: bounded lending (`lend_max_prefill_tokens` per pool, and
+     with `clear_while_loading` no replica where the request would start its prefill ahead of
+     a critical one still loading its KV): decided again without the replicas it may not use,
+     before step 4;
+  6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
      within its objective without delaying another request (Shed.OBJECTIVE), or when its best
      replica's prefill queue is longer than `batch_max_queue_s` (Shed.QUEUE, routing/filters.py
-     should_shed).
+     should_shed);
+  7. with `commit` (a real request, not /debug/route's dry run) and not shed for its objective:
+     a critical request that loads KV first leaves the time it joins its replica's prefill
+     queue (`PipelineState.critical_joins`), and the request counter moves on.
 
 Then, for the replica a request is sent to: the remote tier's admission (`admit`, on the reuse
 count the caller kept) and the index-write plan (`index_writes`, routing/pipeline_writes.py).
@@ -256,10 +259,9 @@ def _cost_placed(
     pinned = [c for c in allowed.candidates if c.pool.pinned]
     if not pinned:
         return decision, replace(allowed, fallback=Fallback.SPILL), True
-    close = _closest_pinned(decision, {c.name for c in pinned})
-    chosen_meets = objective is not None and decision.est_ttft_s <= objective
-    if chosen_meets and close is not None and close.estimate.ttft_s > objective:
-        close = None
+    close = _closest_pinned(decision, {c.name for c in pinned if admitted(c)})
+    if objective is not None and close is not None and decision.est_ttft_s <= objective:
+        close = close if close.estimate.ttft_s <= objective else None
     if close is not None:
         ranking = (close.replica, *(n for n in decision.ranking if n != close.replica))
         return replace(decision, replica=close.replica, ranking=ranking), allowed, False
@@ -268,7 +270,10 @@ def _cost_placed(
 
 
 def _closest_pinned(decision: Decision, pinned: set[str]) -> Score | None:
-    """The pinned replica of least cost, if within PINNED_CLOSE of the chosen one's."""
+    """The pinned replica of least cost among `pinned` (those under their admission cap: a cap
+    is the operator's word), if within PINNED_CLOSE of the chosen one's."""
+    if not pinned:
+        return None
     best = min((s for s in decision.scores if s.replica in pinned), key=cost_s)
     chosen_s = cost_s(decision.score())
     if cost_s(best) <= chosen_s + max(NEAR_TIE_S, PINNED_CLOSE * chosen_s):
