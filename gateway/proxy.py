@@ -32,7 +32,7 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway import logs, tracing
+from gateway import logs, slo, tracing
 from gateway.calibration import CostLearner, Observation
 from gateway.capture import Capture
 from gateway.costs import CostAccounting
@@ -393,6 +393,7 @@ class Proxy:
             ).observe(ttft_s)
         score = plan.decision.score(replica.name)
         self._metrics.estimated_queue.labels(replica.name).observe(score.estimate.queue_s)
+        slo.observe_first_byte(self._metrics, plan, reservation.started_s, ttft_s)
         return ttft_s
 
     def _count_usage(
