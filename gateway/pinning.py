@@ -2,10 +2,11 @@
 
 Every routed critical request reports where it went (`served`), and, when it left the pinned
 pool, whether the pool lacked headroom (`pressed`: no pinned replica could start its prefill at
-once, routing/pipeline.py). A request that left for lack of headroom stops lending at once, and
-lending resumes LEND_COOLDOWN_S after the last one (`reclaimed`), so lending follows the
-critical load as it moves, not a static fraction; a follow-up that left for its context, while a
-pinned replica was idle, changes nothing.
+once, routing/pipeline.py). A request that left for lack of headroom stops lending at once, for
+as long as the pipeline estimates the pinned pool stays without a free replica (cost placement)
+or LEND_COOLDOWN_S (pinned_first): `reclaimed`. So lending follows the critical load as it
+moves, not a static fraction; a follow-up that left for its context, while a pinned replica was
+idle, changes nothing.
 
 Over each REPORT_WINDOW_S two shares are metrics: the critical requests the pinned pools took,
 and those that found them without headroom. When the second is over SHORT_SHARE the pool is too
@@ -38,17 +39,25 @@ UNDERSIZED_HINT = (
 class PinnedPoolWatch:
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._last_spill_s = -LEND_COOLDOWN_S
+        self._reclaimed_until_s = 0.0
         self._window_start_s: float | None = None
         self._pinned = 0
         self._spilled = 0
         self._short = 0
         self.hint: str | None = None  # the last full window's verdict: None while it is fine
 
-    def served(self, pool: PoolConfig, now_s: float, *, pressed: bool = True) -> None:
+    def served(
+        self,
+        pool: PoolConfig,
+        now_s: float,
+        *,
+        pressed: bool = True,
+        reclaim_s: float = LEND_COOLDOWN_S,
+    ) -> None:
         """A critical request was routed to a replica of `pool`. `pressed`: for a request off the
         pinned pool, whether the pool lacked headroom (with critical.placement: cost a request
-        may leave it for its context's sake; that does not reclaim lent replicas)."""
+        may leave it for its context's sake; that does not reclaim lent replicas); `reclaim_s`:
+        then, for how long lending stops (routing/pipeline.py Routed.reclaim_s)."""
         if self._window_start_s is None:
             self._window_start_s = now_s
         if now_s - self._window_start_s >= REPORT_WINDOW_S:
@@ -60,12 +69,12 @@ class PinnedPoolWatch:
             self._spilled += 1
             if pressed:
                 self._short += 1
-                self._last_spill_s = now_s
+                self._reclaimed_until_s = max(self._reclaimed_until_s, now_s + reclaim_s)
         self._metrics.critical_routed.labels("pinned" if pool.pinned else "spilled").inc()
 
     def reclaimed(self, now_s: float) -> bool:
         """True while the pinned pools must not be lent: critical traffic spilled recently."""
-        return now_s - self._last_spill_s < LEND_COOLDOWN_S
+        return now_s < self._reclaimed_until_s
 
     def status(self) -> dict[str, Any]:
         """For /ready: whether the last report window found the pinned pool too small, and why."""

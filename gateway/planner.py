@@ -331,7 +331,7 @@ class Planner:
         klass = request.tenant_class
         if not dry_run and klass is TenantClass.CRITICAL and pinned_pool:
             pool = self._registry.replicas[routed.decision.replica].pool
-            self.pinned.served(pool, now_s, pressed=routed.pressed)
+            self.pinned.served(pool, now_s, pressed=routed.pressed, reclaim_s=routed.reclaim_s)
         return routed, routed.decision
 
     def _raise_if_shed(self, routed: Routed, tenant: Tenant, *, counted: bool) -> None:

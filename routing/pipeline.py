@@ -71,9 +71,11 @@ __all__ = [
 
 BATCH_MAX_QUEUE_S = 5.0  # the gateway's default, gateway/config.py OverloadConfig.batch_max_queue_s
 LEND_COOLDOWN_S = 5.0
-# Lending resumes 5 s after the last critical spill that found the pinned pool without headroom:
-# longer than a prefill queue takes to drain on a busy replica (~1 s at the standard class's
-# default budget, gateway/config.py ClassesConfig), so it does not flap per request.
+# critical.placement: pinned_first: lending resumes 5 s after the last critical spill: longer
+# than a prefill queue takes to drain on a busy replica (~1 s at the standard class's default
+# budget, gateway/config.py ClassesConfig), so it does not flap per request. Cost placement
+# knows better: it reclaims for as long as the pinned pool is estimated to stay without a free
+# replica (Routed.reclaim_s).
 PINNED_CLOSE = 0.25
 # Cost placement keeps a critical request on the pinned pool while the best pinned replica's cost
 # is within 25% (at least NEAR_TIE_S) of the best one's: the estimate's own accuracy goal is a p90
@@ -148,6 +150,7 @@ class Routed:
     decision: Decision | None = None
     chosen: Candidate | None = None  # the chosen replica, as it was a candidate
     pressed: bool = True  # a critical request off the pinned pool: did the pool lack headroom?
+    reclaim_s: float = LEND_COOLDOWN_S  # if pressed: how long the pinned pool is not lent
     shed: Shed | None = None  # a batch request the fleet is too loaded for, and why
     retry_after_s: int | None = None  # a shed request's Retry-After (Shed.OBJECTIVE's estimate)
     objective_s: float | None = None  # the TTFT objective it was placed for; None: none
@@ -189,7 +192,7 @@ def route(
     )
     objective = objective_s(request.ttft_slo_ms, klass, settings.slo_ms)
     meets = None
-    pressed = True
+    pressed, reclaim = True, LEND_COOLDOWN_S
     if klass is TenantClass.CRITICAL:
         decision, allowed = _spill_over_budget(
             route_request, decision, allowed, fleet, settings, state
@@ -197,7 +200,7 @@ def route(
         if objective is not None:
             decision, meets = meet(decision, objective, klass)
         if settings.cost_placement:
-            decision, allowed, pressed = _cost_placed(decision, allowed, objective)
+            decision, allowed, pressed, reclaim = _cost_placed(decision, allowed, objective)
         allowed = _critical_fallback(decision, allowed, fleet.pinned_pool_exists)
     else:
         decision = _bounded_lending(route_request, decision, allowed, fleet, settings, state)
@@ -206,15 +209,18 @@ def route(
             retry_after = shed_retry_after_s(decision, klass, meets)
             if retry_after is not None:
                 shed = Shed.OBJECTIVE
-                return Routed(allowed, decision, None, pressed, shed, retry_after, objective)
+                return Routed(
+                    allowed, decision, None, pressed, reclaim, shed, retry_after, objective, meets
+                )
     if commit:
         if klass is TenantClass.CRITICAL and settings.clear_while_loading:
             _remember_join(decision, fleet.now_s, state)
         state.seq += 1
     chosen = next(c for c in (*allowed.candidates, *allowed.overflow) if c.name == decision.replica)
     if should_shed(decision, klass, settings.batch_max_queue_s):
-        return Routed(allowed, decision, chosen, pressed, Shed.QUEUE, None, objective, meets)
-    return Routed(allowed, decision, chosen, pressed, None, None, objective, meets)
+        shed = Shed.QUEUE
+        return Routed(allowed, decision, chosen, pressed, reclaim, shed, None, objective, meets)
+    return Routed(allowed, decision, chosen, pressed, reclaim, None, None, objective, meets)
 
 
 def _spill_over_budget(
@@ -245,28 +251,31 @@ def _spill_over_budget(
 
 def _cost_placed(
     decision: Decision, allowed: Eligibility, objective: float | None
-) -> tuple[Decision, Eligibility, bool]:
+) -> tuple[Decision, Eligibility, bool, float]:
     """critical.placement: cost. The cost model chose among pinned and shared replicas; the
     best pinned replica still wins when its cost is close (PINNED_CLOSE) and it meets the
     request's objective as well as the chosen one does. A shared choice is a
     spill (counted as one). It says the pinned pool lacks headroom, and so stops lending, only
     when no pinned replica could start the request's prefill at once (each over its admission
     cap or with prefill pending): a follow-up that goes where its context is while a pinned
-    replica is idle does not."""
+    replica is idle does not. Lending then stops until a pinned replica is estimated to be
+    free again (the least queue wait among them), so it follows the critical load."""
     chosen = next(c for c in allowed.candidates if c.name == decision.replica)
     if chosen.pool.pinned:
-        return decision, allowed, False
+        return decision, allowed, False, 0.0
     pinned = [c for c in allowed.candidates if c.pool.pinned]
     if not pinned:
-        return decision, replace(allowed, fallback=Fallback.SPILL), True
+        return decision, replace(allowed, fallback=Fallback.SPILL), True, LEND_COOLDOWN_S
     close = _closest_pinned(decision, {c.name for c in pinned if admitted(c)})
     if objective is not None and close is not None and decision.est_ttft_s <= objective:
         close = close if close.estimate.ttft_s <= objective else None
     if close is not None:
         ranking = (close.replica, *(n for n in decision.ranking if n != close.replica))
-        return replace(decision, replica=close.replica, ranking=ranking), allowed, False
+        return replace(decision, replica=close.replica, ranking=ranking), allowed, False, 0.0
     pressed = not any(admitted(c) and c.load.pending_prefill_tokens == 0 for c in pinned)
-    return decision, replace(allowed, fallback=Fallback.SPILL), pressed
+    names = {c.name for c in pinned}
+    free_in_s = min(s.estimate.queue_s for s in decision.scores if s.replica in names)
+    return decision, replace(allowed, fallback=Fallback.SPILL), pressed, free_in_s
 
 
 def _closest_pinned(decision: Decision, pinned: set[str]) -> Score | None:
@@ -337,9 +346,10 @@ def _remember_join(decision: Decision, now_s: float, state: PipelineState) -> No
         state.critical_joins[decision.replica] = max(prior, join_s)
 
 
-def reclaims_lending(routed: Routed, klass: TenantClass, pinned_pool_exists: bool) -> bool:
-    """Does this routed request reclaim the pinned pools from lending (for LEND_COOLDOWN_S)? A
-    critical request that left the pinned pool because the pool lacked headroom does."""
+def reclaims_lending(routed: Routed, klass: TenantClass, pinned_pool_exists: bool) -> float:
+    """For how long this routed request reclaims the pinned pools from lending, in seconds (0:
+    not at all). A critical request that left the pinned pool because the pool lacked headroom
+    does: for `Routed.reclaim_s`."""
     if klass is not TenantClass.CRITICAL or not pinned_pool_exists or routed.chosen is None:
-        return False
-    return not routed.chosen.pool.pinned and routed.pressed
+        return 0.0
+    return routed.reclaim_s if not routed.chosen.pool.pinned and routed.pressed else 0.0
