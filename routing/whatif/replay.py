@@ -312,7 +312,7 @@ class Fleet:
             pinned_pool_exists=self.pinned_exists,
             lend=now >= self.reclaimed_until_s,
         )
-        request = PipelineRequest(req.hashes, req.prompt_tokens, klass)
+        request = PipelineRequest(req.hashes, req.prompt_tokens, klass, ttft_slo_ms=req.ttft_slo_ms)
         routed = route(request, fleet, self.settings, self.state, commit=True)
         reclaim_s = reclaims_lending(routed, klass, self.pinned_exists)
         if reclaim_s:
