@@ -270,9 +270,10 @@ class PoolConfig(Strict):
     lend_below: Annotated[float, Field(gt=0, le=1)] | None = Field(
         default=1.0,
         description="A pinned pool lends a replica to standard and batch requests while it is "
-        "below this fraction of its admission cap (no cap: always) and no critical request "
-        "left the pool for lack of headroom in the last 5 s (routing/pipeline.py "
-        "LEND_COOLDOWN_S). null: never lent.",
+        "below this fraction of its admission cap (no cap: always), except after a critical "
+        "request found no pinned replica free: for as long as the pool is estimated to stay "
+        "busy (critical.placement: cost) or 5 s (pinned_first; routing/pipeline.py). null: "
+        "never lent.",
     )
     lend_max_prefill_tokens: PositiveInt | None = Field(
         default=None,
