@@ -103,7 +103,7 @@ DESCRIPTIONS: dict[str, str] = {
     "admin.api_key": "The admin key itself, at least 32 characters (or api_key_file).",
     "auth": "How requests are authenticated and what signs the tenant records in Redis "
     "(docs/security.md).",
-    "critical": "What happens to critical tenants when their pinned pool cannot take them.",
+    "critical": "Where critical tenants go when a model has a pinned pool.",
     "critical.fallback": "spill: use the shared pools with the full cost model (CPU and remote "
     "hits count: HBM-only is the pinned pool's property, not the tenant's); reject: 503 with "
     "Retry-After. Either way it is counted (cachelane_critical_fallbacks_total).",
@@ -112,9 +112,9 @@ DESCRIPTIONS: dict[str, str] = {
     "classes": "Flow control per tenant class (when flow_control.enabled): requests wait in the "
     "gateway, critical first, round robin between tenants, while every replica's estimated TTFT "
     "is over the class's budget.",
-    "classes.critical": "Critical: never held by default; with a ttft_budget_ms, a critical "
-    "request whose best pinned replica is estimated over it spills to the shared pools if one is "
-    "faster.",
+    "classes.critical": "Critical: never held by default; with placement pinned_first and a "
+    "ttft_budget_ms, a critical request whose best pinned replica is estimated over it spills to "
+    "the shared pools if one is faster.",
     "classes.standard": "Standard: held while every replica is estimated over 1 s to first token.",
     "classes.batch": "Batch: held sooner (500 ms) than standard, so standard goes first.",
     "flow_control": "Class-aware flow control in the gateway (gateway/serving/flow.py).",
@@ -161,8 +161,8 @@ DESCRIPTIONS: dict[str, str] = {
     "pools[].replicas": "Base URLs of the pool's replicas (http://host:port, no /v1). A URL may "
     "appear in one pool only. Give replicas or discovery (in Kubernetes: discovery, from a "
     "headless Service).",
-    "pools[].pinned": "Reserved for critical tenants: standard and batch never use it (unless "
-    "lend_below is set).",
+    "pools[].pinned": "Preferred by critical tenants (critical.placement); standard and batch "
+    "borrow it while critical demand leaves it headroom (lend_below).",
     "pools[].hbm_only": "The replicas run without CPU or remote offload: only HBM hits count.",
     "pools[].admission": "Per-replica admission cap of a pinned pool: above either limit, "
     "critical traffic takes critical.fallback. Unset: no cap.",
@@ -170,7 +170,8 @@ DESCRIPTIONS: dict[str, str] = {
     "pools[].admission.max_prefill_tokens": "Prompt tokens waiting to be prefilled per replica "
     "(a TTFT budget times the prefill rate).",
     "pools[].lend_below": "Fraction of the admission cap below which a pinned replica also takes "
-    "standard and batch traffic. Unset: never lent.",
+    "standard and batch traffic (no cap: always), except while a critical request found the "
+    "pinned pool without a free replica. Default 1.0; null: never lent.",
     "pools[].remote_write": "Which prompts the replicas write to the remote tier: `reuse` (only "
     "where expected reuse pays for the write, routing/admission.py), `always` or `never` "
     "(baselines).",

@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -317,7 +317,14 @@ class PoolConfig(Strict):
     pinned: bool = False  # reserved for critical tenants
     hbm_only: bool = False  # replicas run without CPU or remote offload
     admission: AdmissionConfig = AdmissionConfig()
-    lend_below: Annotated[float, Field(gt=0, le=1)] | None = None  # standard may borrow it below
+    lend_below: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        default=1.0,
+        description="A pinned pool lends a replica to standard and batch requests while it is "
+        "below this fraction of its admission cap (no cap: always), except after a critical "
+        "request found no pinned replica free: for as long as the pool is estimated to stay "
+        "busy (critical.placement: cost) or 5 s (pinned_first; routing/pipeline.py). null: "
+        "never lent.",
+    )
     lend_max_prefill_tokens: PositiveInt | None = Field(
         default=None,
         description="A pinned pool lends a replica only to a request with at most this many "
@@ -626,13 +633,15 @@ class CriticalConfig(Strict):
     fallback: Fallback = Fallback.SPILL  # when the pinned pool is down or over its cap
     retry_after_s: PositiveInt = 1
     placement: Literal["pinned_first", "cost"] = Field(
-        default="pinned_first",
-        description="`pinned_first`: critical requests use the pinned replicas under their "
-        "admission cap, and the shared pools only when none is (or, with "
-        "`classes.critical.ttft_budget_ms`, when the pinned estimate is over it). `cost`: "
-        "every pinned and shared replica is a candidate and the cost model picks the lowest "
-        "estimated TTFT, so a follow-up goes where its context is, in whichever pool; the "
-        "admission cap then only governs lending. Needs `fallback: spill`.",
+        default="cost",
+        description="`cost` (the default with `fallback: spill`): every pinned and shared "
+        "replica is a candidate and the cost model picks, preferring the best pinned replica "
+        "while its cost is within 25% of the best (routing/pipeline.py PINNED_CLOSE), so a "
+        "follow-up goes where its context is, in whichever pool; the admission cap then only "
+        "governs lending. `pinned_first` (the default with `fallback: reject`): critical "
+        "requests use the pinned replicas under their admission cap, and the shared pools only "
+        "when none is (or, with `classes.critical.ttft_budget_ms`, when the pinned estimate is "
+        "over it).",
     )
     clear_while_loading: bool = Field(
         default=False,
@@ -642,11 +651,26 @@ class CriticalConfig(Strict):
         "interrupted, even by engine priority, so it would be the critical request's wait.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_placement(cls, data: Any) -> Any:
+        """No placement given: `cost`, but with `fallback: reject` the pinned pool is a wall,
+        not a preference: `pinned_first`."""
+        if isinstance(data, dict) and "placement" not in data:
+            reject = str(data.get("fallback", Fallback.SPILL.value)) == Fallback.REJECT.value
+            return {**data, "placement": "pinned_first" if reject else "cost"}
+        return data
+
     @model_validator(mode="after")
     def _cost_needs_spill(self) -> CriticalConfig:
         if self.placement == "cost" and self.fallback is not Fallback.SPILL:
             raise ValueError("critical.placement: cost needs critical.fallback: spill")
         return self
+
+
+MAX_TTFT_SLO_MS = 600_000.0
+# 10 minutes: past any first-byte timeout a pool may have (pools[].first_byte_timeout_s), so a
+# larger objective can only be a unit mistake (seconds given as ms, or a timestamp).
 
 
 class ClassConfig(Strict):
@@ -665,6 +689,13 @@ class ClassConfig(Strict):
     max_queue: Annotated[int, Field(ge=0)] = Field(
         default=1024,
         description="Requests of the class the gateway holds at most; past it, 503 at once.",
+    )
+    ttft_slo_ms: Annotated[float, Field(gt=0, le=MAX_TTFT_SLO_MS)] | None = Field(
+        default=None,
+        description="The class's TTFT objective, for requests that state none (header "
+        "`x-slo-ttft-ms`): each is placed where its estimate meets it with the least harm to "
+        "others, a batch request that cannot be is shed (503 with Retry-After), and "
+        "attainment is counted (cachelane_slo_attained_total). Unset: no objective.",
     )
 
 

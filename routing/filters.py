@@ -9,17 +9,18 @@ critical  the pinned pools first (HBM-only, provisioned up front), and only repl
           critical requests use the shared pools. HBM-only is a property of a pool, not of a
           tenant: wherever a critical request goes, CPU and remote hits count as they would for
           anyone.
-          With `cost_placement` (config `critical.placement: cost`) the pinned pool is a
-          preference, not a wall: every pinned replica, whatever its queue, and every shared one
-          are candidates, and the cost model picks the lowest estimated TTFT. A follow-up then
+          With `cost_placement` (config `critical.placement: cost`, the default with `spill`)
+          the pinned pool is a preference, not a wall (routing/pipeline.py PINNED_CLOSE):
+          every pinned replica, whatever its queue, and every shared one are candidates, and
+          the cost model picks the lowest estimated TTFT. A follow-up then
           goes where its context is, in whichever pool (the pinned pool is HBM-only: a context
           built there is found nowhere else), and the admission cap is judged by the estimate,
           which holds the queue, instead of by a fixed token count.
-standard  the shared pools; a pinned replica only while its pool lends idle capacity (the replica
-batch     is below `lend_below` of its admission cap, and at least `keep_idle` other replicas of
-          its pool have no prefill pending, so a critical request arriving next finds one free)
-          and the caller says lending is on (off while critical traffic is spilling out of the
-          pinned pool for lack of headroom: routing/pipeline.py LEND_COOLDOWN_S).
+standard  the shared pools; a pinned replica too while its pool lends (the replica is below
+batch     `lend_below` of its admission cap, 1.0 by default, and no cap means always; at least
+          `keep_idle` other replicas of its pool have no prefill pending, 0 by default) and the
+          caller says lending is on (off after a critical request found no pinned replica free,
+          for as long as routing/pipeline.py Routed.reclaim_s says).
 """
 
 from __future__ import annotations

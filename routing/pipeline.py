@@ -16,16 +16,24 @@ route(), in order:
      priority (routing/types.py ENGINE_PRIORITY) where a pool schedules by it;
   3. critical, `pinned_first`: when even the best pinned replica's estimate is over the class's
      TTFT budget, decided again over the shared pools too, a shared choice being a spill;
-  4. critical, cost placement: a shared choice is a spill, and `pressed` says whether the pinned
-     pool lacked headroom (no pinned replica under its cap), which is what reclaims lent replicas;
-     standard and batch: bounded lending (`lend_max_prefill_tokens` per pool, and with
-     `clear_while_loading` no replica where the request would start its prefill ahead of a
-     critical one still loading its KV): decided again without the replicas it may not use;
-  5. with `commit` (a real request, not /debug/route's dry run): a critical request that loads
-     KV first leaves the time it joins its replica's prefill queue (`PipelineState.critical_joins`),
-     and the request counter moves on;
-  6. a batch request is shed (`Routed.shed`) when its best replica's prefill queue is longer than
-     `batch_max_queue_s` (routing/filters.py should_shed).
+  4. a request with a TTFT objective (its own, or its class's: routing/objectives.py) goes where
+     its estimate meets it with the least harm to others;
+  5. critical, cost placement (the default): the best pinned replica is preferred when its
+     cost is within PINNED_CLOSE of the best (under its admission cap, and meeting the objective
+     if the best does); a
+     shared choice is a spill, and `pressed` says whether the pinned pool lacked headroom (no
+     pinned replica under its cap with nothing to prefill), which is what reclaims lent
+     replicas; standard and batch: bounded lending (`lend_max_prefill_tokens` per pool, and
+     with `clear_while_loading` no replica where the request would start its prefill ahead of
+     a critical one still loading its KV): decided again without the replicas it may not use,
+     before step 4;
+  6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
+     within its objective without delaying another request (Shed.OBJECTIVE), or when its best
+     replica's prefill queue is longer than `batch_max_queue_s` (Shed.QUEUE, routing/filters.py
+     should_shed);
+  7. with `commit` (a real request, not /debug/route's dry run) and not shed for its objective:
+     a critical request that loads KV first leaves the time it joins its replica's prefill
+     queue (`PipelineState.critical_joins`), and the request counter moves on.
 
 Then, for the replica a request is sent to: the remote tier's admission (`admit`, on the reuse
 count the caller kept) and the index-write plan (`index_writes`, routing/pipeline_writes.py).
@@ -36,10 +44,13 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
-from routing.decide import Candidate, Decision, Policy, RouteRequest, decide
+from routing.decide import Candidate, Decision, Policy, RouteRequest, Score, decide
 from routing.filters import Eligibility, Fallback, admitted, eligible, lendable, should_shed
+from routing.objectives import meet, objective_s, shed_retry_after_s
 from routing.pipeline_writes import IndexWrites, Write, admit, index_writes
+from routing.policies.cache_aware import NEAR_TIE_S, cost_s
 from routing.types import ENGINE_PRIORITY, BlockHits, TenantClass
 
 __all__ = [
@@ -51,6 +62,7 @@ __all__ = [
     "PipelineSettings",
     "PipelineState",
     "Routed",
+    "Shed",
     "Write",
     "admit",
     "index_writes",
@@ -59,9 +71,23 @@ __all__ = [
 
 BATCH_MAX_QUEUE_S = 5.0  # the gateway's default, gateway/config.py OverloadConfig.batch_max_queue_s
 LEND_COOLDOWN_S = 5.0
-# Lending resumes 5 s after the last critical spill that found the pinned pool without headroom:
-# longer than a prefill queue takes to drain on a busy replica (~1 s at the standard class's
-# default budget, gateway/config.py ClassesConfig), so it does not flap per request.
+# critical.placement: pinned_first: lending resumes 5 s after the last critical spill: longer
+# than a prefill queue takes to drain on a busy replica (~1 s at the standard class's default
+# budget, gateway/config.py ClassesConfig), so it does not flap per request. Cost placement
+# knows better: it reclaims for as long as the pinned pool is estimated to stay without a free
+# replica (Routed.reclaim_s).
+PINNED_CLOSE = 0.25
+# Cost placement keeps a critical request on the pinned pool while the best pinned replica's cost
+# is within 25% (at least NEAR_TIE_S) of the best one's: the estimate's own accuracy goal is a p90
+# error of 25% (issue 25, "Done means"), so a closer shared estimate is not reliably faster, and
+# the pinned pool (HBM-only, under the critical class's own control) is the more predictable.
+
+
+class Shed(StrEnum):
+    """Why a request was shed (a metric label)."""
+
+    OBJECTIVE = "objective"  # no candidate serves it within its TTFT objective harmlessly
+    QUEUE = "queue"  # its best replica's prefill queue is over overload.batch_max_queue_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +98,14 @@ class PipelineSettings:
     block_size_tokens: int
     fallback: Fallback = Fallback.SPILL  # critical.fallback
     critical_budget_ms: float | None = None  # classes.critical.ttft_budget_ms
-    cost_placement: bool = False  # critical.placement: cost
+    cost_placement: bool = True  # critical.placement: cost (the default)
     clear_while_loading: bool = False  # critical.clear_while_loading
     batch_max_queue_s: float = BATCH_MAX_QUEUE_S  # overload.batch_max_queue_s
     keep_idle: Mapping[str, int] = field(default_factory=dict)  # pool -> lend_keep_idle
     lend_max_prefill_tokens: Mapping[str, int] = field(default_factory=dict)  # pool -> bound
     remote_write: Mapping[str, str] = field(default_factory=dict)  # pool -> reuse/always/never
     precise: bool = False  # routing.mode: precise (the engines' KV events are the index's truth)
+    slo_ms: Mapping[TenantClass, float] = field(default_factory=dict)  # classes.*.ttft_slo_ms
 
 
 @dataclass
@@ -98,6 +125,7 @@ class PipelineRequest:
     prompt_tokens: int
     tenant_class: TenantClass
     policy: Policy | None = None  # None: the configured one (embeddings go by load)
+    ttft_slo_ms: float | None = None  # the request's own objective (x-slo-ttft-ms); None: class's
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +150,11 @@ class Routed:
     decision: Decision | None = None
     chosen: Candidate | None = None  # the chosen replica, as it was a candidate
     pressed: bool = True  # a critical request off the pinned pool: did the pool lack headroom?
-    shed: bool = False  # a batch request the fleet is too loaded for
+    reclaim_s: float = LEND_COOLDOWN_S  # if pressed: how long the pinned pool is not lent
+    shed: Shed | None = None  # a batch request the fleet is too loaded for, and why
+    retry_after_s: int | None = None  # a shed request's Retry-After (Shed.OBJECTIVE's estimate)
+    objective_s: float | None = None  # the TTFT objective it was placed for; None: none
+    meets: bool | None = None  # with an objective: does the chosen estimate meet it?
 
     @property
     def fallback(self) -> Fallback | None:
@@ -158,22 +190,37 @@ def route(
     decision = decide(
         route_request, allowed.candidates, fleet.hits, policy, seq=state.seq, rng=state.rng
     )
+    objective = objective_s(request.ttft_slo_ms, klass, settings.slo_ms)
+    meets = None
+    pressed, reclaim = True, LEND_COOLDOWN_S
     if klass is TenantClass.CRITICAL:
         decision, allowed = _spill_over_budget(
             route_request, decision, allowed, fleet, settings, state
         )
-    pressed = True
-    if klass is TenantClass.CRITICAL and settings.cost_placement:
-        decision, allowed, pressed = _cost_placed(decision, allowed)
-    elif klass is not TenantClass.CRITICAL:
+        if objective is not None:
+            decision, meets = meet(decision, objective, klass)
+        if settings.cost_placement:
+            decision, allowed, pressed, reclaim = _cost_placed(decision, allowed, objective)
+        allowed = _critical_fallback(decision, allowed, fleet.pinned_pool_exists)
+    else:
         decision = _bounded_lending(route_request, decision, allowed, fleet, settings, state)
+        if objective is not None:
+            decision, meets = meet(decision, objective, klass)
+            retry_after = shed_retry_after_s(decision, klass, meets)
+            if retry_after is not None:
+                shed = Shed.OBJECTIVE
+                return Routed(
+                    allowed, decision, None, pressed, reclaim, shed, retry_after, objective, meets
+                )
     if commit:
         if klass is TenantClass.CRITICAL and settings.clear_while_loading:
             _remember_join(decision, fleet.now_s, state)
         state.seq += 1
     chosen = next(c for c in (*allowed.candidates, *allowed.overflow) if c.name == decision.replica)
-    shed = should_shed(decision, klass, settings.batch_max_queue_s)
-    return Routed(allowed, decision, chosen, pressed, shed)
+    if should_shed(decision, klass, settings.batch_max_queue_s):
+        shed = Shed.QUEUE
+        return Routed(allowed, decision, chosen, pressed, reclaim, shed, None, objective, meets)
+    return Routed(allowed, decision, chosen, pressed, reclaim, None, None, objective, meets)
 
 
 def _spill_over_budget(
@@ -202,17 +249,58 @@ def _spill_over_budget(
     return wider, replace(allowed, fallback=Fallback.SPILL)
 
 
-def _cost_placed(decision: Decision, allowed: Eligibility) -> tuple[Decision, Eligibility, bool]:
-    """critical.placement: cost. The cost model chose among pinned and shared replicas; a
-    shared choice is a spill (counted as one). It says the pinned pool lacks headroom, and
-    so stops lending, only when no pinned replica was under its admission cap: a follow-up
-    that goes where its context is does not."""
+def _cost_placed(
+    decision: Decision, allowed: Eligibility, objective: float | None
+) -> tuple[Decision, Eligibility, bool, float]:
+    """critical.placement: cost. The cost model chose among pinned and shared replicas; the
+    best pinned replica still wins when its cost is close (PINNED_CLOSE) and it meets the
+    request's objective as well as the chosen one does. A shared choice is a
+    spill (counted as one). It says the pinned pool lacks headroom, and so stops lending, only
+    when no pinned replica could start the request's prefill at once (each over its admission
+    cap or with prefill pending): a follow-up that goes where its context is while a pinned
+    replica is idle does not. Lending then stops until a pinned replica is estimated to be
+    free again (the least queue wait among them), so it follows the critical load."""
     chosen = next(c for c in allowed.candidates if c.name == decision.replica)
     if chosen.pool.pinned:
-        return decision, allowed, False
+        return decision, allowed, False, 0.0
     pinned = [c for c in allowed.candidates if c.pool.pinned]
-    pressed = bool(pinned) and not any(admitted(c) for c in pinned)
-    return decision, replace(allowed, fallback=Fallback.SPILL), pressed
+    if not pinned:
+        return decision, replace(allowed, fallback=Fallback.SPILL), True, LEND_COOLDOWN_S
+    close = _closest_pinned(decision, {c.name for c in pinned if admitted(c)})
+    if objective is not None and close is not None and decision.est_ttft_s <= objective:
+        close = close if close.estimate.ttft_s <= objective else None
+    if close is not None:
+        ranking = (close.replica, *(n for n in decision.ranking if n != close.replica))
+        return replace(decision, replica=close.replica, ranking=ranking), allowed, False, 0.0
+    pressed = not any(admitted(c) and c.load.pending_prefill_tokens == 0 for c in pinned)
+    names = {c.name for c in pinned}
+    free_in_s = min(s.estimate.queue_s for s in decision.scores if s.replica in names)
+    return decision, replace(allowed, fallback=Fallback.SPILL), pressed, free_in_s
+
+
+def _closest_pinned(decision: Decision, pinned: set[str]) -> Score | None:
+    """The pinned replica of least cost among `pinned` (those under their admission cap: a cap
+    is the operator's word), if within PINNED_CLOSE of the chosen one's."""
+    if not pinned:
+        return None
+    best = min((s for s in decision.scores if s.replica in pinned), key=cost_s)
+    chosen_s = cost_s(decision.score())
+    if cost_s(best) <= chosen_s + max(NEAR_TIE_S, PINNED_CLOSE * chosen_s):
+        return best
+    return None
+
+
+def _critical_fallback(
+    decision: Decision, allowed: Eligibility, pinned_pool_exists: bool
+) -> Eligibility:
+    """A critical request's fallback as its final place says: a spill when it left an existing
+    pinned pool, none when a later step (its objective, the pinned preference) moved it back."""
+    chosen = next(c for c in (*allowed.candidates, *allowed.overflow) if c.name == decision.replica)
+    if chosen.pool.pinned and allowed.fallback is Fallback.SPILL:
+        return replace(allowed, fallback=None)
+    if not chosen.pool.pinned and pinned_pool_exists and allowed.fallback is None:
+        return replace(allowed, fallback=Fallback.SPILL)
+    return allowed
 
 
 def _bounded_lending(
@@ -258,9 +346,10 @@ def _remember_join(decision: Decision, now_s: float, state: PipelineState) -> No
         state.critical_joins[decision.replica] = max(prior, join_s)
 
 
-def reclaims_lending(routed: Routed, klass: TenantClass, pinned_pool_exists: bool) -> bool:
-    """Does this routed request reclaim the pinned pools from lending (for LEND_COOLDOWN_S)? A
-    critical request that left the pinned pool because the pool lacked headroom does."""
+def reclaims_lending(routed: Routed, klass: TenantClass, pinned_pool_exists: bool) -> float:
+    """For how long this routed request reclaims the pinned pools from lending, in seconds (0:
+    not at all). A critical request that left the pinned pool because the pool lacked headroom
+    does: for `Routed.reclaim_s`."""
     if klass is not TenantClass.CRITICAL or not pinned_pool_exists or routed.chosen is None:
-        return False
-    return not routed.chosen.pool.pinned and routed.pressed
+        return 0.0
+    return routed.reclaim_s if not routed.chosen.pool.pinned and routed.pressed else 0.0

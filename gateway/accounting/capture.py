@@ -31,6 +31,7 @@ from gateway.serving.planner import Plan
 from gateway.telemetry.metrics import Metrics
 from routing.admission import DEFAULT_WINDOW_S
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms
+from routing.types import TenantClass
 from routing.whatif.capture import VERSION, hex_hashes, hit_tiers, terms_record
 
 log = logging.getLogger("cachelane.capture")
@@ -85,6 +86,11 @@ def header(config: GatewayConfig, registry: Registry) -> dict[str, Any]:
         "critical_placement": config.critical.placement,
         "clear_while_loading": config.critical.clear_while_loading,
         "batch_max_queue_s": config.overload.batch_max_queue_s,
+        "class_slo_ms": {
+            k.value: ms
+            for k in TenantClass
+            if (ms := getattr(config.classes, k.value).ttft_slo_ms) is not None
+        },
     }
 
 
@@ -154,6 +160,7 @@ class Capture:
             "model": plan.model,
             "endpoint": plan.endpoint,
             "stream": plan.stream,
+            "ttft_slo_ms": plan.ttft_objective_ms,
             "pool": replica.pool.name,
             "replica": replica.name,
             "reason": plan.decision.reason.value,

@@ -77,6 +77,24 @@ def fetch_windows(urls: Sequence[str], admin_key: str, window_s: float) -> list[
     return out
 
 
+def pinned_pool_hints(urls: Sequence[str], admin_key: str) -> list[str]:
+    """Each gateway's undersized-pinned-pool hint from its /ready (gateway/serving/pinning.py), if
+    it has one. Best effort: a gateway that does not answer gives none (its costs were fetched)."""
+    out = []
+    with httpx.Client(timeout=FETCH_TIMEOUT_S, trust_env=False) as client:
+        for url in urls:
+            try:
+                resp = client.get(
+                    f"{url.rstrip('/')}/ready", headers={"authorization": f"Bearer {admin_key}"}
+                )
+                hint = resp.json().get("pinned_pool", {}).get("hint")
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            if hint:
+                out.append(f"{url}: {hint}")
+    return out
+
+
 def fetch_shared(redis_url: str, window_s: float) -> tuple[list[dict[str, Any]], float]:
     """The windows the gateways on this Redis published (gateway/accounting/ledger_store.py)."""
     import time
@@ -289,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.urls) == bool(args.redis):
         print("cachelane report: give gateway URLs or --redis URL", file=sys.stderr)
         return 2
+    key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     try:
         if args.redis:
             windows, window_s = fetch_shared(args.redis, args.window)
@@ -297,7 +316,6 @@ def run(args: argparse.Namespace) -> int:
                     f"(the gateways share 1 min, 15 min and 1 h: {window_s:g} s)", file=sys.stderr
                 )
         else:
-            key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
             if not key:
                 print(f"cachelane report: give --admin-key or set {ADMIN_KEY_ENV}", file=sys.stderr)
                 return 2
@@ -307,10 +325,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     merged = merge(windows)
     found = findings(merged)
+    hints = pinned_pool_hints(args.urls, key) if args.urls and key else []
     if args.json:
-        print(json.dumps(as_json(merged, found), indent=2))
+        print(json.dumps(as_json(merged, found) | {"pinned_pool_hints": hints}, indent=2))
     else:
-        render(merged, found, Out())
+        out = Out()
+        render(merged, found, out)
+        for hint in hints:
+            out.print(f"pinned pool: {hint}")
     if args.png is not None:
         try:
             draw(merged, args.png)

@@ -177,6 +177,8 @@ def create_app(
             body["kv_events"] = gw.kv_events.status()
         if gw.flow is not None:
             body["flow_control"] = gw.flow.stats()
+        if any(p.pinned for p in gw.config.pools):  # undersized or not (gateway/serving/pinning.py)
+            body["pinned_pool"] = gw.planner.pinned.status()
         if gw.siblings is not None:
             body["workers"] = gw.siblings.status()
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -202,7 +204,7 @@ def create_app(
         endpoint = "chat" if "messages" in body else "completions"
         endpoint = "responses" if "input" in body and "prompt" not in body else endpoint
         check_request(endpoint, body)  # the body as the endpoint itself would check it
-        plan = await gw.planner.plan(endpoint, body, tenant, dry_run=True)
+        plan = await gw.planner.plan(endpoint, body, tenant, dry_run=True, headers=request.headers)
         return explain(plan) | {"load": gw.loads(), "costs": gw.learner.describe()}
 
     return app
@@ -333,7 +335,9 @@ async def _serve(request: Request, endpoint: str) -> Response:
         check_fields(body, gw.denied_fields[tenant.tenant_class])
         check_request(endpoint, body)  # one schema for chat, completions, responses
         model = body.get("model")
-        plan = await gw.planner.plan(endpoint, body, tenant, received_s=started)
+        plan = await gw.planner.plan(
+            endpoint, body, tenant, received_s=started, headers=request.headers
+        )
         await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
         dispatched = dispatch_now(gw, plan)  # decided and reserved in one step when not held
         plan, reserved = dispatched if dispatched is not None else await _hold(gw, request, plan)

@@ -1,16 +1,23 @@
 """How well the pinned pool serves the critical class: live lending and an undersizing alarm.
 
-Every routed critical request reports where it went (`served`). A critical request that had to
-leave the pinned pool means the pool has no headroom: lending it to other classes stops at once
-and resumes LEND_COOLDOWN_S after the last spill (`reclaimed`), so lending follows the critical
-load as it moves, not a static fraction. Over each REPORT_WINDOW_S the share of critical requests
-the pinned pools took is a metric, and when it falls below UNDERSIZED_SHARE the operator is told,
-once per window, that the pool is too small for the critical demand.
+Every routed critical request reports where it went (`served`), and, when it left the pinned
+pool, whether the pool lacked headroom (`pressed`: no pinned replica could start its prefill at
+once, routing/pipeline.py). A request that left for lack of headroom stops lending at once, for
+as long as the pipeline estimates the pinned pool stays without a free replica (cost placement)
+or LEND_COOLDOWN_S (pinned_first): `reclaimed`. So lending follows the critical load as it
+moves, not a static fraction; a follow-up that left for its context, while a pinned replica was
+idle, changes nothing.
+
+Over each REPORT_WINDOW_S two shares are metrics: the critical requests the pinned pools took,
+and those that found them without headroom. When the second is over SHORT_SHARE the pool is too
+small for its critical demand: a warning is logged (once per window at most), and `status()`
+says so, with a hint, for /ready and `cachelane report`.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from gateway.config import PoolConfig
 from gateway.telemetry.metrics import Metrics
@@ -19,51 +26,69 @@ from routing.pipeline import LEND_COOLDOWN_S  # one rule for the gateway and the
 log = logging.getLogger("cachelane.pinning")
 
 REPORT_WINDOW_S = 60.0
-UNDERSIZED_SHARE = 0.8  # below 80% of critical requests on pinned replicas: the pool is too small
+SHORT_SHARE = 0.2  # over 20% of critical requests found no pinned replica free: too small
 MIN_REQUESTS = 20  # fewer critical requests in a window say nothing about the pool's size
+UNDERSIZED_HINT = (
+    "the pinned pool is too small for its critical demand: {short:.0%} of {total} critical "
+    "requests in the last {window:.0f} s found no pinned replica free and were placed on the "
+    "shared pools; add pinned replicas, or drop `pinned: true` and let engine priority "
+    "(pools[].engine_priority) serve the critical class on the whole fleet"
+)
 
 
 class PinnedPoolWatch:
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._last_spill_s = -LEND_COOLDOWN_S
+        self._reclaimed_until_s = 0.0
         self._window_start_s: float | None = None
         self._pinned = 0
         self._spilled = 0
+        self._short = 0
+        self.hint: str | None = None  # the last full window's verdict: None while it is fine
 
-    def served(self, pool: PoolConfig, now_s: float, *, pressed: bool = True) -> None:
+    def served(
+        self,
+        pool: PoolConfig,
+        now_s: float,
+        *,
+        pressed: bool = True,
+        reclaim_s: float = LEND_COOLDOWN_S,
+    ) -> None:
         """A critical request was routed to a replica of `pool`. `pressed`: for a request off the
         pinned pool, whether the pool lacked headroom (with critical.placement: cost a request
-        may leave it for its context's sake; that does not reclaim lent replicas)."""
+        may leave it for its context's sake; that does not reclaim lent replicas); `reclaim_s`:
+        then, for how long lending stops (routing/pipeline.py Routed.reclaim_s)."""
         if self._window_start_s is None:
             self._window_start_s = now_s
         if now_s - self._window_start_s >= REPORT_WINDOW_S:
             self._report()
-            self._window_start_s, self._pinned, self._spilled = now_s, 0, 0
+            self._window_start_s, self._pinned, self._spilled, self._short = now_s, 0, 0, 0
         if pool.pinned:
             self._pinned += 1
         else:
             self._spilled += 1
             if pressed:
-                self._last_spill_s = now_s
+                self._short += 1
+                self._reclaimed_until_s = max(self._reclaimed_until_s, now_s + reclaim_s)
         self._metrics.critical_routed.labels("pinned" if pool.pinned else "spilled").inc()
 
     def reclaimed(self, now_s: float) -> bool:
         """True while the pinned pools must not be lent: critical traffic spilled recently."""
-        return now_s - self._last_spill_s < LEND_COOLDOWN_S
+        return now_s < self._reclaimed_until_s
+
+    def status(self) -> dict[str, Any]:
+        """For /ready: whether the last report window found the pinned pool too small, and why."""
+        return {"undersized": self.hint is not None, "hint": self.hint}
 
     def _report(self) -> None:
         total = self._pinned + self._spilled
         if total < MIN_REQUESTS:
             return
-        share = self._pinned / total
-        self._metrics.pinned_share.set(share)
-        if share < UNDERSIZED_SHARE:
-            log.warning(
-                "the pinned pool took only %.0f%% of %d critical requests in the last %.0f s; "
-                "the rest spilled to the shared pools: add pinned replicas or raise its "
-                "admission cap",
-                100 * share,
-                total,
-                REPORT_WINDOW_S,
-            )
+        self._metrics.pinned_share.set(self._pinned / total)
+        short = self._short / total
+        self._metrics.pinned_short.set(short)
+        if short <= SHORT_SHARE:
+            self.hint = None
+            return
+        self.hint = UNDERSIZED_HINT.format(short=short, total=total, window=REPORT_WINDOW_S)
+        log.warning(self.hint)

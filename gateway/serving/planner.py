@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet.registry import Registry, Replica
 from gateway.http.errors import ApiError, bad_request, no_replica
 from gateway.index.reuse import ReuseCounter
+from gateway.serving import slo
 from gateway.serving.pinning import PinnedPoolWatch
 from gateway.serving.request_input import (
     PROMPT_PARAM,
@@ -35,6 +37,7 @@ from gateway.serving.request_input import (
     model_of,
     namespace_of,
     prompt_of,
+    ttft_slo_of,
 )
 from gateway.telemetry.metrics import Metrics
 from gateway.tenancy.tenants import Tenant
@@ -50,6 +53,7 @@ from routing.pipeline import (
     PipelineSettings,
     PipelineState,
     Routed,
+    Shed,
     Write,
     admit,
     index_writes,
@@ -95,6 +99,7 @@ class Plan:
     hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
     endpoint: str = "chat"  # chat, completions, responses, embeddings
     received_s: float | None = None  # perf_counter when the request reached the gateway
+    ttft_objective_ms: float | None = None  # its TTFT objective (x-slo-ttft-ms or its class's)
 
     def in_gateway_s(self, sent_s: float) -> float:
         """How long the request was in the gateway before it was sent at `sent_s` (reading the
@@ -120,6 +125,11 @@ def pipeline_settings(config: GatewayConfig) -> PipelineSettings:
         clear_while_loading=config.critical.clear_while_loading,
         batch_max_queue_s=config.overload.batch_max_queue_s,
         precise=config.routing.mode == "precise",
+        slo_ms={
+            klass: ms
+            for klass in TenantClass
+            if (ms := getattr(config.classes, klass.value).ttft_slo_ms) is not None
+        },
         **_pool_settings(config),
     )
 
@@ -179,6 +189,7 @@ class Planner:
         *,
         dry_run: bool = False,
         received_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Plan:
         """Decide where one request goes, and gather what sending it needs.
 
@@ -190,7 +201,8 @@ class Planner:
 
         `endpoint`: "chat" or "completions"; `body`: the parsed request body; `tenant`: who sent
         it; `received_s`: when it reached the gateway (perf_counter), for the client's TTFT in the
-        estimate header. With `dry_run` (/debug/route) the decision is made the same way, but
+        estimate header; `headers`: the request's, for its TTFT objective (`x-slo-ttft-ms`).
+        With `dry_run` (/debug/route) the decision is made the same way, but
         the request counter, the reuse counts, the critical tenants' bookkeeping and the fallback
         and admission metrics are left as they were. Nothing is written to the index here either way
         (record_sent does that once a replica accepted the request).
@@ -199,10 +211,12 @@ class Planner:
         the admission verdict, and the body to forward. An index that fails is routed around
         (no hits), never raised. Raises ApiError: 400 for a missing model or a malformed or
         too-long prompt, 404 for an unknown model, 503 when no healthy or eligible replica is
-        left (the pinned pool down or full, per critical.fallback) or when batch traffic is shed.
+        left (the pinned pool down or full, per critical.fallback) or when batch traffic is shed
+        (with Retry-After); 400 for an `x-slo-ttft-ms` that is not a valid objective.
         """
         started = time.perf_counter()
         model = self.model_of(body)
+        requested_slo_ms = ttft_slo_of(headers)
         client_salt = client_salt_of(body)
         cache_salt = engine_salt(tenant, client_salt)
         policy = Policy.LEAST_LOADED if endpoint == "embeddings" else None
@@ -211,8 +225,11 @@ class Planner:
         if not self._registry.healthy_for(model):
             raise no_replica(model)
         hits = await self._lookup(model, prompt.hashes)
-        request = PipelineRequest(prompt.hashes, prompt.prompt_tokens, tenant.tenant_class, policy)
+        request = PipelineRequest(
+            prompt.hashes, prompt.prompt_tokens, tenant.tenant_class, policy, requested_slo_ms
+        )
         routed, decision = self._route(model, request, hits, dry_run=dry_run)
+        self._raise_if_shed(routed, tenant, counted=not dry_run)
         # Reuse counts feed remote-tier admission and prewarming only: with Redis they cost a
         # round trip, so a request whose pool has no remote tier skips them unless warming is on.
         chosen = self._registry.replicas[decision.replica]
@@ -239,6 +256,7 @@ class Planner:
             hits=hits,
             endpoint=endpoint,
             received_s=received_s,
+            ttft_objective_ms=None if routed.objective_s is None else 1000 * routed.objective_s,
         )
 
     def replan(self, plan: Plan) -> Plan:
@@ -246,10 +264,15 @@ class Planner:
         with the index hits it looked up. Synchronous: the caller reserves right after."""
         started = time.perf_counter()
         request = PipelineRequest(
-            plan.hashes, plan.prompt_tokens, plan.tenant.tenant_class, plan.decision.policy
+            plan.hashes,
+            plan.prompt_tokens,
+            plan.tenant.tenant_class,
+            plan.decision.policy,
+            plan.ttft_objective_ms,
         )
         # counted as a dry run: the first plan of this request was counted already
         routed, decision = self._route(plan.model, request, plan.hits, dry_run=True)
+        self._raise_if_shed(routed, plan.tenant, counted=True)
         self._state.seq += 1
         admission = self._admission(routed, plan.reuse, plan.hits, plan.prompt_tokens, dry_run=True)
         return replace(
@@ -286,7 +309,8 @@ class Planner:
         self, model: str, request: PipelineRequest, hits: BlockHits, *, dry_run: bool
     ) -> tuple[Routed, Decision]:
         """The pipeline on the registry's healthy replicas now, and its outcome's I/O: the
-        fallback metric, the pinned pool's watch, and ApiError for a rejection or a shed."""
+        fallback metric, the pinned pool's watch, and ApiError for a rejection (a shed is the
+        caller's: _raise_if_shed)."""
         replicas = self._registry.healthy_for(model)
         if not replicas:
             raise no_replica(model)
@@ -307,17 +331,34 @@ class Planner:
         klass = request.tenant_class
         if not dry_run and klass is TenantClass.CRITICAL and pinned_pool:
             pool = self._registry.replicas[routed.decision.replica].pool
-            self.pinned.served(pool, now_s, pressed=routed.pressed)
-        if routed.shed:
-            self._metrics.shed.labels(klass.value).inc()
-            raise ApiError(
-                503,
-                "the fleet is overloaded and batch traffic is shed first; retry later",
-                code="overloaded",
-                type="service_unavailable",
-                headers={"retry-after": str(self._config.critical.retry_after_s)},
-            )
+            self.pinned.served(pool, now_s, pressed=routed.pressed, reclaim_s=routed.reclaim_s)
         return routed, routed.decision
+
+    def _raise_if_shed(self, routed: Routed, tenant: Tenant, *, counted: bool) -> None:
+        """A shed request's 503 with Retry-After: the pipeline's estimate of when its best
+        queue has drained (Shed.OBJECTIVE), else critical.retry_after_s. `counted`: a real
+        request's (not /debug/route's), which moves the shed and attainment counters."""
+        if routed.shed is None:
+            return
+        klass = tenant.tenant_class
+        if counted:
+            self._metrics.shed.labels(klass.value).inc()
+            if routed.objective_s is not None:
+                slo.count(self._metrics, tenant, "shed")
+        retry_after_s = routed.retry_after_s or self._config.critical.retry_after_s
+        why = (
+            f"no replica can serve it within its TTFT objective of "
+            f"{1000 * routed.objective_s:.0f} ms without delaying more urgent requests"
+            if routed.shed is Shed.OBJECTIVE and routed.objective_s is not None
+            else "the fleet is overloaded"
+        )
+        raise ApiError(
+            503,
+            f"{why}; {klass.value} traffic is shed first; retry later",
+            code="overloaded",
+            type="service_unavailable",
+            headers={"retry-after": str(retry_after_s)},
+        )
 
     def _check_length(self, model: str, prompt_tokens: int, endpoint: str) -> None:
         limit = self._registry.max_prompt_tokens(model)

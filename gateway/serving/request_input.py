@@ -10,14 +10,16 @@ approximate mode hashes the prompt's text (routing/hashing.py).
 from __future__ import annotations
 
 import logging
+import math
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import xxhash
 
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import MAX_TTFT_SLO_MS, ConfigError, GatewayConfig
 from gateway.engines.events import precise_namespace
 from gateway.fleet.registry import Registry
 from gateway.http.errors import ApiError, bad_request
@@ -39,6 +41,31 @@ if TYPE_CHECKING:  # precise mode only: jinja2 and tokenizers are the [precise] 
 log = logging.getLogger("cachelane.planner")
 
 PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "responses": "input"}
+
+TTFT_SLO_HEADER = "x-slo-ttft-ms"
+# The request's own TTFT objective, in milliseconds: the header the Gateway API Inference
+# Extension reads for it (kubernetes-sigs/gateway-api-inference-extension,
+# pkg/epp/framework/plugins/flowcontrol/ordering/slo_deadline.go).
+
+
+def ttft_slo_of(headers: Mapping[str, str] | None) -> float | None:
+    """The request's `x-slo-ttft-ms`: a positive number of milliseconds, at most
+    MAX_TTFT_SLO_MS; None when absent. Anything else is a 400 naming the header."""
+    raw = None if headers is None else headers.get(TTFT_SLO_HEADER)
+    if raw is None:
+        return None
+    try:
+        ms = float(raw.strip())
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and 0 < ms <= MAX_TTFT_SLO_MS):
+        raise bad_request(
+            f"the {TTFT_SLO_HEADER} header must be a number of milliseconds in "
+            f"(0, {MAX_TTFT_SLO_MS:g}], got {raw[:40]!r}",
+            code="invalid_ttft_objective",
+            param=TTFT_SLO_HEADER,
+        )
+    return ms
 
 
 def prompt_of(endpoint: str, body: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.accounting.calibration import CostLearner, Observation
+from gateway.serving import slo
 from gateway.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -278,6 +279,17 @@ class Learning(Observer):
             self._learner.observe(observation)
 
 
+class ObjectiveAttainment(Observer):
+    """cachelane_slo_attained_total: a streamed request with a TTFT objective met it or not, by
+    the TTFT its client saw (gateway/serving/slo.py)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    async def on_first_byte(self, plan: Plan, reservation: Reservation, ttft_s: float) -> None:
+        slo.observe_first_byte(self._metrics, plan, reservation.started_s, ttft_s)
+
+
 def observers(
     planner: Planner,
     metrics: Metrics,
@@ -288,7 +300,11 @@ def observers(
     limits: RateLimiter | None = None,
 ) -> Settlement:
     """The post-response observers, in the order they run: the one list, built at wiring."""
-    chain: list[Observer] = [TtftMetrics(metrics), IndexConfirmation(planner)]
+    chain: list[Observer] = [
+        TtftMetrics(metrics),
+        ObjectiveAttainment(metrics),
+        IndexConfirmation(planner),
+    ]
     if limits is not None:
         chain.append(RateLimitUsage(limits))
     chain.append(UsageMetrics(metrics))

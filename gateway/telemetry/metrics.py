@@ -273,6 +273,20 @@ class Metrics:
             "Share of critical requests the pinned pool took over the last report window (60 s)",
             registry=r,
         )
+        self.pinned_short = Gauge(
+            "cachelane_pinned_pool_short_share",
+            "Share of critical requests that found the pinned pool without headroom (no pinned "
+            "replica could start their prefill at once) over the last report window (60 s); "
+            "above 0.2 the pool is too small for its critical demand",
+            registry=r,
+        )
+        self.slo_attained = Counter(
+            "cachelane_slo_attained",
+            "Requests with a TTFT objective (x-slo-ttft-ms, or classes.*.ttft_slo_ms) by "
+            "outcome: met or missed at the first byte of a streamed answer, or shed",
+            ["class", "tenant", "outcome"],
+            registry=r,
+        )
         self.flow_waiting = Gauge(
             "cachelane_flow_waiting",
             "Requests held in the gateway's flow-control queue, by class",

@@ -115,6 +115,7 @@ class Header:
     critical_placement: str = "pinned_first"
     clear_while_loading: bool = False
     batch_max_queue_s: float = BATCH_MAX_QUEUE_S
+    class_slo_ms: Mapping[str, float] = field(default_factory=dict)  # classes.*.ttft_slo_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,7 @@ class CapturedRequest:
     cached_tokens: int | None
     hit: HitTiers
     est_ttft_s: float
+    ttft_slo_ms: float | None = None  # its objective (x-slo-ttft-ms or its class's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +223,7 @@ def _header(obj: Mapping[str, Any]) -> Header:
         critical_placement=str(obj.get("critical_placement", "pinned_first")),
         clear_while_loading=bool(obj.get("clear_while_loading", False)),
         batch_max_queue_s=float(obj.get("batch_max_queue_s", BATCH_MAX_QUEUE_S)),
+        class_slo_ms={str(k): float(v) for k, v in obj.get("class_slo_ms", {}).items()},
     )
 
 
@@ -243,6 +246,7 @@ def _request(obj: Mapping[str, Any]) -> CapturedRequest:
         cached_tokens=obj.get("cached_tokens"),
         hit=HitTiers(int(hit["hbm"]), int(hit["cpu"]), int(hit["remote"]), int(hit["computed"])),
         est_ttft_s=float(obj["est_ttft_s"]),
+        ttft_slo_ms=_opt_float(obj.get("ttft_slo_ms")),
     )
 
 

@@ -10,7 +10,8 @@ module only gives it its inputs: the candidates' loads as the gateway's registry
 priority; the head's progress), the gateway's own index of where prompts went (approximate mode:
 routing/index.py's MemoryIndex with the HBM capacity spilling to the CPU tier, written as the
 pipeline's plan says; precise mode: the engines' caches as they are), and the pinned pool's
-lending reclaimed for LEND_COOLDOWN_S after a critical request left it for lack of headroom.
+lending reclaimed for as long as the pipeline says after a critical request left it for lack of
+headroom.
 A request the gateway would refuse (no eligible replica, or batch traffic shed) is counted in
 `Outcome.rejected`.
 
@@ -52,7 +53,6 @@ from routing.cost import CostTerms, Load, Overlap, PoolCosts, Queued, estimate
 from routing.decide import Candidate, PoolRules
 from routing.index import MemoryIndex
 from routing.pipeline import (
-    LEND_COOLDOWN_S,
     FleetView,
     PipelineRequest,
     PipelineState,
@@ -312,10 +312,11 @@ class Fleet:
             pinned_pool_exists=self.pinned_exists,
             lend=now >= self.reclaimed_until_s,
         )
-        request = PipelineRequest(req.hashes, req.prompt_tokens, klass)
+        request = PipelineRequest(req.hashes, req.prompt_tokens, klass, ttft_slo_ms=req.ttft_slo_ms)
         routed = route(request, fleet, self.settings, self.state, commit=True)
-        if reclaims_lending(routed, klass, self.pinned_exists):
-            self.reclaimed_until_s = now + LEND_COOLDOWN_S
+        reclaim_s = reclaims_lending(routed, klass, self.pinned_exists)
+        if reclaim_s:
+            self.reclaimed_until_s = max(self.reclaimed_until_s, now + reclaim_s)
         return routed
 
     def refused(self, klass: TenantClass, routed: Routed) -> bool:

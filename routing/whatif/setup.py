@@ -16,6 +16,7 @@ from routing.cost import CostTerms
 from routing.decide import Policy
 from routing.filters import Fallback
 from routing.pipeline import BATCH_MAX_QUEUE_S, PipelineSettings
+from routing.types import TenantClass
 from routing.whatif.capture import Capture, PoolSetup
 
 DEFAULT_REMOTE_TIER = "remote"
@@ -39,6 +40,7 @@ class Setup:
     critical_placement: str = "pinned_first"  # pinned_first or cost (gateway critical.placement)
     clear_while_loading: bool = False  # gateway critical.clear_while_loading
     batch_max_queue_s: float = BATCH_MAX_QUEUE_S  # gateway overload.batch_max_queue_s
+    class_slo_ms: Mapping[str, float] = field(default_factory=dict)  # classes.*.ttft_slo_ms
     # A request that misses locally asks the remote tier what it holds before loading anything:
     # one round trip, which the cost model has no term for (a fit over a capture with a remote
     # tier has it in its fixed overhead). 0 unless a scenario states it.
@@ -64,6 +66,7 @@ class Setup:
             critical_placement=h.critical_placement,
             clear_while_loading=h.clear_while_loading,
             batch_max_queue_s=h.batch_max_queue_s,
+            class_slo_ms=h.class_slo_ms,
         )
 
     def pipeline_settings(self) -> PipelineSettings:
@@ -85,6 +88,7 @@ class Setup:
             },
             remote_write={p.name: p.remote_write for p in self.pools},
             precise=self.mode == "precise",
+            slo_ms={TenantClass(k): v for k, v in self.class_slo_ms.items()},
         )
 
     def terms_of(self, pool: PoolSetup) -> CostTerms:

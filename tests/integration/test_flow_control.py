@@ -588,10 +588,10 @@ async def test_engine_priority_orders_the_replicas_prefill_queue() -> None:
 async def test_pinned_replica_lent_while_idle_and_reclaimed_after_a_critical_spill(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gateway.serving import pinning
+    from routing import pipeline
 
     cooldown_s = 2.0  # LEND_COOLDOWN_S is 5 s; shorter, so the test also sees lending resume
-    monkeypatch.setattr(pinning, "LEND_COOLDOWN_S", cooldown_s)
+    monkeypatch.setattr(pipeline, "LEND_COOLDOWN_S", cooldown_s)
     pinned = PoolSpec(
         "pinned",
         1,
@@ -605,7 +605,10 @@ async def test_pinned_replica_lent_while_idle_and_reclaimed_after_a_critical_spi
     # Costs as configured (no fit from observed TTFTs): an idle replica and one that only
     # decodes then tie, and the tie goes to fewer requests in flight, i.e. to the idle one.
     routing = {"calibration": "none"}
-    async with tiered_fleet([pinned, PoolSpec("shared", 1)], tenants=TENANTS, routing=routing) as f:
+    critical = {"placement": "pinned_first"}  # a fixed cooldown: cost placement estimates it
+    async with tiered_fleet(
+        [pinned, PoolSpec("shared", 1)], tenants=TENANTS, routing=routing, critical=critical
+    ) as f:
         (p,), (s,) = f.pools["pinned"], f.pools["shared"]
 
         async def replica_for(tenant: str, tag: str) -> Mapping[str, str]:
@@ -835,7 +838,8 @@ async def test_cost_placed_critical_follow_up_stays_where_its_context_is() -> No
     pinned = PoolSpec(
         "pinned",
         1,
-        {"pinned": True, "hbm_only": True, "admission": {"max_in_flight": 2}},
+        # never lent (lend_below: null), so the conversation's start stays on the shared one
+        {"pinned": True, "hbm_only": True, "admission": {"max_in_flight": 2}, "lend_below": None},
         costs=PoolCosts(prefill_tokens_per_s=20_000.0),
     )
     shared = PoolSpec("shared", 1, costs=SLOW)

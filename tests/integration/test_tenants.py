@@ -60,8 +60,12 @@ def metric(text: str, line_start: str) -> float:
     return 0.0
 
 
-async def test_critical_only_on_pinned_and_standard_never() -> None:
-    async with tiered_fleet([PINNED, SHARED], tenants=TENANTS) as f:
+async def test_a_walled_pinned_pool_takes_critical_only_and_standard_never() -> None:
+    """The pinned pool as a wall: placement pinned_first, never lent (by default it is a
+    preference and lent: tests/integration/test_objectives.py)."""
+    wall = PoolSpec("pinned", 2, {**PINNED.config, "lend_below": None})
+    critical = {"placement": "pinned_first"}
+    async with tiered_fleet([wall, SHARED], tenants=TENANTS, critical=critical) as f:
         for i in range(6):
             replica, _, headers = await ask(f.gateway_url, "voice", f"q{i}")
             assert replica in f.pools["pinned"]
@@ -146,7 +150,8 @@ async def test_cache_isolation_between_tenants(first: str, second: str, shares: 
 
 
 async def test_class_header_lowers_never_raises() -> None:
-    async with tiered_fleet([PINNED, SHARED], tenants=TENANTS) as f:
+    unlent = PoolSpec("pinned", 2, {**PINNED.config, "lend_below": None})  # batch: shared only
+    async with tiered_fleet([unlent, SHARED], tenants=TENANTS) as f:
         replica, _, headers = await ask(
             f.gateway_url, "voice", "x", extra_headers={"x-cachelane-class": "batch"}
         )

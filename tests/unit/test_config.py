@@ -54,6 +54,12 @@ DNS_A = {"name": "vllm.default.svc.cluster.local", "port": 8000}
         ),
         ({**MINIMAL, "index": {"backend": "etcd"}}, "index.backend"),
         ({"pools": []}, "pools"),
+        ({**MINIMAL, "classes": {"batch": {"ttft_slo_ms": 0}}}, "classes.batch.ttft_slo_ms"),
+        ({**MINIMAL, "classes": {"batch": {"ttft_slo_ms": 1e9}}}, "classes.batch.ttft_slo_ms"),
+        (
+            {**MINIMAL, "critical": {"fallback": "reject", "placement": "cost"}},
+            "placement: cost needs critical.fallback: spill",
+        ),
     ],
     ids=[
         "typo-top-level",
@@ -69,6 +75,9 @@ DNS_A = {"name": "vllm.default.svc.cluster.local", "port": 8000}
         "unknown-remote-tier",
         "bad-backend",
         "no-pools",
+        "slo-zero",
+        "slo-past-any-timeout",
+        "cost-placement-with-reject",
     ],
 )
 def test_bad_config_names_the_key(data: dict[str, object], names: str) -> None:
@@ -222,3 +231,25 @@ def test_the_engine_flags_reach_the_cost_model() -> None:
     replica = next(iter(Registry(config).replicas.values()))
     assert replica.costs.engine == EngineSettings(256, 64, "fcfs", 1024)
     assert replica.costs.step_s == 0.02
+
+
+@pytest.mark.parametrize(
+    ("critical", "placement"),
+    [
+        ({}, "cost"),
+        ({"fallback": "reject"}, "pinned_first"),
+        ({"placement": "pinned_first"}, "pinned_first"),
+    ],
+    ids=["default-cost", "reject-pinned-first", "explicit"],
+)
+def test_critical_placement_defaults_to_cost_unless_the_pool_is_a_wall(
+    critical: dict[str, str], placement: str
+) -> None:
+    assert parse_config({**MINIMAL, "critical": critical}).critical.placement == placement
+
+
+def test_class_objectives_and_lending_defaults() -> None:
+    config = parse_config({**MINIMAL, "classes": {"batch": {"ttft_slo_ms": 2000}}})
+    assert config.classes.batch.ttft_slo_ms == 2000
+    assert config.classes.critical.ttft_slo_ms is None
+    assert config.pools[0].lend_below == 1.0  # a pinned pool is lent by default

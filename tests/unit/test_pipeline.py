@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from routing.cost import Estimate, Load, Overlap, PoolCosts
+from routing.cost import Estimate, Load, Overlap, PoolCosts, Queued
 from routing.decide import Candidate, Policy, PoolRules, Score
 from routing.filters import Fallback
 from routing.pipeline import (
@@ -16,6 +16,7 @@ from routing.pipeline import (
     PipelineSettings,
     PipelineState,
     Routed,
+    Shed,
     Write,
     admit,
     index_writes,
@@ -90,26 +91,46 @@ def test_pinned_first_spills_a_critical_request_over_its_budget(
     budget_ms: float | None, where: str, fallback: Fallback | None
 ) -> None:
     busy = replica("pinned-0", PINNED, pending=2000)  # 200 ms queued
-    settings = replace(SETTINGS, critical_budget_ms=budget_ms)
+    settings = replace(SETTINGS, critical_budget_ms=budget_ms, cost_placement=False)
     out = routed(C, [busy, replica("shared-0")], settings=settings)
     assert out.decision is not None and out.decision.replica == where
     assert out.fallback is fallback
 
 
 @pytest.mark.parametrize(
-    ("pinned_in_flight", "pressed"), [(0, False), (2, True)], ids=["headroom", "at-cap"]
+    ("pinned_in_flight", "pending", "pressed"),
+    [(0, 0, False), (2, 0, True), (1, 3000, True)],
+    ids=["idle-context-elsewhere", "at-cap", "prefill-pending"],
 )
 def test_cost_placement_presses_the_pinned_pool_only_when_it_has_no_headroom(
-    pinned_in_flight: int, pressed: bool
+    pinned_in_flight: int, pending: int, pressed: bool
 ) -> None:
-    pinned = replica("pinned-0", PINNED, pending=3000)
+    pinned = replica("pinned-0", PINNED, pending=pending)
     pinned = replace(pinned, load=replace(pinned.load, in_flight=pinned_in_flight))
-    settings = replace(SETTINGS, cost_placement=True)
-    out = routed(C, [pinned, replica("shared-0")], settings=settings)
+    shared = replica("shared-0")
+    # the critical request's context is on the shared replica: a follow-up goes there
+    out = routed(C, [pinned, shared], held(Location("shared-0", Tier.HBM)))
     assert out.decision is not None and out.decision.replica == "shared-0"
     assert out.fallback is Fallback.SPILL
     assert out.pressed is pressed
-    assert reclaims_lending(out, C, pinned_pool_exists=True) is pressed
+    assert (reclaims_lending(out, C, pinned_pool_exists=True) > 0) is pressed
+
+
+@pytest.mark.parametrize(
+    ("pinned_pending", "where"),
+    [(0, "pinned-0"), (200, "pinned-0"), (3000, "shared-0")],
+    ids=["idle", "close", "short"],
+)
+def test_cost_placement_prefers_the_pinned_pool_when_its_estimate_is_close(
+    pinned_pending: int, where: str
+) -> None:
+    # both cold; the pinned replica has `pinned_pending` tokens queued (20 ms: within 25% of
+    # the 100 ms prefill; 300 ms: not)
+    pinned = replica("pinned-0", PINNED, pending=pinned_pending)
+    out = routed(C, [replica("shared-0"), pinned])
+    assert out.decision is not None and out.decision.replica == where
+    assert out.decision.ranking[0] == where
+    assert out.fallback is (None if where == "pinned-0" else Fallback.SPILL)
 
 
 @pytest.mark.parametrize(
@@ -157,11 +178,11 @@ def test_clear_while_loading_keeps_lent_requests_off_a_loading_critical_replica(
 
 @pytest.mark.parametrize(
     ("klass", "queued", "shed"),
-    [(B, 100, False), (B, 60_000, True), (S, 60_000, False), (C, 60_000, False)],
+    [(B, 100, None), (B, 60_000, Shed.QUEUE), (S, 60_000, None), (C, 60_000, None)],
     ids=["batch-short-queue", "batch-long-queue", "standard-never", "critical-never"],
 )
 def test_batch_is_shed_when_its_best_queue_is_too_long(
-    klass: TenantClass, queued: int, shed: bool
+    klass: TenantClass, queued: int, shed: Shed | None
 ) -> None:
     out = routed(klass, [replica("shared-0", pending=queued)])
     assert out.shed is shed  # 60,000 tokens at 10,000/s: 6 s queued, over the 5 s default
@@ -254,3 +275,96 @@ def test_the_index_write_plan(
     assert writes.at_send == tuple(Write(*w) for w in at_send)
     assert writes.at_first_byte == tuple(Write(*w) for w in at_first_byte)
     assert (writes.speculative == Write(HBM, P[20:])) if precise else writes.speculative is None
+
+
+def with_objective(
+    klass: TenantClass,
+    candidates: list[Candidate],
+    slo_ms: float | None,
+    *,
+    class_ms: dict[TenantClass, float] | None = None,
+    hits: BlockHits | None = None,
+) -> Routed:
+    fleet = FleetView(candidates, hits or [], 100.0, pinned_pool_exists=False)
+    settings = replace(SETTINGS, slo_ms=class_ms or {})
+    request = PipelineRequest(HASHES, TOKENS, klass, ttft_slo_ms=slo_ms)
+    return route(request, fleet, settings, PipelineState(random.Random(0)), commit=True)
+
+
+def loading(name: str, rules: PoolRules = SHARED) -> Candidate:
+    """A replica where a request still fetching its KV joins the prefill queue in 5 ms: a
+    prefill that starts now delays it (Estimate.cuts_in_s)."""
+    load = Load(in_flight=1, pending_prefill_tokens=100, queue=(Queued(0.005, 100, -1),))
+    return replace(replica(name, rules), load=load)
+
+
+@pytest.mark.parametrize(
+    ("slo_ms", "class_ms", "where", "meets"),
+    [
+        (None, None, "harmful", None),
+        (500.0, None, "harmless", True),
+        (None, {S: 500.0}, "harmless", True),
+        (5.0, None, "harmful", False),
+    ],
+    ids=["no-objective", "header", "class-default", "unmeetable-stays"],
+)
+def test_an_objective_places_where_it_is_met_with_the_least_harm(
+    slo_ms: float | None, class_ms: dict[TenantClass, float] | None, where: str, meets: bool | None
+) -> None:
+    # "harmful" holds most of the prompt (~13 ms) but its prefill would delay a request joining
+    # its queue (by ~5 ms); "harmless" is cold (~104 ms) and idle
+    harmful = loading("harmful")
+    hits = held(Location("harmful", Tier.HBM), len(HASHES) - 6)
+    out = with_objective(S, [harmful, replica("harmless")], slo_ms, class_ms=class_ms, hits=hits)
+    assert out.decision is not None and out.decision.replica == where
+    assert out.meets is meets
+    assert out.shed is None
+
+
+@pytest.mark.parametrize(
+    ("pending", "slo_ms", "shed", "retry_after_s"),
+    [
+        (0, 500.0, None, None),
+        (25_000, 500.0, Shed.OBJECTIVE, 3),  # 2.5 s queued at 10,000 tokens/s
+        (30_000, 10_000.0, None, None),
+    ],
+    ids=["met", "missed-shed", "long-objective-met"],
+)
+def test_batch_is_shed_with_retry_after_when_it_cannot_meet_its_objective(
+    pending: int, slo_ms: float, shed: Shed | None, retry_after_s: int | None
+) -> None:
+    out = with_objective(B, [replica("shared-0", pending=pending)], slo_ms)
+    assert out.shed is shed
+    assert out.retry_after_s == retry_after_s
+    assert out.objective_s == slo_ms / 1000
+    assert (out.chosen is None) is (shed is not None)
+
+
+@pytest.mark.parametrize("klass", [S, C], ids=["standard", "critical"])
+def test_only_batch_is_shed_for_its_objective(klass: TenantClass) -> None:
+    out = with_objective(klass, [replica("shared-0", pending=30_000)], 500.0)
+    assert out.shed is None and out.meets is False
+    assert out.decision is not None and out.decision.replica == "shared-0"
+
+
+def test_batch_is_shed_rather_than_delay_a_request_joining_the_queue() -> None:
+    # the only replica meets the batch objective but its prefill would delay a more urgent
+    # request still fetching its KV
+    out = with_objective(B, [loading("shared-0")], 5_000.0)
+    assert out.shed is Shed.OBJECTIVE
+
+
+@pytest.mark.parametrize(
+    ("slo_ms", "where"), [(None, "pinned-0"), (110.0, "shared-0")], ids=["none", "met-by-shared"]
+)
+def test_the_pinned_preference_yields_to_a_critical_objective(
+    slo_ms: float | None, where: str
+) -> None:
+    # the pinned replica (~123 ms) is within 25% of the idle shared one (~104 ms): preferred,
+    # unless only the shared one meets the request's objective
+    pinned = replica("pinned-0", PINNED, pending=200)
+    fleet = FleetView([pinned, replica("shared-0")], [], 100.0, pinned_pool_exists=True)
+    request = PipelineRequest(HASHES, TOKENS, C, ttft_slo_ms=slo_ms)
+    out = route(request, fleet, SETTINGS, PipelineState(random.Random(0)), commit=False)
+    assert out.decision is not None and out.decision.replica == where
+    assert out.fallback is (None if where == "pinned-0" else Fallback.SPILL)

@@ -94,15 +94,27 @@ CASES = {
         expect=frozenset({"hbm_hit", "critical@replica", "batch@replica"}),
     ),
     "pinned-first": Case(
-        (pinned(), shared()),
+        (pinned(lend_below=None), shared()),
         ((C, prompt("a")), (C, prompt("a")), (C, prompt("b")), (C, prompt("c")), (S, prompt("a"))),
+        {"critical": {"placement": "pinned_first"}},
         expect=frozenset({"critical@pinned", "spill"}),
     ),
     "pinned-first-over-budget": Case(
-        (pinned(), shared()),
+        (pinned(lend_below=None), shared()),
         ((S, prompt("a")), (C, prompt("a")), (C, prompt("b")), (S, prompt("c"))),
-        BUDGET,
+        {**BUDGET, "critical": {"placement": "pinned_first"}},
         expect=frozenset({"spill", "critical@replica"}),
+    ),
+    "pinned-default-knobs": Case(  # nothing but `pinned: true`: cost placement, lending
+        (pool("pinned", PINNED, pinned=True), pool("shared", SHARED[:1], costs=SLOW)),
+        ((S, prompt("b")), (C, prompt("a")), (C, prompt("a")), (C, prompt("c")), (S, "short")),
+        expect=frozenset({"critical@pinned", "standard@pinned"}),
+    ),
+    "class-objectives": Case(
+        (pool("shared", SHARED[:1]),),
+        ((S, prompt("a")), (S, prompt("b")), (B, prompt("c")), (C, prompt("d")), (B, "tiny")),
+        {"classes": {"batch": {"ttft_slo_ms": 5.0}, "critical": {"ttft_slo_ms": 50.0}}},
+        expect=frozenset({"shed", "critical@replica"}),
     ),
     "pinned-reject": Case(
         (pinned(), shared()),

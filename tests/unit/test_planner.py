@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -167,16 +168,35 @@ async def test_no_healthy_replica_is_503_with_retry_after() -> None:
     assert "retry-after" in caught.value.headers
 
 
-def tiered(**critical: Any) -> GatewayConfig:
+def tiered(lend_below: float | None = 1.0, **critical: Any) -> GatewayConfig:
     return config(
         pool("shared", SHARED),
-        pool("pinned", PINNED, pinned=True, hbm_only=True, admission={"max_in_flight": 1}),
+        pool(
+            "pinned",
+            PINNED,
+            pinned=True,
+            hbm_only=True,
+            admission={"max_in_flight": 1},
+            lend_below=lend_below,
+        ),
         critical=critical,
     )
 
 
-async def test_a_critical_tenant_goes_to_its_pinned_pool_and_standard_does_not() -> None:
+async def test_by_default_a_critical_follow_up_goes_where_its_context_is() -> None:
     s = await setup(tiered())
+    first = await s.plan(chat(), CRITICAL)
+    assert first.decision.replica in s.names(PINNED)  # cold everywhere: the pinned pool
+    holder = Location(SHARED[0].removeprefix("http://"), Tier.HBM)
+    await record_prompt(s.index, MODEL, first.hashes, holder)
+    plan = await s.plan(chat(), CRITICAL)  # its context saves ~10 ms of ~13 on a shared one
+    assert plan.decision.replica == holder.holder
+    assert plan.fallback is Fallback.SPILL
+    assert not s.planner.pinned.reclaimed(time.monotonic())  # a pinned replica was idle
+
+
+async def test_pinned_first_keeps_critical_on_its_pool_and_no_lending_keeps_standard_off() -> None:
+    s = await setup(tiered(lend_below=None, placement="pinned_first"))
     pinned, shared = s.names(PINNED), s.names(SHARED)
     # even with its prefix cached on a shared replica, critical stays on the pinned pool
     first = await s.plan(chat(), CRITICAL)
