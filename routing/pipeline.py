@@ -259,7 +259,8 @@ def _cost_placed(
     when no pinned replica could start the request's prefill at once (each over its admission
     cap or with prefill pending): a follow-up that goes where its context is while a pinned
     replica is idle does not. Lending then stops until a pinned replica is estimated to be
-    free again (the least queue wait among them), so it follows the critical load."""
+    free again (the least among them of this request's estimate there, less the fixed
+    overhead), so it follows the critical load."""
     chosen = next(c for c in allowed.candidates if c.name == decision.replica)
     if chosen.pool.pinned:
         return decision, allowed, False, 0.0
@@ -273,8 +274,13 @@ def _cost_placed(
         ranking = (close.replica, *(n for n in decision.ranking if n != close.replica))
         return replace(decision, replica=close.replica, ranking=ranking), allowed, False, 0.0
     pressed = not any(admitted(c) and c.load.pending_prefill_tokens == 0 for c in pinned)
-    names = {c.name for c in pinned}
-    free_in_s = min(s.estimate.queue_s for s in decision.scores if s.replica in names)
+    # When a pinned replica is free again: once a request of this size, sent there now, would
+    # have passed its prefill (its queue and the steps it shares with the work already there;
+    # the queue term alone is 0 when the request would share a step with that work).
+    free_in_s = min(
+        decision.score(c.name).estimate.ttft_s - decision.score(c.name).estimate.fixed_s
+        for c in pinned
+    )
     return decision, replace(allowed, fallback=Fallback.SPILL), pressed, free_in_s
 
 
