@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 from gateway.calibration import CostLearner
 from gateway.config import PoolConfig
+from gateway.health_checks import HealthChecker
 from gateway.metrics import Metrics
-from gateway.registry import HealthChecker, Registry, Replica, replica_name
+from gateway.registry import Registry, Replica, replica_name
 from routing.index import Index
 from routing.learn import TERMS
 

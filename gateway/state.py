@@ -26,6 +26,7 @@ from gateway.errors import ApiError
 from gateway.fit_store import FitStore
 from gateway.fleet import Fleet
 from gateway.flow import ClassLimits, FlowControl, Shed
+from gateway.health_checks import HealthChecker
 from gateway.index.resilient import ErrorHook, ResilientIndex
 from gateway.keys import Keyring
 from gateway.lease import Lease
@@ -34,7 +35,7 @@ from gateway.metrics import Metrics
 from gateway.planner import Plan, Planner
 from gateway.prewarm import Prewarmer
 from gateway.proxy import Proxy
-from gateway.registry import HealthChecker, Registry, Replica
+from gateway.registry import Registry, Replica
 from gateway.reload import Reloader
 from gateway.reuse import ReuseCounter
 from gateway.scraper import Scraper
