@@ -86,7 +86,7 @@ class HealthChecker:
                     replica.name,
                     err,
                 )
-            await self._registry.mark_failed(replica, f"health check: {err!r}", eject=False)
+            await self._registry.mark_failed(replica, f"health check: {err!r}")
             return
         await self._registry.mark_ok(replica, frozenset(cards), cards)
         if self._registry.probe_due(replica) and replica.name not in self._probing:

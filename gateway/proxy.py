@@ -1,12 +1,17 @@
 """Send a planned request to its replica and relay the answer, streaming byte for byte.
 
-Retries: when the chosen replica cannot be reached before the first byte (refused, reset, stale
-keep-alive), or sends no first byte of a streamed answer within its pool's first_byte_timeout_s
-(the request is cancelled there), the next replica in the decision's ranking is tried, at most
-`retries` times; an unreachable replica is ejected at once and re-admitted by the health checker.
-Once the replica has answered, its status and body pass through as they are (4xx and 5xx
-included). Passive health (Registry.answered, Registry.errored): 5xx answers and first-byte
-timeouts in a row eject a replica, like Envoy's outlier detection.
+Retries: nothing has reached the client before the replica's first byte, so a try that fails
+before it is tried again on the next replica in the decision's ranking (each replica at most
+once, at most `retries` more): a replica that cannot be reached (refused, reset, stale
+keep-alive, an answer that is not HTTP), that answers 5xx, or that does not begin its answer in
+time (gateway/deadline.py: the pool's first_byte_timeout_s for a streamed answer, plus the
+output at min_decode_tokens_per_s for a whole one; the request is cancelled there). When every
+try answered or failed so, the last 5xx answer passes through as it came, else 502 or 504.
+A 4xx answer passes through at once (the request, not the replica, is at fault); once a streamed
+answer has begun, a failure ends it with an error event. Passive health (Registry.answered,
+Registry.errored, Registry.unreachable): 5xx answers and first-byte timeouts in a row, or one
+refused connection, eject a replica until its back-off is over and a probe passes
+(gateway/outliers.py), like Envoy's outlier detection.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
@@ -33,6 +38,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import logs, tracing
+from gateway.deadline import first_byte_deadline_s
 from gateway.disconnect import ClientGone, while_client_waits
 from gateway.errors import ApiError, no_replica, upstream_error
 from gateway.lease import Lease
@@ -140,11 +146,13 @@ def _upstream_headers(resp: UpstreamResponse) -> dict[str, str]:
 
 
 class _TryNext(Exception):
-    """This try got no answer in a way the next replica may mend."""
+    """This try got no answer in a way the next replica may mend; `answer`: the 5xx answer it
+    got (passed through if no other replica answers)."""
 
-    def __init__(self, error: UpstreamError) -> None:
+    def __init__(self, error: UpstreamError, answer: Response | None = None) -> None:
         super().__init__(repr(error))
         self.error = error
+        self.answer = answer
 
 
 class Proxy:
@@ -220,6 +228,7 @@ class Proxy:
     ) -> Response:
         path = ENDPOINT_PATHS[endpoint]
         last_error: UpstreamError | None = None
+        last_answer: Response | None = None
         attempts = 0
         for name in plan.decision.ranking:
             replica = plan.replicas[name]
@@ -239,6 +248,9 @@ class Proxy:
                     return await self._try(path, raw_body, plan, lease)
                 except _TryNext as failed:
                     last_error = failed.error
+                    last_answer = failed.answer or last_answer
+        if last_answer is not None:
+            return last_answer
         if last_error is not None:
             raise upstream_error(plan.decision.replica, last_error)
         raise no_replica(plan.model)
@@ -248,20 +260,29 @@ class Proxy:
         replica = lease.reservation.replica
         body = upstream_body(plan, replica, raw_body)
         headers = replica.request_headers(upstream_request_headers(plan))
-        # a streamed answer's first byte is its first token; a whole answer's first byte
-        # comes after the whole generation, so only upstream.read_timeout_s bounds it
-        timeout_s = replica.pool.first_byte_timeout_s if plan.stream else None
+        # a streamed answer's first byte is its first token; a whole answer's comes after its
+        # generation (vLLM sends its headers with the body), so its deadline counts the output
+        timeout_s = first_byte_deadline_s(
+            replica.pool,
+            stream=plan.stream,
+            endpoint=plan.endpoint,
+            body=plan.body,
+            card=replica.model_cards.get(plan.model),
+        )
         resp: UpstreamResponse | None = None
         chunks: AsyncIterator[bytes] | None = None
         first: bytes | None = None
+        content = b""  # a whole answer's, or a 5xx answer's: read within the deadline
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self._upstream.post(replica.url + path, body, headers)
                 if resp.status < 400:  # only a replica that took it holds its prompt
                     await self._settlement.accepted(plan, replica)
-                    if plan.stream:
-                        chunks = resp.chunks()
-                        first = await anext(chunks, None)
+                if resp.status < 400 and plan.stream:
+                    chunks = resp.chunks()
+                    first = await anext(chunks, None)
+                else:  # nothing is sent on before the whole answer is in: a retry stays safe
+                    content = await resp.read()
         except BaseException as err:
             lease.release()  # a try that will not be answered gives its slot back at once
             await _close_shielded(resp)  # the engine aborts a request whose connection closed
@@ -270,13 +291,31 @@ class Proxy:
                 raise
             raise failure from err
         try:
-            await self._registry.answered(replica, resp.status)
+            if chunks is None:  # a stream that began is judged when it ends (_relay)
+                await self._registry.answered(replica, resp.status)
         except BaseException:  # cancelled here (a client gone): the lease's `with` releases
             await _close_shielded(resp)
             raise
+        if resp.status >= 500:
+            reservation = lease.reservation
+            lease.release()
+            await _close_shielded(resp)
+            raise self._answered_error(plan, reservation, resp, content)
         if chunks is not None:
             return await self._stream(plan, lease, resp, chunks, first)
-        return await self._whole(plan, lease, resp)
+        return await self._whole(plan, lease, resp, content)
+
+    def _answered_error(
+        self, plan: Plan, reservation: Reservation, resp: UpstreamResponse, content: bytes
+    ) -> _TryNext:
+        """A 5xx answer, read whole: the next replica is tried; this answer passes through if
+        no other one answers."""
+        replica = reservation.replica
+        self._metrics.retries.labels(replica.name).inc()
+        log.warning("replica %s answered %d, trying the next one", replica.name, resp.status)
+        headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
+        answer = Response(content, status_code=resp.status, headers=headers)
+        return _TryNext(UpstreamError(f"answered {resp.status}"), answer)
 
     async def _failed(
         self, replica: Replica, err: BaseException, timeout_s: float | None
@@ -296,8 +335,10 @@ class Proxy:
             )
             return _TryNext(silent)
         if isinstance(err, _RETRYABLE):
-            eject = isinstance(err, UpstreamConnectError)
-            await self._registry.mark_failed(replica, repr(err), eject=eject, reason="connect")
+            if isinstance(err, UpstreamConnectError):
+                await self._registry.unreachable(replica, repr(err))
+            else:  # reset, closed, not HTTP: an error in a row, as a 5xx answer is
+                await self._registry.errored(replica, repr(err), reason="disconnect")
             self._metrics.retries.labels(replica.name).inc()
             log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
             return _TryNext(err)
@@ -339,20 +380,18 @@ class Proxy:
             headers=headers,
         )
 
-    async def _whole(self, plan: Plan, lease: Lease, resp: UpstreamResponse) -> Response:
-        """The whole answer, read, released and settled on every path."""
+    async def _whole(
+        self, plan: Plan, lease: Lease, resp: UpstreamResponse, content: bytes
+    ) -> Response:
+        """The whole answer, read by the try: released and settled on every path."""
         reservation = lease.reservation
         replica = reservation.replica
-        content: bytes | None = None
         try:
-            content = await resp.read()
-        except UpstreamError as err:
-            raise upstream_error(replica.name, err) from err
-        finally:
             ttft_s = reservation.first_byte()  # after the whole generation, unless prefill-only
             lease.release()
+        finally:
             await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)
-            self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
+        self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         return Response(content, status_code=resp.status, headers=headers)
 
@@ -396,10 +435,13 @@ class Proxy:
                 async for chunk in chunks:
                     settled.saw(chunk)
                     yield chunk
+            await self._registry.answered(settled.replica, settled.status)
         except UpstreamError as err:
             name = settled.replica.name
             api_error: ApiError = upstream_error(name, err)
             self._metrics.errors.labels(api_error.code).inc()
+            self._metrics.streams_broken.labels(name).inc()
+            await self._registry.errored(settled.replica, repr(err), reason="disconnect")
             log.warning("stream from %s broke: %r", name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:

@@ -412,6 +412,8 @@ class Gateway:
 
     async def _replica_changed(self, replica: Replica, healthy: bool) -> None:
         self.metrics.replica_healthy.labels(replica.name).set(1 if healthy else 0)
+        if healthy and replica.ejection_reason is not None:
+            self.metrics.readmissions.labels(replica.name, replica.ejection_reason).inc()
         if not healthy:
             reason = replica.ejection_reason or "health_check"
             self.metrics.ejections.labels(replica.name, reason).inc()

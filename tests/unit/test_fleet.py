@@ -17,8 +17,9 @@ import pytest
 from gateway.calibration import CostLearner
 from gateway.config import GatewayConfig, PoolConfig, parse_config
 from gateway.fleet import Fleet
+from gateway.health_checks import HealthChecker
 from gateway.metrics import Metrics
-from gateway.registry import HealthChecker, Registry
+from gateway.registry import Registry
 from routing.index import MemoryIndex
 from routing.types import Location, Tier
 
