@@ -46,20 +46,18 @@ from gateway.metrics import Metrics
 from gateway.planner import Plan
 from gateway.registry import Registry, Replica, Reservation
 from gateway.relay_time import RelayTime
+from gateway.retry import TryNext, failed_try, garbled
 from gateway.settlement import Settled, Settlement, whole_answer
 from gateway.upstream import (
     Upstream,
-    UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
     UpstreamResponse,
-    UpstreamTimeout,
 )
 from routing.cost import Estimate
 
 log = logging.getLogger("cachelane.proxy")
 
-_RETRYABLE = (UpstreamConnectError, UpstreamDisconnected)  # before the first byte
 NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in this namespace
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
 
@@ -143,16 +141,6 @@ def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
 def _upstream_headers(resp: UpstreamResponse) -> dict[str, str]:
     content_type = resp.content_type
     return {} if content_type is None else {"content-type": content_type}
-
-
-class _TryNext(Exception):
-    """This try got no answer in a way the next replica may mend; `answer`: the 5xx answer it
-    got (passed through if no other replica answers)."""
-
-    def __init__(self, error: UpstreamError, answer: Response | None = None) -> None:
-        super().__init__(repr(error))
-        self.error = error
-        self.answer = answer
 
 
 class Proxy:
@@ -246,7 +234,7 @@ class Proxy:
             with lease:
                 try:
                     return await self._try(path, raw_body, plan, lease)
-                except _TryNext as failed:
+                except TryNext as failed:
                     last_error = failed.error
                     last_answer = failed.answer or last_answer
         if last_answer is not None:
@@ -256,7 +244,7 @@ class Proxy:
         raise no_replica(plan.model)
 
     async def _try(self, path: str, raw_body: bytes, plan: Plan, lease: Lease) -> Response:
-        """One try on the lease's replica: its answer, or _TryNext when the next may answer."""
+        """One try on the lease's replica: its answer, or TryNext when the next may answer."""
         replica = lease.reservation.replica
         body = upstream_body(plan, replica, raw_body)
         headers = replica.request_headers(upstream_request_headers(plan))
@@ -283,10 +271,13 @@ class Proxy:
                     first = await anext(chunks, None)
                 else:  # nothing is sent on before the whole answer is in: a retry stays safe
                     content = await resp.read()
+                why = garbled(resp, first if chunks is not None else content)
+                if why is not None:
+                    raise UpstreamDisconnected(why)
         except BaseException as err:
             lease.release()  # a try that will not be answered gives its slot back at once
             await _close_shielded(resp)  # the engine aborts a request whose connection closed
-            failure = await self._failed(replica, err, timeout_s)
+            failure = await failed_try(self._registry, self._metrics, replica, err, timeout_s)
             if failure is err:
                 raise
             raise failure from err
@@ -307,7 +298,7 @@ class Proxy:
 
     def _answered_error(
         self, plan: Plan, reservation: Reservation, resp: UpstreamResponse, content: bytes
-    ) -> _TryNext:
+    ) -> TryNext:
         """A 5xx answer, read whole: the next replica is tried; this answer passes through if
         no other one answers."""
         replica = reservation.replica
@@ -315,38 +306,7 @@ class Proxy:
         log.warning("replica %s answered %d, trying the next one", replica.name, resp.status)
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         answer = Response(content, status_code=resp.status, headers=headers)
-        return _TryNext(UpstreamError(f"answered {resp.status}"), answer)
-
-    async def _failed(
-        self, replica: Replica, err: BaseException, timeout_s: float | None
-    ) -> BaseException:
-        """What a failed try raises: _TryNext when the next replica may answer (this one is
-        marked down or counted an error), an ApiError for an upstream failure no retry mends,
-        else the error itself."""
-        if isinstance(err, TimeoutError):
-            silent = UpstreamTimeout(f"no first byte in {timeout_s} s")
-            # 504 if no other replica answers
-            await self._registry.errored(replica, repr(silent), reason="timeout")
-            self._metrics.retries.labels(replica.name).inc()
-            log.warning(
-                "replica %s sent no first byte in %s s, trying the next one",
-                replica.name,
-                timeout_s,
-            )
-            return _TryNext(silent)
-        if isinstance(err, _RETRYABLE):
-            if isinstance(err, UpstreamConnectError):
-                await self._registry.unreachable(replica, repr(err))
-            else:  # reset, closed, not HTTP: an error in a row, as a 5xx answer is
-                await self._registry.errored(replica, repr(err), reason="disconnect")
-            self._metrics.retries.labels(replica.name).inc()
-            log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
-            return _TryNext(err)
-        if isinstance(err, UpstreamTimeout):
-            await self._registry.errored(replica, repr(err), reason="timeout")
-        if isinstance(err, UpstreamError):
-            return upstream_error(replica.name, err)
-        return err
+        return TryNext(UpstreamError(f"answered {resp.status}"), answer)
 
     async def _stream(
         self,
