@@ -14,14 +14,15 @@ completions look like can take it out of routing. Its `mode` says how it answers
 - "ok": answers as an engine does, whole or streamed (a replica that has recovered: `mode`
   may be changed while it runs).
 
-`requests` counts the completions it was sent; `cancelled` those whose connection the caller
-closed while it was holding them (the gateway cancelling the upstream request).
+`requests` counts the completions it was sent (`bodies`: their bodies, with their "path");
+`cancelled` those whose connection the caller closed while it was holding them (the gateway
+cancelling the upstream request).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from starlette.types import Receive, Scope, Send
@@ -38,6 +39,7 @@ class FaultyReplica:
     model: str
     requests: int = 0
     cancelled: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)  # of the completions, in order
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -61,7 +63,8 @@ class FaultyReplica:
             if not message.get("more_body", False):
                 break
         self.requests += 1
-        stream = bool(json.loads(raw or b"{}").get("stream"))
+        self.bodies.append({"path": scope["path"], **json.loads(raw or b"{}")})
+        stream = bool(self.bodies[-1].get("stream"))
         if self.mode == "error":
             error = {"message": "engine failure", "type": "server_error", "code": None}
             await _json(send, 500, {"error": error})
