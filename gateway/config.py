@@ -416,9 +416,10 @@ class HealthConfig(Strict):
     fail_after: PositiveInt = 2  # consecutive failed checks before a replica is ejected
     eject_after_errors: Annotated[int, Field(ge=0)] = Field(
         default=DEFAULT_EJECT_AFTER_ERRORS,
-        description="Passive health: consecutive 5xx answers or first-byte timeouts on a "
-        "replica's own traffic before it is ejected (Envoy's outlier detection, "
-        "consecutive_5xx). 0: off.",
+        description="Passive health: consecutive failures of a replica's own traffic (5xx "
+        "answers, first-byte timeouts, broken connections, answers that are not JSON or an "
+        "event stream) before it is ejected (Envoy's outlier detection, consecutive_5xx). A "
+        "refused connection ejects at once. 0: off.",
     )
     ejection_s: Annotated[float, Field(ge=0)] = Field(
         default=DEFAULT_EJECTION_S,

@@ -1,8 +1,9 @@
 """How long a replica may take to begin its answer before the gateway tries the next one.
 
 A streamed answer's first byte is its first token: the pool's first_byte_timeout_s bounds it.
-A whole answer's first byte comes after the generation (vLLM's OpenAI server returns a whole
-answer's status, headers and body together once the engine has finished it), so its bound is
+A whole answer's first byte comes after the generation (vLLM's OpenAI server awaits the handler's
+finished ChatCompletionResponse and sends it as one JSONResponse, status, headers and body
+together: vllm/entrypoints/openai/api_server.py, create_chat_completion), so its bound is
 first_byte_timeout_s plus the time its output takes at the slowest decode a healthy replica keeps
 (pools[].min_decode_tokens_per_s). Its output is bounded by the request's max_tokens (or
 max_completion_tokens, max_output_tokens), else by the model's context (max_model_len, as the
