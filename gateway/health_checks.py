@@ -106,9 +106,15 @@ class HealthChecker:
             error = None
         except (httpx.HTTPError, ValueError) as err:
             error = repr(err)
+        except Exception as err:  # never the end of run()'s task group: a failed probe
+            log.exception("probe of replica %s failed unexpectedly", replica.name)
+            error = repr(err)
         finally:
             self._probing.discard(replica.name)
-        await self._registry.probed(replica, error)
+        try:
+            await self._registry.probed(replica, error)
+        except Exception:  # the health checks go on; the replica is probed again
+            log.exception("could not record the probe of replica %s", replica.name)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as probes:

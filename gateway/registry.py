@@ -46,7 +46,8 @@ class Replica:
     rules: PoolRules
     healthy: bool = False
     consecutive_failures: int = 0  # failed health checks and dropped connections in a row
-    consecutive_errors: int = 0  # passive health: 5xx answers and first-byte timeouts in a row
+    # passive health: 5xx answers, first-byte timeouts and broken connections in a row
+    consecutive_errors: int = 0
     # out for how its requests went: re-admitted only by a probe, after its back-off
     ejection: Ejection | None = None
     last_ejection: Ejection | None = None  # the one before: the back-off counts on from it
