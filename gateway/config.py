@@ -335,7 +335,7 @@ class PoolConfig(Strict):
         "first_byte_timeout_s + max_tokens / min_decode_tokens_per_s (max_tokens, "
         "max_completion_tokens or max_output_tokens, else the model's max_model_len from "
         "/v1/models); past it the request is cancelled there and sent to the next replica, as "
-        "a streamed one is. With no bound known, only upstream.read_timeout_s applies. "
+        "a streamed one is. With no bound known, upstream.read_timeout_s does the same. "
         "Default: a tenth of a busy H200's 8B decode (loadtest/sim/config.py ITL_S).",
     )
     costs: CostsConfig = CostsConfig()

@@ -7,7 +7,8 @@ together: vllm/entrypoints/openai/api_server.py, create_chat_completion), so its
 first_byte_timeout_s plus the time its output takes at the slowest decode a healthy replica keeps
 (pools[].min_decode_tokens_per_s). Its output is bounded by the request's max_tokens (or
 max_completion_tokens, max_output_tokens), else by the model's context (max_model_len, as the
-engine listed it in /v1/models); with neither, only upstream.read_timeout_s bounds the wait.
+engine listed it in /v1/models); with neither, only upstream.read_timeout_s bounds the wait (and
+its expiry is retried on the next replica the same way).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ before it is tried again on the next replica in the decision's ranking (each rep
 once, at most `retries` more): a replica that cannot be reached (refused, reset, stale
 keep-alive, an answer that is not HTTP), that answers 5xx, or that does not begin its answer in
 time (gateway/deadline.py: the pool's first_byte_timeout_s for a streamed answer, plus the
-output at min_decode_tokens_per_s for a whole one; the request is cancelled there). When every
+output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is
+cancelled there). When every
 try answered or failed so, the last 5xx answer passes through as it came, else 502 or 504.
 A 4xx answer passes through at once (the request, not the replica, is at fault); once a streamed
 answer has begun, a failure ends it with an error event. Passive health (Registry.answered,

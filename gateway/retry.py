@@ -63,15 +63,17 @@ async def failed_try(
     """What a failed try raises: TryNext when the next replica may answer (this one is
     marked down or counted an error), an ApiError for an upstream failure no retry mends,
     else the error itself."""
-    if isinstance(err, TimeoutError):
-        silent = UpstreamTimeout(f"no first byte in {timeout_s} s")
+    if isinstance(err, (TimeoutError, UpstreamTimeout)):  # the deadline, or the read timeout
+        silent = (
+            err
+            if isinstance(err, UpstreamTimeout)
+            else UpstreamTimeout(f"no first byte in {timeout_s} s")
+        )
         # 504 if no other replica answers
         await registry.errored(replica, repr(silent), reason="timeout")
         metrics.retries.labels(replica.name).inc()
         log.warning(
-            "replica %s sent no first byte in %s s, trying the next one",
-            replica.name,
-            timeout_s,
+            "replica %s did not answer in time (%s), trying the next one", replica.name, silent
         )
         return TryNext(silent)
     if isinstance(err, _RETRYABLE):
@@ -82,8 +84,6 @@ async def failed_try(
         metrics.retries.labels(replica.name).inc()
         log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
         return TryNext(err)
-    if isinstance(err, UpstreamTimeout):
-        await registry.errored(replica, repr(err), reason="timeout")
     if isinstance(err, UpstreamError):
         return upstream_error(replica.name, err)
     return err
