@@ -6,13 +6,12 @@ once, at most `retries` more): a replica that cannot be reached (refused, reset,
 keep-alive, an answer that is not HTTP), that answers 5xx, or that does not begin its answer in
 time (gateway/deadline.py: the pool's first_byte_timeout_s for a streamed answer, plus the
 output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is
-cancelled there). When every
-try answered or failed so, the last 5xx answer passes through as it came, else 502 or 504.
-A 4xx answer passes through at once (the request, not the replica, is at fault); once a streamed
-answer has begun, a failure ends it with an error event. Passive health (Registry.answered,
-Registry.errored, Registry.unreachable): 5xx answers and first-byte timeouts in a row, or one
-refused connection, eject a replica until its back-off is over and a probe passes
-(gateway/outliers.py), like Envoy's outlier detection.
+cancelled there), or whose answer is garbled (gateway/retry.py). When every try failed so, the
+last 5xx answer passes through as it came, else 502 or 504. A 4xx answer passes through at once
+(the request, not the replica, is at fault); once a streamed answer has begun, a failure ends it
+with an error event. Passive health (Registry.answered, Registry.errored, Registry.unreachable):
+such failures in a row, or one refused connection, eject a replica until its back-off is over
+and a probe generation passes (gateway/outliers.py), like Envoy's outlier detection.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
