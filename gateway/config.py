@@ -64,6 +64,14 @@ DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
 # so the rest is room for the engine's own queue (flow control keeps that short).
 DEFAULT_EJECT_AFTER_ERRORS = 5  # Envoy's outlier_detection.consecutive_5xx default
 DEFAULT_EJECTION_S = 30.0  # Envoy's outlier_detection.base_ejection_time default
+DEFAULT_EJECTION_FACTOR = 2.0
+# each ejection in a row doubles the time out: the multiplier of Envoy's retry back-off
+# (config.route.v3.RetryPolicy.RetryBackOff: "exponential back-off ... base_interval" x 2^n)
+DEFAULT_MAX_EJECTION_S = 300.0  # Envoy's outlier_detection.max_ejection_time default
+DEFAULT_MIN_DECODE_TOKENS_PER_S = 10.0
+# a tenth of the decode rate loadtest/sim/config.py's ITL_S derives for an 8B model on an H200 at
+# a batch of 32 (10 ms per token, memory-bound): a replica slower than this for a whole answer is
+# taken as hung, not busy. Engines on CPU or much larger models want it lower.
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # 8 MiB: a 128k-token prompt is ~512 KiB of text; the rest is headroom for base64 images.
@@ -370,7 +378,19 @@ class PoolConfig(Strict):
         default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
         description="Longest wait for the first byte of a streamed answer (its first token). "
         "Past it the request is cancelled on that replica and sent to the next one, and the "
-        "replica counts a failure (health.eject_after_errors).",
+        "replica counts a failure (health.eject_after_errors). A whole (non-streamed) answer "
+        "gets this plus its max_tokens at min_decode_tokens_per_s.",
+    )
+    min_decode_tokens_per_s: PositiveFloat = Field(
+        default=DEFAULT_MIN_DECODE_TOKENS_PER_S,
+        description="The slowest decode (output tokens per second, one request) a healthy "
+        "replica of the pool keeps. vLLM sends a whole answer's status and headers with its "
+        "body, after the generation, so a whole answer's first byte is due within "
+        "first_byte_timeout_s + max_tokens / min_decode_tokens_per_s (max_tokens, "
+        "max_completion_tokens or max_output_tokens, else the model's max_model_len from "
+        "/v1/models); past it the request is cancelled there and sent to the next replica, as "
+        "a streamed one is. With no bound known, upstream.read_timeout_s does the same. "
+        "Default: a tenth of a busy H200's 8B decode (loadtest/sim/config.py ITL_S).",
     )
     costs: CostsConfig = CostsConfig()
     engine: EngineConfig = Field(
@@ -476,14 +496,25 @@ class HealthConfig(Strict):
     fail_after: PositiveInt = 2  # consecutive failed checks before a replica is ejected
     eject_after_errors: Annotated[int, Field(ge=0)] = Field(
         default=DEFAULT_EJECT_AFTER_ERRORS,
-        description="Passive health: consecutive 5xx answers or first-byte timeouts on a "
-        "replica's own traffic before it is ejected (Envoy's outlier detection, "
-        "consecutive_5xx). 0: off.",
+        description="Passive health: consecutive failures of a replica's own traffic (5xx "
+        "answers, first-byte timeouts, broken connections, answers that are not JSON or an "
+        "event stream) before it is ejected (Envoy's outlier detection, consecutive_5xx). A "
+        "refused connection ejects at once. 0: off.",
     )
     ejection_s: Annotated[float, Field(ge=0)] = Field(
         default=DEFAULT_EJECTION_S,
-        description="A replica ejected for its errors is re-admitted by the health check no "
-        "sooner than this (Envoy's base_ejection_time).",
+        description="A replica ejected for how its requests went (5xx, first-byte timeouts, a "
+        "refused connection) stays out at least this long (Envoy's base_ejection_time), then "
+        "must answer a probe generation (max_tokens 1) before traffic returns.",
+    )
+    ejection_factor: Annotated[float, Field(ge=1)] = Field(
+        default=DEFAULT_EJECTION_FACTOR,
+        description="Each ejection in a row (a failed probe counts one) multiplies the time out "
+        "by this (exponential back-off, as Envoy's retry back-off doubles).",
+    )
+    max_ejection_s: Annotated[float, Field(ge=0)] = Field(
+        default=DEFAULT_MAX_EJECTION_S,
+        description="The longest time out of one ejection (Envoy's max_ejection_time).",
     )
 
 

@@ -18,8 +18,9 @@ from gateway.accounting.ledger_store import CostStore, WorkerCosts
 from gateway.components import Component
 from gateway.config import GatewayConfig
 from gateway.fleet.discovery import Discovery
+from gateway.fleet.health_checks import HealthChecker
 from gateway.fleet.membership import Fleet
-from gateway.fleet.registry import HealthChecker, Registry
+from gateway.fleet.registry import Registry
 from gateway.fleet.scraper import Scraper
 from gateway.fleet.siblings import Siblings
 from gateway.index.resilient import ErrorHook, ResilientIndex

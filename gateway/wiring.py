@@ -21,8 +21,9 @@ from gateway.accounting.ledger_store import CostStore, WorkerCosts
 from gateway.components import Background, Component, Resource, loop
 from gateway.config import GatewayConfig, no_tenant_warning
 from gateway.fleet.discovery import Discovery
+from gateway.fleet.health_checks import HealthChecker
 from gateway.fleet.membership import Fleet
-from gateway.fleet.registry import HealthChecker, Registry, Replica
+from gateway.fleet.registry import Registry, Replica
 from gateway.fleet.reload import Reloader, install_sighup
 from gateway.fleet.scraper import Scraper
 from gateway.fleet.siblings import Siblings
@@ -397,6 +398,8 @@ class _ReplicaChanged:
     async def __call__(self, replica: Replica, healthy: bool) -> None:
         self.metrics.replica_healthy.labels(replica.name).set(1 if healthy else 0)
         if healthy:
+            if replica.ejection_reason is not None:
+                self.metrics.readmissions.labels(replica.name, replica.ejection_reason).inc()
             return
         reason = replica.ejection_reason or "health_check"
         self.metrics.ejections.labels(replica.name, reason).inc()

@@ -8,10 +8,9 @@ it, even while the task is being cancelled.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -19,6 +18,7 @@ import httpx
 
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.fleet import replica_auth
+from gateway.fleet.outliers import Backoff, Ejection
 from gateway.fleet.scraper import EngineLoad
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
 from routing.decide import Candidate, PoolRules
@@ -46,9 +46,13 @@ class Replica:
     rules: PoolRules
     healthy: bool = False
     consecutive_failures: int = 0  # failed health checks and dropped connections in a row
-    consecutive_errors: int = 0  # passive health: 5xx answers and first-byte timeouts in a row
-    ejected_until_s: float = 0.0  # monotonic; the health check re-admits no sooner
+    # passive health: 5xx answers, first-byte timeouts and broken connections in a row
+    consecutive_errors: int = 0
+    # out for how its requests went: re-admitted only by a probe, after its back-off
+    ejection: Ejection | None = None
+    last_ejection: Ejection | None = None  # the one before: the back-off counts on from it
     ejection_reason: str | None = None  # why it was last taken out (metrics label)
+    admitted_s: float = 0.0  # time.monotonic() when it was last admitted
     models: frozenset[str] = frozenset()
     # the engine's own /v1/models entries by id (max_model_len, owned_by, root, ...), as last seen
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -230,7 +234,8 @@ class Registry:
         self.replicas: dict[str, Replica] = {}
         self._fail_after = config.health.fail_after
         self._eject_after_errors = config.health.eject_after_errors
-        self._ejection_s = config.health.ejection_s
+        h = config.health
+        self.backoff = Backoff(h.ejection_s, h.ejection_factor, h.max_ejection_s)
         self._on_change = on_change
         self.on_load_change: Callable[[], None] = _no_listener  # flow control's kick
         self.load_listener: LoadListener | None = (
@@ -353,16 +358,19 @@ class Registry:
         ]
         return min(limits) if limits else None
 
-    async def mark_failed(
-        self, replica: Replica, error: str, *, eject: bool, reason: str = "health_check"
-    ) -> None:
-        """Count a failure; `eject` takes the replica out at once (it refused a connection).
-        `reason` labels the ejection, if this one ejects it."""
+    async def mark_failed(self, replica: Replica, error: str) -> None:
+        """Count a failed health check; `health.fail_after` in a row take the replica out."""
         replica.consecutive_failures += 1
         replica.last_error = error
-        fail_after = 1 if eject else self._fail_after
-        if replica.consecutive_failures >= fail_after:
-            await self._eject(replica, error, reason)
+        if replica.consecutive_failures >= self._fail_after:
+            await self._eject(replica, error, "health_check")
+
+    async def unreachable(self, replica: Replica, error: str) -> None:
+        """A request could not connect to the replica: out at once, back after its back-off
+        and a probe (gateway/fleet/outliers.py)."""
+        replica.consecutive_failures += 1
+        replica.last_error = error
+        await self._eject_by_outcome(replica, error, "connect")
 
     async def answered(self, replica: Replica, status: int) -> None:
         """Passive health, like Envoy's outlier detection (consecutive_5xx): a replica's own
@@ -380,19 +388,74 @@ class Registry:
         replica.last_error = error
         limit = self._eject_after_errors
         if limit and replica.consecutive_errors >= limit and replica.healthy:
-            replica.ejected_until_s = time.monotonic() + self._ejection_s
-            await self._eject(
+            await self._eject_by_outcome(
                 replica, f"{replica.consecutive_errors} errors in a row, last: {error}", reason
             )
+
+    async def _eject_by_outcome(self, replica: Replica, error: str, reason: str) -> None:
+        if not replica.healthy or replica.retired:
+            return
+        stayed_s = time.monotonic() - replica.admitted_s
+        previous = replica.last_ejection
+        replica.ejection = self.backoff.eject(previous, reason, error, stayed_s=stayed_s)
+        await self._eject(replica, error, reason)
 
     async def _eject(self, replica: Replica, error: str, reason: str) -> None:
         if not replica.healthy:
             return
         replica.healthy = False
         replica.ejection_reason = reason
-        log.warning("replica %s ejected (%s): %s", replica.name, reason, error)
+        ejection = replica.ejection
+        if ejection is not None and ejection.reason == reason:
+            log.warning(
+                "replica %s ejected (%s, %d in a row, probed in %.1f s): %s",
+                replica.name,
+                reason,
+                ejection.count,
+                ejection.probe_at_s - time.monotonic(),
+                error,
+            )
+        else:
+            log.warning("replica %s ejected (%s): %s", replica.name, reason, error)
         if self._on_change is not None:
             await self._on_change(replica, False)
+
+    def probe_due(self, replica: Replica) -> bool:
+        """Whether a replica ejected for its requests has sat out its back-off (half open)."""
+        e = replica.ejection
+        return not replica.healthy and e is not None and time.monotonic() >= e.probe_at_s
+
+    async def probed(self, replica: Replica, error: str | None) -> None:
+        """The outcome of a half-open replica's probe generation (`error`: None if it passed):
+        full traffic again, or out for the next back-off."""
+        e = replica.ejection
+        if e is None or replica.healthy or replica.retired:
+            return
+        if error is not None:
+            self.backoff.probe_failed(e, error)
+            replica.last_error = f"probe: {error}"
+            log.warning(
+                "replica %s failed its probe (%s): out for %.1f s more",
+                replica.name,
+                error,
+                e.probe_at_s - time.monotonic(),
+            )
+            return
+        log.info("replica %s passed its probe after %d ejection(s) in a row", replica.name, e.count)
+        await self._admit(replica)
+
+    async def _admit(self, replica: Replica) -> None:
+        replica.consecutive_errors = 0
+        replica.consecutive_failures = 0
+        replica.last_error = None
+        replica.healthy = True
+        replica.admitted_s = time.monotonic()
+        if replica.ejection is not None:
+            replica.last_ejection, replica.ejection = replica.ejection, None
+        log.info("replica %s admitted, models %s", replica.name, sorted(replica.models))
+        if self._on_change is not None:
+            await self._on_change(replica, True)
+        replica.ejection_reason = None  # told: the re-admission's metric label
 
     async def mark_ok(
         self,
@@ -401,97 +464,18 @@ class Registry:
         cards: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """Record a passed check (`cards`: the engine's /v1/models entries by id); a replica
-        that was out is (re)admitted, unless it was ejected for its errors less than
-        `health.ejection_s` ago."""
+        that was out is (re)admitted, unless it was ejected for how its requests went: only a
+        probe generation re-admits that one (`probed`)."""
         if replica.retired:  # a check that was under way when it left
             return
         if cards is not None:
             replica.model_cards = cards
         replica.answered_check = True
-        if not replica.healthy and time.monotonic() < replica.ejected_until_s:
+        if not replica.pool.models:
+            replica.models = models
+        if replica.ejection is not None and not replica.healthy:
             return
         replica.consecutive_failures = 0  # a check says nothing of how it answers requests:
         replica.last_error = None  # consecutive_errors is reset by an answer, or re-admission
-        if not replica.pool.models:
-            replica.models = models
         if not replica.healthy:
-            replica.consecutive_errors = 0
-            replica.healthy = True
-            log.info("replica %s admitted, models %s", replica.name, sorted(replica.models))
-            if self._on_change is not None:
-                await self._on_change(replica, True)
-
-
-async def probe(
-    client: httpx.AsyncClient, replica: Replica, timeout_s: float
-) -> dict[str, dict[str, Any]]:
-    """One active health check: GET /v1/models (any OpenAI-compatible server answers it).
-    Returns the engine's entries by model id, as it sent them."""
-    resp = await client.get(
-        f"{replica.url}/v1/models", timeout=timeout_s, headers=replica.auth_headers
-    )
-    resp.raise_for_status()
-    data = resp.json().get("data", [])
-    return {str(m["id"]): m for m in data if isinstance(m, dict) and "id" in m}
-
-
-def _refused_credentials(err: Exception) -> int | None:
-    """401 or 403 when the replica answered a health check by refusing its caller."""
-    if isinstance(err, httpx.HTTPStatusError) and err.response.status_code in (401, 403):
-        return err.response.status_code
-    return None
-
-
-class HealthChecker:
-    """Checks every replica on an interval: ejects after `fail_after` failures in a row,
-    re-admits after one pass."""
-
-    def __init__(
-        self,
-        registry: Registry,
-        client: httpx.AsyncClient,
-        *,
-        interval_s: float,
-        timeout_s: float,
-    ) -> None:
-        self._registry = registry
-        self._client = client
-        self._interval_s = interval_s
-        self._timeout_s = timeout_s
-
-    async def check_all(self) -> None:
-        await self.check(list(self._registry.replicas.values()))
-
-    async def check(self, replicas: Iterable[Replica]) -> None:
-        """Check these replicas now (one that just joined need not wait for the next round)."""
-        await asyncio.gather(*(self._check(r) for r in replicas))
-
-    async def _check(self, replica: Replica) -> None:
-        try:
-            cards = await probe(self._client, replica, self._timeout_s)
-        except (httpx.HTTPError, ValueError, AttributeError) as err:
-            refused = _refused_credentials(err)
-            if refused is not None and replica.last_error != f"health check: {err!r}":
-                log.warning(  # said when it starts; the key itself is never logged
-                    "replica %s refused the gateway's credentials (%d): %s; it gets no "
-                    "traffic until it accepts them",
-                    replica.name,
-                    refused,
-                    "set the key it was started with (vLLM --api-key) as its pool's api_key"
-                    if replica.pool.api_key is None
-                    else "its pool's api_key is not the key the replica expects",
-                )
-            elif not replica.answered_check and replica.last_error is None:  # said once
-                log.warning(
-                    "replica %s cannot be reached (%r); it gets no traffic until it answers",
-                    replica.name,
-                    err,
-                )
-            await self._registry.mark_failed(replica, f"health check: {err!r}", eject=False)
-            return
-        await self._registry.mark_ok(replica, frozenset(cards), cards)
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self.check_all()
+            await self._admit(replica)

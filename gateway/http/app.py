@@ -162,6 +162,7 @@ def create_app(
                 "models": sorted(r.models),
                 "in_flight": r.in_flight,
                 "last_error": r.last_error,
+                "ejected": None if r.ejection is None else r.ejection.view(time.monotonic()),
             }
             for r in gw.registry.replicas.values()
         }

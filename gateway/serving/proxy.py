@@ -1,12 +1,17 @@
 """Send a planned request to its replica and relay the answer, streaming byte for byte.
 
-Retries: when the chosen replica cannot be reached before the first byte (refused, reset, stale
-keep-alive), or sends no first byte of a streamed answer within its pool's first_byte_timeout_s
-(the request is cancelled there), the next replica in the decision's ranking is tried, at most
-`retries` times; an unreachable replica is ejected at once and re-admitted by the health checker.
-Once the replica has answered, its status and body pass through as they are (4xx and 5xx
-included). Passive health (Registry.answered, Registry.errored): 5xx answers and first-byte
-timeouts in a row eject a replica, like Envoy's outlier detection.
+Retries: nothing has reached the client before the replica's first byte, so a try that fails
+before it is tried again on the next replica in the decision's ranking (each replica at most
+once, at most `retries` more): a replica that cannot be reached (refused, reset, stale
+keep-alive, an answer that is not HTTP), that answers 5xx, or that does not begin its answer in
+time (gateway/serving/deadline.py: the pool's first_byte_timeout_s for a streamed answer, plus the
+output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is
+cancelled there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so,
+the last 5xx answer passes through as it came, else 502 or 504. A 4xx answer passes through at once
+(the request, not the replica, is at fault); once a streamed answer has begun, a failure ends it
+with an error event. Passive health (Registry.answered, Registry.errored, Registry.unreachable):
+such failures in a row, or one refused connection, eject a replica until its back-off is over
+and a probe generation passes (gateway/fleet/outliers.py), like Envoy's outlier detection.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
@@ -36,17 +41,17 @@ from starlette.types import Receive, Scope, Send
 from gateway.fleet.registry import Registry, Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError, no_replica, upstream_error
+from gateway.serving.deadline import first_byte_deadline_s
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
 from gateway.serving.relay_time import RelayTime
+from gateway.serving.retry import TryNext, failed_try, garbled
 from gateway.serving.settlement import Settled, Settlement, whole_answer
 from gateway.serving.upstream import (
     Upstream,
-    UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
     UpstreamResponse,
-    UpstreamTimeout,
 )
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import Metrics
@@ -54,7 +59,6 @@ from routing.cost import Estimate
 
 log = logging.getLogger("cachelane.proxy")
 
-_RETRYABLE = (UpstreamConnectError, UpstreamDisconnected)  # before the first byte
 NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in this namespace
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
 
@@ -140,14 +144,6 @@ def _upstream_headers(resp: UpstreamResponse) -> dict[str, str]:
     return {} if content_type is None else {"content-type": content_type}
 
 
-class _TryNext(Exception):
-    """This try got no answer in a way the next replica may mend."""
-
-    def __init__(self, error: UpstreamError) -> None:
-        super().__init__(repr(error))
-        self.error = error
-
-
 class Proxy:
     def __init__(
         self,
@@ -223,6 +219,7 @@ class Proxy:
     ) -> Response:
         path = ENDPOINT_PATHS[endpoint]
         last_error: UpstreamError | None = None
+        last_answer: Response | None = None
         attempts = 0
         for name in plan.decision.ranking:
             replica = plan.replicas[name]
@@ -240,75 +237,79 @@ class Proxy:
             with lease:
                 try:
                     return await self._try(path, raw_body, plan, lease)
-                except _TryNext as failed:
+                except TryNext as failed:
                     last_error = failed.error
+                    last_answer = failed.answer or last_answer
+        if last_answer is not None:
+            return last_answer
         if last_error is not None:
             raise upstream_error(plan.decision.replica, last_error)
         raise no_replica(plan.model)
 
     async def _try(self, path: str, raw_body: bytes, plan: Plan, lease: Lease) -> Response:
-        """One try on the lease's replica: its answer, or _TryNext when the next may answer."""
+        """One try on the lease's replica: its answer, or TryNext when the next may answer."""
         replica = lease.reservation.replica
         body = upstream_body(plan, replica, raw_body)
         headers = replica.request_headers(upstream_request_headers(plan))
-        # a streamed answer's first byte is its first token; a whole answer's first byte
-        # comes after the whole generation, so only upstream.read_timeout_s bounds it
-        timeout_s = replica.pool.first_byte_timeout_s if plan.stream else None
+        # a streamed answer's first byte is its first token; a whole answer's comes after its
+        # generation (vLLM sends its headers with the body), so its deadline counts the output
+        timeout_s = first_byte_deadline_s(
+            replica.pool,
+            stream=plan.stream,
+            endpoint=plan.endpoint,
+            body=plan.body,
+            card=replica.model_cards.get(plan.model),
+        )
         resp: UpstreamResponse | None = None
         chunks: AsyncIterator[bytes] | None = None
         first: bytes | None = None
+        content = b""  # a whole answer's, or a 5xx answer's: read within the deadline
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self._upstream.post(replica.url + path, body, headers)
                 if resp.status < 400:  # only a replica that took it holds its prompt
                     await self._settlement.accepted(plan, replica)
-                    if plan.stream:
-                        chunks = resp.chunks()
-                        first = await anext(chunks, None)
+                if resp.status < 400 and plan.stream:
+                    chunks = resp.chunks()
+                    first = await anext(chunks, None)
+                else:  # nothing is sent on before the whole answer is in: a retry stays safe
+                    content = await resp.read()
+                why = garbled(resp, first if chunks is not None else content)
+                if why is not None:
+                    raise UpstreamDisconnected(why)
         except BaseException as err:
             lease.release()  # a try that will not be answered gives its slot back at once
             await _close_shielded(resp)  # the engine aborts a request whose connection closed
-            failure = await self._failed(replica, err, timeout_s)
+            failure = await failed_try(self._registry, self._metrics, replica, err, timeout_s)
             if failure is err:
                 raise
             raise failure from err
         try:
-            await self._registry.answered(replica, resp.status)
+            if chunks is None:  # a stream that began is judged when it ends (_relay)
+                await self._registry.answered(replica, resp.status)
         except BaseException:  # cancelled here (a client gone): the lease's `with` releases
             await _close_shielded(resp)
             raise
+        if resp.status >= 500:
+            reservation = lease.reservation
+            lease.release()
+            await _close_shielded(resp)
+            raise self._answered_error(plan, reservation, resp, content)
         if chunks is not None:
             return await self._stream(plan, lease, resp, chunks, first)
-        return await self._whole(plan, lease, resp)
+        return await self._whole(plan, lease, resp, content)
 
-    async def _failed(
-        self, replica: Replica, err: BaseException, timeout_s: float | None
-    ) -> BaseException:
-        """What a failed try raises: _TryNext when the next replica may answer (this one is
-        marked down or counted an error), an ApiError for an upstream failure no retry mends,
-        else the error itself."""
-        if isinstance(err, TimeoutError):
-            silent = UpstreamTimeout(f"no first byte in {timeout_s} s")
-            # 504 if no other replica answers
-            await self._registry.errored(replica, repr(silent), reason="timeout")
-            self._metrics.retries.labels(replica.name).inc()
-            log.warning(
-                "replica %s sent no first byte in %s s, trying the next one",
-                replica.name,
-                timeout_s,
-            )
-            return _TryNext(silent)
-        if isinstance(err, _RETRYABLE):
-            eject = isinstance(err, UpstreamConnectError)
-            await self._registry.mark_failed(replica, repr(err), eject=eject, reason="connect")
-            self._metrics.retries.labels(replica.name).inc()
-            log.warning("replica %s unreachable (%r), trying the next one", replica.name, err)
-            return _TryNext(err)
-        if isinstance(err, UpstreamTimeout):
-            await self._registry.errored(replica, repr(err), reason="timeout")
-        if isinstance(err, UpstreamError):
-            return upstream_error(replica.name, err)
-        return err
+    def _answered_error(
+        self, plan: Plan, reservation: Reservation, resp: UpstreamResponse, content: bytes
+    ) -> TryNext:
+        """A 5xx answer, read whole: the next replica is tried; this answer passes through if
+        no other one answers."""
+        replica = reservation.replica
+        self._metrics.retries.labels(replica.name).inc()
+        log.warning("replica %s answered %d, trying the next one", replica.name, resp.status)
+        headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
+        answer = Response(content, status_code=resp.status, headers=headers)
+        return TryNext(UpstreamError(f"answered {resp.status}"), answer)
 
     async def _stream(
         self,
@@ -342,20 +343,18 @@ class Proxy:
             headers=headers,
         )
 
-    async def _whole(self, plan: Plan, lease: Lease, resp: UpstreamResponse) -> Response:
-        """The whole answer, read, released and settled on every path."""
+    async def _whole(
+        self, plan: Plan, lease: Lease, resp: UpstreamResponse, content: bytes
+    ) -> Response:
+        """The whole answer, read by the try: released and settled on every path."""
         reservation = lease.reservation
         replica = reservation.replica
-        content: bytes | None = None
         try:
-            content = await resp.read()
-        except UpstreamError as err:
-            raise upstream_error(replica.name, err) from err
-        finally:
             ttft_s = reservation.first_byte()  # after the whole generation, unless prefill-only
             lease.release()
+        finally:
             await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)
-            self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
+        self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         return Response(content, status_code=resp.status, headers=headers)
 
@@ -399,10 +398,13 @@ class Proxy:
                 async for chunk in chunks:
                     settled.saw(chunk)
                     yield chunk
+            await self._registry.answered(settled.replica, settled.status)
         except UpstreamError as err:
             name = settled.replica.name
             api_error: ApiError = upstream_error(name, err)
             self._metrics.errors.labels(api_error.code).inc()
+            self._metrics.streams_broken.labels(name).inc()
+            await self._registry.errored(settled.replica, repr(err), reason="disconnect")
             log.warning("stream from %s broke: %r", name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:

@@ -191,8 +191,23 @@ class Metrics:
             "cachelane_replica_ejections",
             "Replicas taken out of routing, by replica and reason: connect (refused a "
             "connection), health_check (failed its checks), 5xx (answered errors in a row), "
-            "timeout (no first byte in time, in a row)",
+            "timeout (no first byte in time, in a row), disconnect (connections broken, in a row)",
             ["replica", "reason"],
+            registry=r,
+        )
+        self.readmissions = Counter(
+            "cachelane_replica_readmissions",
+            "Replicas taken back into routing after an ejection, by replica and the reason it "
+            "was out: for connect, 5xx, timeout and disconnect only after a passing probe "
+            "generation (gateway/fleet/outliers.py)",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.streams_broken = Counter(
+            "cachelane_upstream_streams_broken",
+            "Streamed answers that broke after their first byte (the client got an error "
+            "event; no retry is possible once bytes were sent), by replica",
+            ["replica"],
             registry=r,
         )
         self.client_gone = Counter(

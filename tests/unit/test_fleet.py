@@ -16,8 +16,9 @@ import pytest
 
 from gateway.accounting.calibration import CostLearner
 from gateway.config import GatewayConfig, PoolConfig, parse_config
+from gateway.fleet.health_checks import HealthChecker
 from gateway.fleet.membership import Fleet
-from gateway.fleet.registry import HealthChecker, Registry
+from gateway.fleet.registry import Registry
 from gateway.telemetry.metrics import Metrics
 from routing.index import MemoryIndex
 from routing.types import Location, Tier

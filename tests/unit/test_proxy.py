@@ -622,6 +622,36 @@ async def test_a_stream_without_a_first_byte_in_time_is_retried_on_the_next_repl
     s.assert_all_released()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "failing",
+    [
+        pytest.param(lambda _: json_answer(500, {"error": {}}), id="5xx"),
+        pytest.param(
+            lambda r: Answer(200, "application/json", delayed([b"\x00garbage"])), id="garbage"
+        ),
+        pytest.param(stalls, id="stalled"),
+    ],
+)
+async def test_a_failure_before_the_first_byte_is_retried_on_the_next_replica(
+    failing: Behaviour, stream: bool
+) -> None:
+    s = await setup(first_byte_timeout_s=0.05, min_decode_tokens_per_s=1000.0)
+    raw = raw_chat(stream=stream, max_tokens=4)
+    plan = await s.plan(json.loads(raw))
+    first, second = plan.decision.ranking[:2]
+    s.fleet.behaviour[first] = failing
+    response = await s.proxy.forward("chat", raw, plan)
+    assert response.status_code == 200
+    assert response.headers["x-cachelane-replica"] == second
+    if stream:
+        await read_all(response)
+    assert [sent.replica for sent in s.fleet.sent] == [first, second]
+    assert s.replica(first).consecutive_errors == 1
+    assert metric(s, "cachelane_upstream_retries_total", replica=first) == 1
+    s.assert_all_released()
+
+
 async def test_every_replica_silent_is_504_and_releases() -> None:
     s = await setup(first_byte_timeout_s=0.05)
     for name in s.registry.replicas:

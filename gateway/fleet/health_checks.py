@@ -1,0 +1,127 @@
+"""Active health checks: every replica's /v1/models on an interval, and the probe generation that
+lets a replica ejected for how its requests went back in (gateway/fleet/outliers.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+
+from gateway.fleet.outliers import probe_generation
+from gateway.fleet.registry import Registry, Replica
+from gateway.serving.deadline import first_byte_deadline_s
+
+log = logging.getLogger("cachelane.registry")
+
+
+async def probe(
+    client: httpx.AsyncClient, replica: Replica, timeout_s: float
+) -> dict[str, dict[str, Any]]:
+    """One active health check: GET /v1/models (any OpenAI-compatible server answers it).
+    Returns the engine's entries by model id, as it sent them."""
+    resp = await client.get(
+        f"{replica.url}/v1/models", timeout=timeout_s, headers=replica.auth_headers
+    )
+    resp.raise_for_status()
+    data = resp.json().get("data", [])
+    return {str(m["id"]): m for m in data if isinstance(m, dict) and "id" in m}
+
+
+def _refused_credentials(err: Exception) -> int | None:
+    """401 or 403 when the replica answered a health check by refusing its caller."""
+    if isinstance(err, httpx.HTTPStatusError) and err.response.status_code in (401, 403):
+        return err.response.status_code
+    return None
+
+
+class HealthChecker:
+    """Checks every replica on an interval: ejects after `fail_after` failures in a row,
+    re-admits after one pass; a replica ejected for how its requests went is re-admitted only
+    by a probe generation once its back-off is over (gateway/fleet/outliers.py), sent in a task of
+    its own so a hung replica does not hold the other checks up."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        *,
+        interval_s: float,
+        timeout_s: float,
+    ) -> None:
+        self._registry = registry
+        self._client = client
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._probes: asyncio.TaskGroup | None = None  # run()'s: probes end with it
+        self._probing: set[str] = set()
+
+    async def check_all(self) -> None:
+        await self.check(list(self._registry.replicas.values()))
+
+    async def check(self, replicas: Iterable[Replica]) -> None:
+        """Check these replicas now (one that just joined need not wait for the next round)."""
+        await asyncio.gather(*(self._check(r) for r in replicas))
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            cards = await probe(self._client, replica, self._timeout_s)
+        except (httpx.HTTPError, ValueError, AttributeError) as err:
+            refused = _refused_credentials(err)
+            if refused is not None and replica.last_error != f"health check: {err!r}":
+                log.warning(  # said when it starts; the key itself is never logged
+                    "replica %s refused the gateway's credentials (%d): %s; it gets no "
+                    "traffic until it accepts them",
+                    replica.name,
+                    refused,
+                    "set the key it was started with (vLLM --api-key) as its pool's api_key"
+                    if replica.pool.api_key is None
+                    else "its pool's api_key is not the key the replica expects",
+                )
+            elif not replica.answered_check and replica.last_error is None:  # said once
+                log.warning(
+                    "replica %s cannot be reached (%r); it gets no traffic until it answers",
+                    replica.name,
+                    err,
+                )
+            await self._registry.mark_failed(replica, f"health check: {err!r}")
+            return
+        await self._registry.mark_ok(replica, frozenset(cards), cards)
+        if self._registry.probe_due(replica) and replica.name not in self._probing:
+            self._probing.add(replica.name)
+            if self._probes is None:
+                await self._probe(replica)
+            else:
+                self._probes.create_task(self._probe(replica), name=f"probe {replica.name}")
+
+    async def _probe(self, replica: Replica) -> None:
+        """One probe generation, due within a one-token whole answer's deadline."""
+        deadline_s = first_byte_deadline_s(
+            replica.pool, stream=False, endpoint="completions", body={"max_tokens": 1}, card=None
+        )
+        try:
+            await probe_generation(self._client, replica, deadline_s or self._timeout_s)
+            error = None
+        except (httpx.HTTPError, ValueError) as err:
+            error = repr(err)
+        except Exception as err:  # never the end of run()'s task group: a failed probe
+            log.exception("probe of replica %s failed unexpectedly", replica.name)
+            error = repr(err)
+        finally:
+            self._probing.discard(replica.name)
+        try:
+            await self._registry.probed(replica, error)
+        except Exception:  # the health checks go on; the replica is probed again
+            log.exception("could not record the probe of replica %s", replica.name)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as probes:
+            self._probes = probes
+            try:
+                while True:
+                    await asyncio.sleep(self._interval_s)
+                    await self.check_all()
+            finally:
+                self._probes = None

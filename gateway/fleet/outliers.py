@@ -1,0 +1,102 @@
+"""Ejection by the outcome of real requests: how long a replica stays out, and the probe that
+lets it back in.
+
+A replica is ejected when its own traffic fails (health.eject_after_errors 5xx answers or
+first-byte timeouts in a row, or one refused connection), whatever its health check says: a
+replica can list its models and still fail every generation. It stays out for a back-off that
+grows with each ejection in a row (health.ejection_s x health.ejection_factor ^ (n - 1), at most
+health.max_ejection_s), then is half open: the health checker sends it one real generation
+(max_tokens 1, `probe_generation`); only when that succeeds does full traffic return. A failed
+probe starts the next, longer, back-off. A replica that then stays in for as long as it was last
+out is forgiven: its next ejection starts from the base again (Envoy's outlier detection lowers
+its ejection multiplier the same way while a host stays healthy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    from gateway.fleet.registry import Replica
+
+PROBE_PROMPT = "ping"  # any prompt: one token is generated, and thrown away
+
+
+@dataclass
+class Ejection:
+    """A replica out of routing for how its requests went, and when it is probed next."""
+
+    reason: str  # 5xx, timeout, connect (the metrics label)
+    error: str  # the last failure, as /ready shows it
+    since_s: float  # time.monotonic() of the first ejection of this run
+    probe_at_s: float  # time.monotonic() from which the health checker probes it
+    count: int  # ejections in a row (a failed probe counts one more)
+
+    def view(self, now_s: float) -> dict[str, Any]:
+        """What /ready shows of it."""
+        return {
+            "reason": self.reason,
+            "error": self.error,
+            "ejections_in_a_row": self.count,
+            "out_for_s": round(now_s - self.since_s, 3),
+            "next_probe_in_s": round(max(0.0, self.probe_at_s - now_s), 3),
+        }
+
+
+@dataclass(frozen=True)
+class Backoff:
+    base_s: float
+    factor: float
+    max_s: float
+
+    def seconds(self, count: int) -> float:
+        """The time out after the `count`-th ejection in a row (1: the base)."""
+        if self.base_s <= 0:
+            return 0.0
+        exponent = max(0, count - 1)
+        # past the cap the power only grows: stop before it overflows a float
+        if self.factor > 1 and self.base_s * self.factor ** min(exponent, 64) >= self.max_s:
+            return self.max_s
+        return float(min(self.base_s * self.factor**exponent, self.max_s))
+
+    def eject(
+        self, previous: Ejection | None, reason: str, error: str, *, stayed_s: float
+    ) -> Ejection:
+        """The ejection that starts now: the next in a row, unless the replica stayed in for as
+        long as it was last out (`stayed_s`: since it was last admitted)."""
+        now = time.monotonic()
+        count = (
+            1
+            if previous is None or stayed_s >= self.seconds(previous.count)
+            else previous.count + 1
+        )
+        since = now if count == 1 or previous is None else previous.since_s
+        return Ejection(reason, error, since, now + self.seconds(count), count)
+
+    def probe_failed(self, ejection: Ejection, error: str) -> None:
+        """A failed probe: out again, for the next back-off."""
+        ejection.count += 1
+        ejection.error = error
+        ejection.probe_at_s = time.monotonic() + self.seconds(ejection.count)
+
+
+async def probe_generation(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
+    """One real generation of one token on the replica (/v1/completions, which every
+    OpenAI-compatible engine serves without a chat template); raises httpx.HTTPError (a 4xx or
+    5xx answer included) or ValueError (an answer that is not a completion)."""
+    model = min(replica.models) if replica.models else ""
+    body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": False}
+    resp = await client.post(
+        f"{replica.url}/v1/completions",
+        json=body,
+        timeout=timeout_s,
+        headers=replica.auth_headers,
+    )
+    resp.raise_for_status()
+    answer = resp.json()
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        raise ValueError(f"not a completion: {resp.text[:200]!r}")
