@@ -314,7 +314,7 @@ class Planner:
                 503,
                 "the fleet is overloaded and batch traffic is shed first; retry later",
                 code="overloaded",
-                type="service_unavailable",
+                type="server_error",
                 headers={"retry-after": str(self._config.critical.retry_after_s)},
             )
         return routed, routed.decision
@@ -335,7 +335,7 @@ class Planner:
                 503,
                 f"the pinned pool for {model!r} is down or at its admission cap",
                 code="pinned_pool_unavailable",
-                type="service_unavailable",
+                type="server_error",
                 headers={"retry-after": str(self._config.critical.retry_after_s)},
             )
         return no_replica(model, self._config.critical.retry_after_s)

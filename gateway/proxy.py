@@ -49,6 +49,7 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from gateway.usage import StreamReader, ask_for_usage
 from routing.cost import Estimate
 
 log = logging.getLogger("cachelane.proxy")
@@ -58,6 +59,7 @@ NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in thi
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
 
 
+_USAGE = {"include_usage": True}
 ENDPOINT_PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -118,8 +120,12 @@ def upstream_request_headers(plan: Plan) -> dict[str, str]:
 
 def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
     """The client's bytes as they came, unless the pool isolates tenants with vLLM's cache_salt
-    or schedules by the class's priority."""
+    or schedules by the class's priority, or the stream must be asked for its usage (the
+    client did not ask: gateway/usage.py)."""
     extra: dict[str, Any] = {}
+    if ask_for_usage(plan.endpoint, plan.body):
+        options = plan.body.get("stream_options")
+        extra["stream_options"] = {**(options if isinstance(options, dict) else {}), **_USAGE}
     if replica.pool.cache_salt and plan.endpoint != "embeddings":  # vLLM's pooling takes none
         extra["cache_salt"] = plan.cache_salt
     priority = plan.engine_priority(replica)
@@ -323,7 +329,8 @@ class Proxy:
         )
         headers["cache-control"] = "no-cache"
         headers["x-accel-buffering"] = "no"
-        settled = Settled(plan, reservation, resp.status, streamed=True)
+        reader = StreamReader(strip_usage=ask_for_usage(plan.endpoint, plan.body))
+        settled = Settled(plan, reservation, resp.status, streamed=True, reader=reader)
         try:
             if first is not None:  # its prefill is done: what it loaded is in HBM now
                 settled.ttft_s = reservation.first_byte()
@@ -343,6 +350,7 @@ class Proxy:
         """The whole answer, read, released and settled on every path."""
         reservation = lease.reservation
         replica = reservation.replica
+        head_s = time.perf_counter() - reservation.started_s  # its TTFT, as the client sees it
         content: bytes | None = None
         try:
             content = await resp.read()
@@ -352,7 +360,8 @@ class Proxy:
             ttft_s = reservation.first_byte()  # after the whole generation, unless prefill-only
             lease.release()
             await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)
-            self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
+            settled = whole_answer(plan, reservation, resp.status, ttft_s, content, head_s)
+            self._settlement.settle(settled)
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         return Response(content, status_code=resp.status, headers=headers)
 
@@ -383,23 +392,32 @@ class Proxy:
         self, chunks: AsyncIterator[bytes], first: bytes | None, answer: _OpenStream
     ) -> AsyncIterator[bytes]:
         """Relay the stream byte for byte, from its first chunk (read before the response was
-        returned, within the first-byte timeout); the answer is settled when it ends (the
-        engine's usage, if the client asked for it, comes in the last chunk), however it ends."""
+        returned, within the first-byte timeout), its events read on the side (the usage, the
+        last token's time: gateway/usage.py); the answer is settled when it ends, however it
+        ends. A replica that fails mid-way ends the stream with an error event, and the access
+        line says the error's status and code, not the 200 sent at the start."""
         settled = answer.settled
+        reader = settled.reader
         try:
             if first is not None:
-                settled.saw(first)
-                yield first
+                out = reader.relay(first, time.perf_counter())
+                if out:
+                    yield out
                 first_byte_s = settled.reservation.first_byte_s
                 if first_byte_s is not None:  # handed on: the way back is measured
                     self._relay_time.observe(time.perf_counter() - first_byte_s)
                 async for chunk in chunks:
-                    settled.saw(chunk)
-                    yield chunk
+                    out = reader.relay(chunk, time.perf_counter())
+                    if out:
+                        yield out
+                rest = reader.rest()
+                if rest:
+                    yield rest
         except UpstreamError as err:
             name = settled.replica.name
             api_error: ApiError = upstream_error(name, err)
             self._metrics.errors.labels(api_error.code).inc()
+            logs.note_stream_failed(api_error.status, api_error.code)
             log.warning("stream from %s broke: %r", name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:

@@ -358,7 +358,7 @@ class Gateway:
                 )
                 + "; retry later",
                 code="overloaded",
-                type="service_unavailable",
+                type="server_error",
                 headers={"retry-after": str(err.retry_after_s)},
             ) from None
         self.metrics.flow_wait_seconds.labels(klass.value).observe(waited_s)

@@ -45,6 +45,7 @@ SSE = [
     b'data: {"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":0}}}\n\n',
     b"data: [DONE]\n\n",
 ]
+ASKS_USAGE = {"stream_options": {"include_usage": True}}  # the usage chunk then passes through
 
 
 @dataclass
@@ -380,7 +381,7 @@ async def test_an_upstream_timeout_before_the_first_byte_is_504_and_releases() -
 
 async def test_a_stream_holds_its_slot_until_it_ends_then_releases() -> None:
     s = await setup()
-    plan, response = await s.forward(raw_chat(stream=True))
+    plan, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
     chosen = s.replica(plan.decision.replica)
     it = stream_of(response)
     assert await it.__anext__() == SSE[0]
@@ -422,7 +423,7 @@ async def test_a_stream_sent_whole_ends_normally_and_releases() -> None:
     """Under an ASGI 2.3 server the relay watches receive() for the disconnect, which uvicorn
     also sends once the response is complete: that one must not cancel anything."""
     s = await setup()
-    _, response = await s.forward(raw_chat(stream=True))
+    _, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
     done = asyncio.Event()
     sent: list[Any] = []
 
@@ -578,7 +579,7 @@ async def test_a_streamed_request_teaches_its_replicas_cost_fit() -> None:
     assert s.samples(chosen) == 1
     assert all(s.samples(n) == 0 for n in s.registry.replicas if n != chosen)
     hist = "cachelane_ttft_seconds_count"
-    assert metric(s, hist, replica=chosen, model=MODEL) == 1
+    assert metric(s, hist, replica=chosen, model=MODEL, mode="stream") == 1
 
     _, again = await s.forward(raw_chat(stream=True))
     await read_all(again)
@@ -608,10 +609,10 @@ def stalls(request: Sent) -> Answer:
 
 async def test_a_stream_without_a_first_byte_in_time_is_retried_on_the_next_replica() -> None:
     s = await setup(first_byte_timeout_s=0.05)
-    plan = await s.plan(json.loads(raw_chat(stream=True)))
+    plan = await s.plan(json.loads(raw_chat(stream=True, **ASKS_USAGE)))
     first, second = plan.decision.ranking[:2]
     s.fleet.behaviour[first] = stalls
-    response = await s.proxy.forward("chat", raw_chat(stream=True), plan)
+    response = await s.proxy.forward("chat", raw_chat(stream=True, **ASKS_USAGE), plan)
     assert response.headers["x-cachelane-replica"] == second
     assert await read_all(response) == b"".join(SSE)
     assert [sent.replica for sent in s.fleet.sent] == [first, second]
