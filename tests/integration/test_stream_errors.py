@@ -118,5 +118,5 @@ async def test_a_whole_answer_broken_mid_way_is_a_502_with_retry_after() -> None
         with pytest.raises(openai.InternalServerError) as caught:
             await client.chat.completions.create(**chat(False))
         assert caught.value.status_code == 502
-        assert caught.value.type == "server_error"  # type: ignore[attr-defined]
+        assert caught.value.type == "server_error"
         await client.close()
