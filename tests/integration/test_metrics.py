@@ -1,7 +1,8 @@
 """/metrics on a real gateway in front of simulated replicas: the engines'
 observed prompt, cached and output tokens (a stream's too when its client did not ask for them),
 TTFT by mode (stream: first byte; whole: response head), the time per output token of streams,
-an end-to-end histogram for every request, a bounded `model` label, process metrics, and no `_created` series."""
+an end-to-end histogram for every request, a bounded `model` label, process metrics, and no
+`_created` series."""
 
 from __future__ import annotations
 
