@@ -15,13 +15,12 @@ ask for) knows which bytes are that event's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _BOM = b"\xef\xbb\xbf"
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """One dispatched event: its `event` field (b"" when it had none), its data (lines joined
     with LF), and `end`, the stream offset just past the blank line that dispatched it (when
     a chunk ended between that line's CR and LF, the event is dispatched at the CR and the LF
@@ -55,6 +54,8 @@ class SseParser:
             self._after_cr = False
             if chunk[pos] == 0x0A:  # the LF of a CRLF split across chunks
                 pos += 1
+        if b"\r" not in chunk:
+            return self._feed_lf(chunk, pos, base)
         events: list[Event] = []
         while pos < n:
             lf = chunk.find(b"\n", pos)
@@ -81,6 +82,26 @@ class SseParser:
                 events.append(event)
         return events
 
+    def _feed_lf(self, chunk: bytes, pos: int, base: int) -> list[Event]:
+        """feed() for a chunk whose lines all end with LF (what engines send): split at once."""
+        events: list[Event] = []
+        segments = (chunk[pos:] if pos else chunk).split(b"\n")
+        rest = segments.pop()  # after the last LF: the start of a line not yet complete
+        end = base + pos
+        for segment in segments:
+            end += len(segment) + 1
+            if self._line:
+                line = bytes(self._line) + segment
+                self._line.clear()
+            else:
+                line = segment
+            event = self._take(line, end)
+            if event is not None:
+                events.append(event)
+        if rest:
+            self._line += rest
+        return events
+
     def _skip_bom(self, chunk: bytes) -> int:
         """How many of `chunk`'s bytes are the stream's leading BOM (which may itself be split
         across chunks: bytes that may still be one are held)."""
@@ -100,6 +121,10 @@ class SseParser:
         """Interpret one complete line; the event it dispatches, if any."""
         if not line:
             return self._dispatch(end)
+        if line.startswith(b"data: "):  # the common case, without the general split
+            self._data.append(line[6:])
+            self._has_data = True
+            return None
         if line[0] == 0x3A:  # ":" a comment
             return None
         name, colon, value = line.partition(b":")
