@@ -64,7 +64,8 @@ queue = observed - work), was measured against the simulator's own per-request q
 and missed it by 8-28 ms per request (every unmodelled delay, the host's event-loop lag
 included, lands there), where the proportional rule gave 0.3-1.0x and 0.5-9 ms. The limit: a
 queue the gateway did not foresee (work sent by other gateways) shows in proportion in every
-layer, not in the queue; cachelane_ttft_estimate_error says how large the estimate's misses are.
+layer, not in the queue; cachelane_ttft_estimate_error_ratio says how large the estimate's
+misses are.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class CostLearner:
     def _export(self, r: Replica) -> None:
         terms = self.terms_of(r.name)
         for name, value in zip(TERMS, terms.as_vector(), strict=True):
-            self._metrics.cost_fit.labels(r.name, name).set(value)
+            self._metrics.set_cost_fit(r.name, name, value)
         self._metrics.cost_fit_samples.labels(r.name).set(self._own[r.name].samples)
 
     def describe(self) -> dict[str, Any]:

@@ -5,6 +5,12 @@
 Handlers raise ApiError (a replica's failures are mapped by upstream_error below); the app's
 exception handlers render every one of them the same way and count it in
 cachelane_errors_total{code}.
+
+`type` is one of OpenAI's: `invalid_request_error` (4xx caused by the request, the default),
+`server_error` (5xx: the gateway or its fleet could not answer now), and for 429 the limit that
+refused (`requests`, `tokens`), as OpenAI sends them; `code` is the gateway's own, specific one
+(`no_healthy_replica`, `upstream_timeout`, `overloaded`, ...), which clients and the
+cachelane_errors_total metric tell apart.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from gateway.serving.upstream import UpstreamError, UpstreamTimeout
+
+SERVER_ERROR = "server_error"  # OpenAI's type for a 5xx (its 500s and 503 "overloaded")
+UPSTREAM_RETRY_AFTER_S = 1  # a retry after a replica failed goes to a healthy one at once
 
 
 class ApiError(Exception):
@@ -60,20 +69,23 @@ def no_replica(model: str, retry_after_s: int = 1) -> ApiError:
         503,
         f"no healthy replica can serve model {model!r} right now",
         code="no_healthy_replica",
-        type="service_unavailable",
+        type=SERVER_ERROR,
         headers={"retry-after": str(retry_after_s)},
     )
 
 
 def upstream_error(replica: str, err: UpstreamError) -> ApiError:
-    """Map a failure talking to a replica (gateway/serving/upstream.py) to a public error."""
+    """Map a failure talking to a replica (gateway/serving/upstream.py) to a public error: 504 when
+    it timed out; else 502 with Retry-After, since the replica that failed is ejected or counted an
+    error (gateway/serving/proxy.py) and a retry goes to another, or to it once it is back."""
     if isinstance(err, UpstreamTimeout):
         return ApiError(
-            504, f"replica {replica} timed out", code="upstream_timeout", type="upstream_error"
+            504, f"replica {replica} timed out", code="upstream_timeout", type=SERVER_ERROR
         )
     return ApiError(
         502,
         f"replica {replica} failed: {type(err).__name__}",
         code="upstream_unavailable",
-        type="upstream_error",
+        type=SERVER_ERROR,
+        headers={"retry-after": str(UPSTREAM_RETRY_AFTER_S)},
     )

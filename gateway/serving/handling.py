@@ -99,7 +99,7 @@ async def hold(gw: Gateway, plan: Plan) -> Dispatch:
             )
             + "; retry later",
             code="overloaded",
-            type="service_unavailable",
+            type="server_error",
             headers={"retry-after": str(err.retry_after_s)},
         ) from None
     gw.metrics.flow_wait_seconds.labels(klass.value).observe(waited_s)

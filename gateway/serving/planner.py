@@ -356,7 +356,7 @@ class Planner:
             503,
             f"{why}; {klass.value} traffic is shed first; retry later",
             code="overloaded",
-            type="service_unavailable",
+            type="server_error",
             headers={"retry-after": str(retry_after_s)},
         )
 
@@ -376,7 +376,7 @@ class Planner:
                 503,
                 f"the pinned pool for {model!r} is down or at its admission cap",
                 code="pinned_pool_unavailable",
-                type="service_unavailable",
+                type="server_error",
                 headers={"retry-after": str(self._config.critical.retry_after_s)},
             )
         return no_replica(model, self._config.critical.retry_after_s)

@@ -53,6 +53,7 @@ from gateway.serving.upstream import (
     UpstreamError,
     UpstreamResponse,
 )
+from gateway.serving.usage import StreamReader, ask_for_usage
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import Metrics
 from routing.cost import Estimate
@@ -63,6 +64,7 @@ NAMESPACE_HEADER = "x-cachelane-namespace"  # the simulator hashes blocks in thi
 REMOTE_WRITE_HEADER = "x-cachelane-remote-write"  # "0": do not write this KV to the remote tier
 
 
+_USAGE = {"include_usage": True}
 ENDPOINT_PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -123,8 +125,12 @@ def upstream_request_headers(plan: Plan) -> dict[str, str]:
 
 def upstream_body(plan: Plan, replica: Replica, raw_body: bytes) -> bytes:
     """The client's bytes as they came, unless the pool isolates tenants with vLLM's cache_salt
-    or schedules by the class's priority."""
+    or schedules by the class's priority, or the stream must be asked for its usage (the
+    client did not ask: gateway/serving/usage.py)."""
     extra: dict[str, Any] = {}
+    if ask_for_usage(plan.endpoint, plan.body):
+        options = plan.body.get("stream_options")
+        extra["stream_options"] = {**(options if isinstance(options, dict) else {}), **_USAGE}
     if replica.pool.cache_salt and plan.endpoint != "embeddings":  # vLLM's pooling takes none
         extra["cache_salt"] = plan.cache_salt
     priority = plan.engine_priority(replica)
@@ -267,6 +273,7 @@ class Proxy:
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self._upstream.post(replica.url + path, body, headers)
+                head_s = time.perf_counter() - lease.reservation.started_s  # a whole answer's TTFT
                 if resp.status < 400:  # only a replica that took it holds its prompt
                     await self._settlement.accepted(plan, replica)
                 if resp.status < 400 and plan.stream:
@@ -297,7 +304,7 @@ class Proxy:
             raise self._answered_error(plan, reservation, resp, content)
         if chunks is not None:
             return await self._stream(plan, lease, resp, chunks, first)
-        return await self._whole(plan, lease, resp, content)
+        return await self._whole(plan, lease, resp, content, head_s)
 
     def _answered_error(
         self, plan: Plan, reservation: Reservation, resp: UpstreamResponse, content: bytes
@@ -327,7 +334,8 @@ class Proxy:
         )
         headers["cache-control"] = "no-cache"
         headers["x-accel-buffering"] = "no"
-        settled = Settled(plan, reservation, resp.status, streamed=True)
+        reader = StreamReader(strip_usage=ask_for_usage(plan.endpoint, plan.body))
+        settled = Settled(plan, reservation, resp.status, streamed=True, reader=reader)
         try:
             if first is not None:  # its prefill is done: what it loaded is in HBM now
                 settled.ttft_s = reservation.first_byte()
@@ -344,9 +352,10 @@ class Proxy:
         )
 
     async def _whole(
-        self, plan: Plan, lease: Lease, resp: UpstreamResponse, content: bytes
+        self, plan: Plan, lease: Lease, resp: UpstreamResponse, content: bytes, head_s: float
     ) -> Response:
-        """The whole answer, read by the try: released and settled on every path."""
+        """The whole answer, read by the try (`head_s` after sending, its head came): released
+        and settled on every path."""
         reservation = lease.reservation
         replica = reservation.replica
         try:
@@ -354,7 +363,9 @@ class Proxy:
             lease.release()
         finally:
             await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)
-        self._settlement.settle(whole_answer(plan, reservation, resp.status, ttft_s, content))
+        self._settlement.settle(
+            whole_answer(plan, reservation, resp.status, ttft_s, content, head_s)
+        )
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         return Response(content, status_code=resp.status, headers=headers)
 
@@ -385,19 +396,27 @@ class Proxy:
         self, chunks: AsyncIterator[bytes], first: bytes | None, answer: _OpenStream
     ) -> AsyncIterator[bytes]:
         """Relay the stream byte for byte, from its first chunk (read before the response was
-        returned, within the first-byte timeout); the answer is settled when it ends (the
-        engine's usage, if the client asked for it, comes in the last chunk), however it ends."""
+        returned, within the first-byte timeout), its events read on the side (the usage, the
+        last token's time: gateway/serving/usage.py); the answer is settled when it ends, however it
+        ends. A replica that fails mid-way ends the stream with an error event, and the access
+        line says the error's status and code, not the 200 sent at the start."""
         settled = answer.settled
+        reader = settled.reader
         try:
             if first is not None:
-                settled.saw(first)
-                yield first
+                out = reader.relay(first, time.perf_counter())
+                if out:
+                    yield out
                 first_byte_s = settled.reservation.first_byte_s
                 if first_byte_s is not None:  # handed on: the way back is measured
                     self._relay_time.observe(time.perf_counter() - first_byte_s)
                 async for chunk in chunks:
-                    settled.saw(chunk)
-                    yield chunk
+                    out = reader.relay(chunk, time.perf_counter())
+                    if out:
+                        yield out
+                rest = reader.rest()
+                if rest:
+                    yield rest
             await self._registry.answered(settled.replica, settled.status)
         except UpstreamError as err:
             name = settled.replica.name
@@ -405,6 +424,7 @@ class Proxy:
             self._metrics.errors.labels(api_error.code).inc()
             self._metrics.streams_broken.labels(name).inc()
             await self._registry.errored(settled.replica, repr(err), reason="disconnect")
+            logs.note_stream_failed(api_error.status, api_error.code)
             log.warning("stream from %s broke: %r", name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:

@@ -127,7 +127,7 @@ def model_of(registry: Registry, config: GatewayConfig, body: dict[str, Any]) ->
             503,
             f"no replica serving model {model!r} has answered yet; retry shortly",
             code="model_not_ready",
-            type="service_unavailable",
+            type="server_error",
             param="model",
             headers={"retry-after": str(max(1, round(config.health.interval_s)))},
         )

@@ -16,13 +16,14 @@ capture, learning, rate limits, metrics). Adding one is a class here and a line 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.accounting.calibration import CostLearner, Observation
 from gateway.serving import slo
+from gateway.serving.usage import StreamReader, Usage, usage_in
+from gateway.telemetry import logs
 from gateway.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -31,26 +32,6 @@ if TYPE_CHECKING:
     from gateway.fleet.registry import Replica, Reservation
     from gateway.serving.planner import Plan, Planner
     from gateway.tenancy.rate_limits import RateLimiter
-
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
-
-
-def cached_tokens_in(chunk: bytes) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens` if this piece of a response carries it."""
-    if b"cached_tokens" not in chunk:
-        return None
-    match = _CACHED_TOKENS.search(chunk)
-    return int(match.group(1)) if match else None
-
-
-def prompt_tokens_in(chunk: bytes) -> int | None:
-    """`usage.prompt_tokens` (/v1/responses: `input_tokens`) if this piece of a response
-    carries it."""
-    if b"_tokens" not in chunk:
-        return None
-    match = _PROMPT_TOKENS.search(chunk)
-    return int(match.group(1)) if match else None
 
 
 def prefill_only(plan: Plan) -> bool:
@@ -66,8 +47,10 @@ class Settled:
     `answered`: the replica's answer reached the gateway (status < 400, and a whole answer's
     body was read; a stream counts however it ended); `ttft_s`: an observed time to first token,
     or None when there is none (a stream without a first byte, a whole answer that generated
-    more than one token: its first byte came after the whole generation); `usage`: the last
-    piece of the answer that carried the engine's usage (a whole answer: its body)."""
+    more than one token: its first byte came after the whole generation); `head_s`: a whole
+    answer's time from sending to its response head (its TTFT as a client without streaming
+    sees it); `usage`: the engine's usage (a stream: read from its events by `reader`, which
+    also says when its last token came)."""
 
     plan: Plan
     reservation: Reservation
@@ -75,36 +58,61 @@ class Settled:
     streamed: bool
     answered: bool = True
     ttft_s: float | None = None
-    cached_tokens: int | None = None
-    prompt_tokens: int | None = None
-    usage: bytes | None = None
+    head_s: float | None = None
+    whole_usage: Usage | None = None
+    reader: StreamReader = field(default_factory=StreamReader)
 
     @property
     def replica(self) -> Replica:
         return self.reservation.replica
 
-    def saw(self, chunk: bytes) -> None:
-        """A piece of a streamed answer went by: keep what its usage says."""
-        found = cached_tokens_in(chunk)
-        if found is not None:
-            self.cached_tokens = found
-        if (tokens := prompt_tokens_in(chunk)) is not None:
-            self.prompt_tokens, self.usage = tokens, chunk
+    @property
+    def usage(self) -> Usage | None:
+        return self.reader.usage if self.streamed else self.whole_usage
+
+    @property
+    def cached_tokens(self) -> int | None:
+        usage = self.usage
+        return usage.cached_tokens if usage is not None else None
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        usage = self.usage
+        return usage.prompt_tokens if usage is not None else None
+
+    @property
+    def output_tokens(self) -> int | None:
+        usage = self.usage
+        return usage.completion_tokens if usage is not None else None
+
+    def time_per_output_token_s(self) -> float | None:
+        """(last token - first token) / (output tokens - 1) of a stream: its decode pace."""
+        first_s, last_s = self.reservation.first_byte_s, self.reader.last_token_s
+        tokens = self.output_tokens
+        if not self.streamed or first_s is None or last_s is None or tokens is None:
+            return None
+        if tokens < 2 or last_s < first_s:
+            return None
+        return (last_s - first_s) / (tokens - 1)
 
 
 def whole_answer(
-    plan: Plan, reservation: Reservation, status: int, ttft_s: float, content: bytes | None
+    plan: Plan,
+    reservation: Reservation,
+    status: int,
+    ttft_s: float,
+    content: bytes | None,
+    head_s: float | None = None,
 ) -> Settled:
     """A whole answer's record: `content` its body, None when it could not be read; `ttft_s`
     the time to its first byte, a TTFT only for a prefill-only request (otherwise the first
-    byte came after the whole generation)."""
-    settled = Settled(plan, reservation, status, streamed=False, answered=False)
+    byte came after the whole generation); `head_s` the time to its response head."""
+    settled = Settled(plan, reservation, status, streamed=False, answered=False, head_s=head_s)
     if content is not None:
         settled.answered = status < 400
         settled.ttft_s = ttft_s if prefill_only(plan) else None
-        settled.cached_tokens = cached_tokens_in(content)
-        settled.prompt_tokens = prompt_tokens_in(content)
-        settled.usage = content
+        if settled.answered:
+            settled.whole_usage = usage_in(content)
     return settled
 
 
@@ -167,9 +175,12 @@ class IndexConfirmation(Observer):
 
 
 class TtftMetrics(Observer):
-    """cachelane_ttft_seconds and its per-tenant twin for a request that asked to stream (at
-    its first byte; an answer that came whole, an error's, at its end) and the estimated queue
-    wait of every answer."""
+    """cachelane_ttft_seconds{mode} and the estimated queue wait of every answer.
+
+    mode="stream": a request that asked to stream, at its first byte (an answer that came whole,
+    an error's, at its end), with its per-tenant twin cachelane_tenant_ttft_seconds;
+    mode="whole": a request that did not, at its answer's response head, which an engine sends
+    once the whole generation is done: the TTFT such a client sees, not a prefill time."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -180,17 +191,26 @@ class TtftMetrics(Observer):
     def on_settled(self, settled: Settled) -> None:
         if settled.streamed:  # seen at its first byte
             return
-        r = settled.reservation
-        first_byte_s = r.first_byte_s if r.first_byte_s is not None else r.started_s
-        self._observe(settled.plan, r.replica.name, first_byte_s - r.started_s)
+        plan, r = settled.plan, settled.reservation
+        name = r.replica.name
+        if plan.stream:
+            first_byte_s = r.first_byte_s if r.first_byte_s is not None else r.started_s
+            self._observe(plan, name, first_byte_s - r.started_s)
+            return
+        if settled.answered and settled.head_s is not None:
+            self._metrics.ttft_seconds.labels(name, plan.model, "whole").observe(settled.head_s)
+        self._observe_queue(plan, name)
 
     def _observe(self, plan: Plan, name: str, ttft_s: float) -> None:
-        if plan.stream:  # a whole answer's first byte comes after the whole generation
-            self._metrics.ttft_seconds.labels(name, plan.model).observe(ttft_s)
+        if plan.stream:
+            self._metrics.ttft_seconds.labels(name, plan.model, "stream").observe(ttft_s)
             tenant = plan.tenant
             self._metrics.tenant_ttft_seconds.labels(
                 tenant.name, tenant.tenant_class.value
             ).observe(ttft_s)
+        self._observe_queue(plan, name)
+
+    def _observe_queue(self, plan: Plan, name: str) -> None:
         queue_s = plan.decision.score(name).estimate.queue_s
         self._metrics.estimated_queue.labels(name).observe(queue_s)
 
@@ -203,28 +223,37 @@ class RateLimitUsage(Observer):
 
     def on_settled(self, settled: Settled) -> None:
         if settled.answered:
-            plan = settled.plan
-            self._limits.on_usage(plan.tenant, plan.prompt_tokens, settled.usage)
+            plan, usage = settled.plan, settled.usage
+            raw = usage.raw if usage is not None else None
+            self._limits.on_usage(plan.tenant, plan.prompt_tokens, raw)
 
 
 class UsageMetrics(Observer):
-    """cachelane_prompt_tokens and cachelane_cached_tokens, whose ratio is the observed hit
-    rate, from the engine's usage (the last one a stream sent). An answer without usage (a
-    stream without include_usage) counts nothing; one without cached_tokens counts 0."""
+    """From the engine's usage: cachelane_prompt_tokens and cachelane_cached_tokens (whose
+    ratio is the observed hit rate; an answer without cached_tokens counts 0) and
+    cachelane_output_tokens; from a stream's events, cachelane_time_per_output_token_seconds.
+    An answer without usage counts nothing (the proxy asks a stream for it:
+    gateway/serving/usage.py). The access line gets the engine's counts too."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
     def on_settled(self, settled: Settled) -> None:
-        prompt = settled.prompt_tokens
-        if not settled.answered or prompt is None:
-            return
         usage = settled.usage
-        cached = (cached_tokens_in(usage) if usage is not None else None) or 0
+        if not settled.answered or usage is None:
+            return
+        logs.note_usage(usage.prompt_tokens, usage.cached_tokens)
         plan = settled.plan
         labels = (settled.replica.name, plan.tenant.name, plan.model)
-        self._metrics.prompt_tokens.labels(*labels).inc(prompt)
-        self._metrics.cached_tokens.labels(*labels).inc(min(cached, prompt))
+        prompt = usage.prompt_tokens
+        if prompt is not None:
+            self._metrics.prompt_tokens.labels(*labels).inc(prompt)
+            self._metrics.cached_tokens.labels(*labels).inc(min(usage.cached_tokens or 0, prompt))
+        if usage.completion_tokens is not None:
+            self._metrics.output_tokens.labels(*labels).inc(usage.completion_tokens)
+        tpot_s = settled.time_per_output_token_s()
+        if tpot_s is not None:
+            self._metrics.time_per_output_token.labels(labels[0], plan.model).observe(tpot_s)
 
 
 class CostObserver(Observer):

@@ -5,10 +5,11 @@
   to the replica (`upstream_headers`), and put on every log record written while the request is
   handled (`RequestIdFilter`, from a context variable set by `RequestContext`).
 - One access line per request (logger `cachelane.access`), written when the response has ended
-  (for a stream, when the stream ends), errors included: request id, method, path, status, error
-  code, tenant, class, model, replica, reason, TTFT ms (streams: from arrival to the first byte
-  sent), e2e ms, prompt tokens (the engine's usage, else the gateway's count), cached tokens (the
-  engine's usage), expected cached tokens. Probes (/health, /ready, /metrics) log it at DEBUG.
+  (for a stream, when the stream ends), errors included: request id, method, path, status and
+  error code (a stream that broke after its 200 head: the error it ended with), tenant, class,
+  model, replica, reason, TTFT ms (streams: from arrival to the first byte sent), e2e ms, prompt
+  tokens (the engine's usage, else the gateway's count), cached tokens (the engine's usage),
+  expected cached tokens. Probes (/health, /ready, /metrics) log it at DEBUG.
 - httpx's and httpcore's per-request INFO lines (every health check and scrape) are silenced.
 - No client can write a line of its own (a forged record) into the log. In the text format a
   record is one line: every access field that holds anything but printable ASCII other than
@@ -141,6 +142,24 @@ def note_plan(plan: Plan) -> None:
     access.reason = d.reason.value
     access.prompt_tokens = plan.prompt_tokens
     access.expected_cached_tokens = d.expected_cached_tokens
+
+
+def note_usage(prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    """The engine's usage of the answer (read from its events or body: gateway/serving/usage.py)."""
+    access = _current.get()
+    if access is None:
+        return
+    if prompt_tokens is not None:
+        access.prompt_tokens = prompt_tokens
+    if cached_tokens is not None:
+        access.cached_tokens = cached_tokens
+
+
+def note_stream_failed(status: int, code: str) -> None:
+    """A stream that broke after its 200 head went out: the line says how it really ended."""
+    access = _current.get()
+    if access is not None:
+        access.status, access.code = status, code
 
 
 class RequestContext:

@@ -13,10 +13,12 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.telemetry.heap import CollectionTimer
 
+_PER_TOKEN = "_s_per_token"  # routing.learn.TERMS: the per-token terms' suffix
 OTHER_MODEL = "other"  # the `model` label of a request for a model no replica serves (or none)
 
 
@@ -62,6 +64,25 @@ class Histogram(_KeptChildren, prometheus_client.Histogram):
     pass
 
 
+class UnsetGauge(Collector):
+    """A gauge without labels that is absent from the exposition until it is first set: a
+    value not known yet reads as no data on a dashboard, not as 0."""
+
+    def __init__(self, name: str, documentation: str, *, registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self.value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def collect(self) -> Iterable[Metric]:
+        if self.value is None:
+            return []
+        return [GaugeMetricFamily(self._name, self._documentation, value=self.value)]
+
+
 class _NoCreatedRegistry(CollectorRegistry):
     """A registry whose exposition has no `_created` samples (prometheus_client's
     disable_created_metrics() does this process-wide; this does it for this registry alone)."""
@@ -86,6 +107,9 @@ _DECISION_BUCKETS_S = (
     0.1,
 )
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# vLLM 0.32.0 vllm/v1/metrics/buckets.py INTER_TOKEN_LATENCY_BUCKETS (its
+# vllm:request_time_per_output_token_seconds): 10 ms decode steps up to multi-second stalls
+_TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -162,8 +186,10 @@ class Metrics:
         )
         self.ttft_seconds = Histogram(
             "cachelane_ttft_seconds",
-            "Observed time to first token of streamed requests, by replica and model",
-            ["replica", "model"],
+            "Observed time to first token, by replica, model and mode: stream (a streamed "
+            "request's first byte) or whole (a request that did not stream: its response head, "
+            "which comes after the whole generation)",
+            ["replica", "model", "mode"],
             buckets=_TTFT_BUCKETS_S,
             registry=r,
         )
@@ -271,7 +297,7 @@ class Metrics:
             registry=r,
         )
         self.correction = Gauge(
-            "cachelane_replica_correction",
+            "cachelane_replica_correction_ratio",
             "Bounded correction factor on the replica's estimates (routing.calibration: "
             "correction; 1 = the cost model is right)",
             ["replica"],
@@ -283,9 +309,10 @@ class Metrics:
             ["where"],
             registry=r,
         )
-        self.pinned_share = Gauge(
-            "cachelane_pinned_share",
-            "Share of critical requests the pinned pool took over the last report window (60 s)",
+        self.pinned_share = UnsetGauge(
+            "cachelane_pinned_share_ratio",
+            "Share of critical requests the pinned pool took over the last report window (60 s) "
+            "that had enough of them; absent until one had",
             registry=r,
         )
         self.pinned_short = Gauge(
@@ -322,7 +349,7 @@ class Metrics:
             registry=r,
         )
         self.estimate_error = Histogram(
-            "cachelane_ttft_estimate_error",
+            "cachelane_ttft_estimate_error_ratio",
             "|estimated - observed| / observed TTFT of streamed requests, per replica",
             ["replica"],
             buckets=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0),
@@ -336,10 +363,17 @@ class Metrics:
             buckets=_TTFT_BUCKETS_S,
             registry=r,
         )
-        self.cost_fit = Gauge(
-            "cachelane_cost_fit",
-            "The replica's cost terms in use: fixed_s (seconds per request) and seconds per "
-            "prefill, swapped and fetched token; fitted online from observed TTFTs",
+        self.cost_fit_seconds = Gauge(
+            "cachelane_cost_fit_seconds",
+            "The replica's fixed cost term in use (term=fixed: seconds per request); fitted "
+            "online from observed TTFTs",
+            ["replica", "term"],
+            registry=r,
+        )
+        self.cost_fit_seconds_per_token = Gauge(
+            "cachelane_cost_fit_seconds_per_token",
+            "The replica's per-token cost terms in use (term: prefill, swap, fetch: seconds per "
+            "prefilled, swapped-in and fetched token); fitted online from observed TTFTs",
             ["replica", "term"],
             registry=r,
         )
@@ -502,6 +536,32 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        # What the engines generated, from the streams' own events (gateway/serving/usage.py).
+        self.output_tokens = Counter(
+            "cachelane_output_tokens",
+            "Output tokens the engines reported in their answers' usage "
+            "(usage.completion_tokens), by replica, tenant and model",
+            ["replica", "tenant", "model"],
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "cachelane_time_per_output_token_seconds",
+            "Streamed answers' decode pace: (last token event - first byte) / (output tokens - "
+            "1), by replica and model",
+            ["replica", "model"],
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+
+    def set_cost_fit(self, replica: str, term: str, value: float) -> None:
+        """Export one cost term (routing.learn.TERMS) in the gauge of its unit."""
+        gauge, label = self._cost_fit_series(term)
+        gauge.labels(replica, label).set(value)
+
+    def _cost_fit_series(self, term: str) -> tuple[Gauge, str]:
+        if term.endswith(_PER_TOKEN):
+            return self.cost_fit_seconds_per_token, term.removesuffix(_PER_TOKEN)
+        return self.cost_fit_seconds, term.removesuffix("_s")
 
     def forget_replica(self, name: str, terms: Iterable[str]) -> None:
         """Drop the gauges of a replica that left the fleet (its counters stay: a rate over
@@ -509,7 +569,9 @@ class Metrics:
         gauges = (self.replica_healthy, self.replica_in_flight, self.correction)
         series: list[tuple[Gauge, tuple[str, ...]]] = [(g, (name,)) for g in gauges]
         series += [(self.cost_fit_samples, (name,))]
-        series += [(self.cost_fit, (name, term)) for term in terms]
+        for term in terms:
+            gauge, label = self._cost_fit_series(term)
+            series.append((gauge, (name, label)))
         for gauge, labels in series:
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)

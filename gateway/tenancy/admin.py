@@ -60,7 +60,7 @@ def _store_down(err: StoreUnavailable) -> ApiError:
         503,
         f"the tenant store (Redis) did not take the change; retry it: {err}",
         code="store_unavailable",
-        type="service_unavailable",
+        type="server_error",
         headers={"retry-after": str(STORE_RETRY_AFTER_S)},
     )
 

@@ -285,7 +285,7 @@ class TenantsNotLoaded(ApiError):
             503,
             "the gateway has not yet read the tenants from its store (Redis); retry shortly",
             code="tenants_not_loaded",
-            type="service_unavailable",
+            type="server_error",
             headers={"retry-after": str(NOT_LOADED_RETRY_AFTER_S)},
         )
 

@@ -354,7 +354,7 @@ async def _send(client: aiohttp.ClientSession, record: TraceRecord, s: Sample) -
         s.error = f"no {EST_HEADER} header"
 
 
-GATEWAY_ERROR = "cachelane_ttft_estimate_error"
+GATEWAY_ERROR = "cachelane_ttft_estimate_error_ratio"
 WITHIN = "0.2"  # the goal: p90 of |est - obs| / obs <= 20%, i.e. 90% within 0.2
 
 

@@ -264,6 +264,8 @@ def test_dashboard_queries_only_exported_metrics() -> None:
         "cachelane_prompt_tokens_total",
         "cachelane_cached_tokens_total",
         "cachelane_ttft_seconds_bucket",
+        "cachelane_output_tokens_total",
+        "cachelane_time_per_output_token_seconds_bucket",
         "cachelane_e2e_seconds_bucket",
         "cachelane_replica_healthy",
         "cachelane_replica_in_flight",

@@ -1,6 +1,8 @@
 """/metrics on a real gateway in front of simulated replicas: the engines'
-observed prompt and cached tokens, TTFT for streamed requests only, an end-to-end histogram for
-every request, a bounded `model` label, process metrics, and no `_created` series."""
+observed prompt, cached and output tokens (a stream's too when its client did not ask for them),
+TTFT by mode (stream: first byte; whole: response head), the time per output token of streams,
+an end-to-end histogram for every request, a bounded `model` label, process metrics, and no
+`_created` series."""
 
 from __future__ import annotations
 
@@ -66,11 +68,13 @@ async def test_prompt_and_cached_tokens_come_from_the_engines_usage() -> None:
                 assert r.status_code == 200
                 usages.append(r.json()["usage"])
             usages.append(await streamed_usage(h, body("question 2", stream=True)))
-            # a stream without include_usage carries no usage: nothing to count
+            _, samples = await scrape(h)
+            # a stream without include_usage: the gateway asks the engine on its behalf, counts
+            # the usage and strips it from what the client receives
             plain = body("question 3", stream=True)
             del plain["stream_options"]
             assert await streamed_usage(h, plain) == {}
-            _, samples = await scrape(h)
+            _, after = await scrape(h)
 
     prompt = sum(u["prompt_tokens"] for u in usages)
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
@@ -82,6 +86,10 @@ async def test_prompt_and_cached_tokens_come_from_the_engines_usage() -> None:
     assert total(samples, "cachelane_prompt_tokens_total") == prompt  # no other series
     # the router's own estimate is kept apart
     assert total(samples, "cachelane_estimated_prompt_tokens_total") > 0
+    assert total(samples, "cachelane_output_tokens_total", **labels) == 3 * 8  # max_tokens each
+    prompt_name, output_name = "cachelane_prompt_tokens_total", "cachelane_output_tokens_total"
+    assert total(after, prompt_name) - total(samples, prompt_name) == usages[-1]["prompt_tokens"]
+    assert total(after, output_name) - total(samples, output_name) == 8
 
 
 async def test_ttft_counts_streamed_requests_and_e2e_counts_every_request() -> None:
@@ -96,17 +104,23 @@ async def test_ttft_counts_streamed_requests_and_e2e_counts_every_request() -> N
             assert bad.status_code == 400
             _, samples = await scrape(h)
 
-    # TTFT: the one streamed request, labelled by replica and model
-    assert total(samples, "cachelane_ttft_seconds_count") == 1
-    assert total(samples, "cachelane_ttft_seconds_count", model=MODEL) == 1
-    assert total(samples, "cachelane_tenant_ttft_seconds_count") == 1
+    # TTFT: the streamed request at its first byte, the two whole ones at their response head
+    ttft = "cachelane_ttft_seconds_count"
+    assert total(samples, ttft, model=MODEL, mode="stream") == 1
+    assert total(samples, ttft, model=MODEL, mode="whole") == 2
+    assert total(samples, "cachelane_tenant_ttft_seconds_count") == 1  # streams only
+    # the stream's decode pace: one observation, from its 20 tokens
+    assert total(samples, "cachelane_time_per_output_token_seconds_count", model=MODEL) == 1
+    assert total(samples, "cachelane_time_per_output_token_seconds_sum") > 0
+    assert total(samples, "cachelane_output_tokens_total") == 2 * 4 + 20
     # end to end: all four, the 400 included
     e2e = "cachelane_e2e_seconds"
     assert total(samples, f"{e2e}_count", endpoint="chat", model=MODEL) == 4
     # the stream's end-to-end time runs to its last token (20 tokens ~20 ms apart), not to its
     # first byte: the streamed request alone lasted longer than the TTFT histogram's sum
     assert total(samples, f"{e2e}_sum") >= 19 * itl_s
-    assert total(samples, f"{e2e}_sum") > total(samples, "cachelane_ttft_seconds_sum") + 0.3
+    stream_ttft_s = total(samples, "cachelane_ttft_seconds_sum", mode="stream")
+    assert total(samples, f"{e2e}_sum") > stream_ttft_s + 0.3
     assert total(samples, "cachelane_requests_total", endpoint="chat", model=MODEL) == 4
     assert total(samples, "cachelane_requests_total", model=MODEL, status="400") == 1
 
@@ -139,3 +153,18 @@ async def test_process_metrics_and_no_created_series() -> None:
     assert "python_info" in names
     assert not [line for line in text.splitlines() if "_created" in line]
     assert "cachelane_requests_total" in names  # the counters are still there, without it
+
+
+async def test_units_in_names_and_no_value_before_it_is_known() -> None:
+    async with fleet(1) as f:
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=10) as h:
+            text, samples = await scrape(h)
+
+    (replica,) = [r.removeprefix("http://") for r in f.replica_urls]
+    terms = {ls["term"] for n, ls, _ in samples if n == "cachelane_cost_fit_seconds_per_token"}
+    assert terms == {"prefill", "swap", "fetch"}
+    fixed = [ls for n, ls, _ in samples if n == "cachelane_cost_fit_seconds"]
+    assert fixed == [{"replica": replica, "term": "fixed"}]
+    assert "cachelane_cost_fit{" not in text
+    # no window of critical requests has passed: the pinned pool's share is not known, not 0
+    assert "cachelane_pinned_share" not in text

@@ -172,6 +172,8 @@ def test_metrics_show_the_fitted_terms_and_the_error() -> None:
     observe(learner, rs[0], overlap, slow_ttft(overlap, 10.0))
     value = metrics.registry.get_sample_value
     labels = {"replica": rs[0].name}
-    assert value("cachelane_ttft_estimate_error_count", labels) == 1
-    fitted = value("cachelane_cost_fit", {"replica": rs[0].name, "term": "prefill_s_per_token"})
+    assert value("cachelane_ttft_estimate_error_ratio_count", labels) == 1
+    fitted = value(
+        "cachelane_cost_fit_seconds_per_token", {"replica": rs[0].name, "term": "prefill"}
+    )
     assert fitted is not None and fitted > 0

@@ -45,6 +45,7 @@ SSE = [
     b'data: {"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":0}}}\n\n',
     b"data: [DONE]\n\n",
 ]
+ASKS_USAGE = {"stream_options": {"include_usage": True}}  # the usage chunk then passes through
 
 
 @dataclass
@@ -380,7 +381,7 @@ async def test_an_upstream_timeout_before_the_first_byte_is_504_and_releases() -
 
 async def test_a_stream_holds_its_slot_until_it_ends_then_releases() -> None:
     s = await setup()
-    plan, response = await s.forward(raw_chat(stream=True))
+    plan, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
     chosen = s.replica(plan.decision.replica)
     it = stream_of(response)
     assert await it.__anext__() == SSE[0]
@@ -422,7 +423,7 @@ async def test_a_stream_sent_whole_ends_normally_and_releases() -> None:
     """Under an ASGI 2.3 server the relay watches receive() for the disconnect, which uvicorn
     also sends once the response is complete: that one must not cancel anything."""
     s = await setup()
-    _, response = await s.forward(raw_chat(stream=True))
+    _, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
     done = asyncio.Event()
     sent: list[Any] = []
 
@@ -578,7 +579,7 @@ async def test_a_streamed_request_teaches_its_replicas_cost_fit() -> None:
     assert s.samples(chosen) == 1
     assert all(s.samples(n) == 0 for n in s.registry.replicas if n != chosen)
     hist = "cachelane_ttft_seconds_count"
-    assert metric(s, hist, replica=chosen, model=MODEL) == 1
+    assert metric(s, hist, replica=chosen, model=MODEL, mode="stream") == 1
 
     _, again = await s.forward(raw_chat(stream=True))
     await read_all(again)
@@ -608,10 +609,10 @@ def stalls(request: Sent) -> Answer:
 
 async def test_a_stream_without_a_first_byte_in_time_is_retried_on_the_next_replica() -> None:
     s = await setup(first_byte_timeout_s=0.05)
-    plan = await s.plan(json.loads(raw_chat(stream=True)))
+    plan = await s.plan(json.loads(raw_chat(stream=True, **ASKS_USAGE)))
     first, second = plan.decision.ranking[:2]
     s.fleet.behaviour[first] = stalls
-    response = await s.proxy.forward("chat", raw_chat(stream=True), plan)
+    response = await s.proxy.forward("chat", raw_chat(stream=True, **ASKS_USAGE), plan)
     assert response.headers["x-cachelane-replica"] == second
     assert await read_all(response) == b"".join(SSE)
     assert [sent.replica for sent in s.fleet.sent] == [first, second]
@@ -706,3 +707,54 @@ async def test_a_client_that_leaves_before_the_answer_cancels_it_and_releases() 
     assert caught.value.status == 499
     assert metric(s, "cachelane_client_gone_total") == 1
     s.assert_all_released()
+
+
+# -- the usage, read from the stream's events ----------------------------------------------------
+
+USAGE_SSE = [
+    b'data: {"choices":[{"delta":{"content":"Hel"}}],"usage":null}\n\n',
+    b'data: {"choices":[{"delta":{"content":"lo"}}],"usage":null}\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":158,"completion_tokens":3,"total_tokens":161,',
+    b'"prompt_tokens_details":{"cached_tokens":64}}}\n\ndata: [DONE]\n\n',  # split mid-object
+]
+
+
+def with_usage(request: Sent) -> Answer:
+    return Answer(200, "text/event-stream", delayed(USAGE_SSE))
+
+
+async def test_a_stream_is_asked_for_its_usage_and_the_client_that_did_not_ask_gets_none() -> None:
+    s = await setup(cache_salt=False)
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = with_usage
+    plan, response = await s.forward(raw_chat(stream=True))
+    assert await read_all(response) == USAGE_SSE[0] + USAGE_SSE[1] + b"data: [DONE]\n\n"
+    [sent] = s.fleet.sent
+    assert sent.json()["stream_options"] == {"include_usage": True}
+    chosen = plan.decision.replica
+    labels = {"replica": chosen, "tenant": STANDARD.name, "model": MODEL}
+    assert metric(s, "cachelane_prompt_tokens_total", **labels) == 158
+    assert metric(s, "cachelane_cached_tokens_total", **labels) == 64
+    assert metric(s, "cachelane_output_tokens_total", **labels) == 3
+    tpot = "cachelane_time_per_output_token_seconds_count"
+    assert metric(s, tpot, replica=chosen, model=MODEL) == 1
+
+
+async def test_a_client_that_asked_for_the_usage_gets_every_byte() -> None:
+    s = await setup(cache_salt=False)
+    for name in s.registry.replicas:
+        s.fleet.behaviour[name] = with_usage
+    raw = raw_chat(stream=True, **ASKS_USAGE)
+    _, response = await s.forward(raw)
+    assert await read_all(response) == b"".join(USAGE_SSE)
+    [sent] = s.fleet.sent
+    assert sent.content == raw  # nothing to add: its bytes as they came
+
+
+async def test_a_whole_answers_ttft_is_its_response_head_labelled_whole() -> None:
+    s = await setup()
+    plan, _ = await s.forward(raw_chat(max_tokens=64))
+    labels = {"replica": plan.decision.replica, "model": MODEL}
+    assert metric(s, "cachelane_ttft_seconds_count", **labels, mode="whole") == 1
+    assert metric(s, "cachelane_ttft_seconds_sum", **labels, mode="whole") > 0
+    assert metric(s, "cachelane_ttft_seconds_count", **labels, mode="stream") == 0

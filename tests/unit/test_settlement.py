@@ -34,6 +34,7 @@ from gateway.state import Gateway
 from gateway.wiring import build_gateway
 from tests.unit.test_proxy import (
     ASGI_23,
+    ASKS_USAGE,
     MODEL,
     SSE,
     STANDARD,
@@ -151,7 +152,7 @@ async def test_a_lease_is_released_when_its_block_is_cancelled() -> None:
 async def test_a_success_is_settled_once_and_released_once(stream: bool) -> None:
     s = await setup()
     releases, recorder = watch(s.registry), recorded(s)
-    _, response = await s.forward(raw_chat(stream=stream))
+    _, response = await s.forward(raw_chat(stream=stream, **(ASKS_USAGE if stream else {})))
     if stream:
         assert b"".join(SSE) == await read_all(response)
         assert isinstance(response, RelayResponse)
@@ -423,6 +424,6 @@ async def test_a_streamed_request_answered_whole_with_an_error_is_timed_as_befor
         s.fleet.behaviour[name] = lambda _: json_answer(400, {"error": {"message": "no"}})
     plan, response = await s.forward(raw_chat(stream=True))
     assert response.status_code == 400
-    labels = {"replica": plan.decision.replica, "model": MODEL}
+    labels = {"replica": plan.decision.replica, "model": MODEL, "mode": "stream"}
     assert metric(s, "cachelane_ttft_seconds_count", **labels) == 1
     s.assert_all_released()
