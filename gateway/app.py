@@ -34,15 +34,18 @@ from gateway.exposure import (
     ConnectionPolicy,
     FailedAuthLimit,
     ReadDeadline,
+    hide_decision,
     require_monitoring,
 )
 from gateway.lease import Lease
+from gateway.limits import Budget
 from gateway.metrics import Metrics, model_label
 from gateway.openapi import schema_of
 from gateway.planner import Plan
 from gateway.proxy import RelayResponse
 from gateway.reload import install_sighup
 from gateway.request_schema import check_request
+from gateway.responses import ResponseOwners, responses_router
 from gateway.state import Dispatch, Gateway, served_at_asked_class
 from gateway.tenants import ANONYMOUS, Tenant
 from gateway.upstream import AiohttpUpstream
@@ -90,6 +93,8 @@ def create_app(
             stack.push_async_callback(upstream.aclose)
             gw = Gateway(config, client, upstream, config_path=config_path)
             app.state.gw = gw
+            app.state.responses = ResponseOwners(gw.registry, client, redis=gw.redis)
+            stack.push_async_callback(app.state.responses.aclose)
             gw.metrics.gc_pauses.install()
             stack.callback(gw.metrics.gc_pauses.uninstall)
             if gw.capture is not None:
@@ -166,6 +171,7 @@ def create_app(
     app.add_middleware(logs.RequestContext)  # outside _Unexpected: its 500s are logged too
     app.include_router(admin_router)
     app.include_router(costs_router)  # GET /debug/costs, with the admin key
+    app.include_router(responses_router)  # GET, DELETE /v1/responses/{id}, and its cancel
 
     # The two hot endpoints skip the framework's layers (_App); these routes give the other
     # methods their 405 and list them in the route table.
@@ -202,11 +208,11 @@ def create_app(
             gw.planner.model_of({"model": model})  # 503 while it may yet be served, else 404
         return card or {}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the status, no body (uvicorn)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready(request: Request) -> JSONResponse:
         gw: Gateway = request.app.state.gw
         if config.exposure.ready_auth:
@@ -377,17 +383,20 @@ async def _serve(request: Request, endpoint: str) -> Response:
     model: object = None
     relay: RelayResponse | None = None
     reserved: Lease | None = None
+    budgets: list[Budget | None] = []  # the tenant's rate limits, as its admission left them
     try:
         tenant = gw.authenticate(request)
         logs.note_tenant(tenant)
         replica_auth.remember_client_headers(request.headers)  # pools[].forward_headers
-        await gw.limits.admit_request(tenant)
+        budgets.append(await gw.limits.admit_request(tenant))
         body = await _read_json(request, gw.config.max_body_bytes)
         check_fields(body, gw.denied_fields[tenant.tenant_class])
         check_request(endpoint, body)  # one schema for chat, completions, responses
         model = body.get("model")
+        if endpoint == "responses":  # previous_response_id: only its replica holds it
+            await request.app.state.responses.pin(body, tenant)
         plan = await gw.planner.plan(endpoint, body, tenant, received_s=started)
-        await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
+        budgets.append(await gw.limits.admit_tokens(tenant, plan.prompt_tokens))
         dispatched = gw.dispatch_now(plan)  # decided and reserved in one step when not held
         plan, reserved = dispatched if dispatched is not None else await _hold(gw, request, plan)
         logs.note_plan(plan)
@@ -401,11 +410,16 @@ async def _serve(request: Request, endpoint: str) -> Response:
             client_gone=request.is_disconnected,
             reserved=reserved,
         )
+        if endpoint == "responses":
+            request.app.state.responses.learn(response, tenant)
+        hide_decision(response.headers, request, gw)  # exposure.decision_headers, ...
+        response.headers.update(_rate_limit_headers(budgets))
         status = response.status_code
         relay = response if isinstance(response, RelayResponse) else None
         return response
     except ApiError as err:
         status = err.status
+        err.headers = _rate_limit_headers(budgets) | err.headers  # a refusal's own win
         raise
     finally:
         if reserved is not None:
@@ -441,6 +455,15 @@ async def _release_abandoned(dispatched: Dispatch) -> None:
     _, reserved = dispatched
     if reserved is not None:
         reserved.release()
+
+
+def _rate_limit_headers(budgets: list[Budget | None]) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers for each budget the request was admitted by."""
+    headers: dict[str, str] = {}
+    for budget in budgets:
+        if budget is not None:
+            headers.update(budget.headers())
+    return headers
 
 
 def _count_decision(gw: Gateway, plan: Plan) -> None:

@@ -36,6 +36,7 @@ from gateway.request_input import (
     namespace_of,
     prompt_of,
 )
+from gateway.responses import pinned
 from gateway.reuse import ReuseCounter
 from gateway.tenants import Tenant
 from routing.admission import AdmissionVerdict, family_key
@@ -287,7 +288,7 @@ class Planner:
     ) -> tuple[Routed, Decision]:
         """The pipeline on the registry's healthy replicas now, and its outcome's I/O: the
         fallback metric, the pinned pool's watch, and ApiError for a rejection or a shed."""
-        replicas = self._registry.healthy_for(model)
+        replicas = pinned(self._registry.healthy_for(model))  # previous_response_id's replica
         if not replicas:
             raise no_replica(model)
         now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s
