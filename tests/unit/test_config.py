@@ -2,7 +2,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_config, nameserver_address, parse_config
+from gateway.config import (
+    ConfigError,
+    load_config,
+    nameserver_address,
+    parse_config,
+    quick_config,
+)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
 
@@ -181,3 +187,17 @@ def test_forwarded_allow_ips_refuse_a_name() -> None:
 def test_a_published_example_replica_key_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"pools.0 \('p'\).api_key"):
         parse_config(_pool(api_key="change-me-vllm-api-key-000000000000000000"))
+
+
+def test_the_production_example_keeps_the_decision_for_admins_and_the_quick_start_shows_it() -> (
+    None
+):
+    vllm = load_config(Path(EXAMPLES[0]).with_name("vllm.yaml")).exposure
+    assert (vllm.decision_headers, vllm.estimate_headers) == ("admin", "admin")
+    quick = quick_config(["http://127.0.0.1:1"], host="127.0.0.1", port=8000).exposure
+    assert (quick.decision_headers, quick.estimate_headers) == ("all", "all")
+
+
+def test_decision_headers_take_all_admin_or_none() -> None:
+    with pytest.raises(ConfigError, match=r"exposure\.decision_headers"):
+        parse_config(MINIMAL | {"exposure": {"decision_headers": "tenants"}})
