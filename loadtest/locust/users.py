@@ -4,8 +4,8 @@ Every request streams (`stream: true`, `stream_options.include_usage`) and is on
 (POST, named after its shape: the full response time, to the end of the stream, failures
 included). A refused request is named by its status and error code (outcomes.failure_name), and
 its user waits out the answer's Retry-After before its next request. Its time to the first
-chunk carrying generated text (the role-only first chat chunk does not count) and its usage's cached and prompt tokens go to outcomes.py, beside Locust's
-request statistics.
+chunk carrying generated text (the role-only first chat chunk does not count) and its usage's
+cached and prompt tokens go to outcomes.py, beside Locust's request statistics.
 
 Shapes reuse loadtest/workloads/traces.py's session generators, so Locust and the replay benchmarks
 send the same kind of text: chat (per-app system prompts, growing conversations), agent (long tool
