@@ -208,11 +208,11 @@ def create_app(
             gw.planner.model_of({"model": model})  # 503 while it may yet be served, else 404
         return card or {}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the status, no body (uvicorn)
+    @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.api_route("/ready", methods=["GET", "HEAD"])
+    @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         gw: Gateway = request.app.state.gw
         if config.exposure.ready_auth:
@@ -242,6 +242,9 @@ def create_app(
         if gw.siblings is not None:
             body["workers"] = gw.siblings.status()
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    for path, probe in (("/health", health), ("/ready", ready)):  # HEAD: its status, no body
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
