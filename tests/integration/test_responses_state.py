@@ -1,20 +1,28 @@
 """The Responses API's state end to end (gateway/responses.py), with the official openai client
 against simulated replicas that keep their responses (loadtest/sim/server.py): a continuation
 (`previous_response_id`) reaches the replica that stored its response, GET and DELETE reach it,
-another tenant's ids are not there, and a replica that is down answers a clear 503."""
+another tenant's ids are not there, a replica that is down answers a clear 503 and one that left
+the fleet a 410."""
 
 from __future__ import annotations
 
 import asyncio
+from contextlib import AsyncExitStack
+from pathlib import Path
 
 import openai
 import pytest
+import yaml
 from openai import AsyncOpenAI
 
+from gateway.app import create_app
+from gateway.config import load_config
 from gateway.responses import created_id
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL, fleet
 from tests.integration.test_multi_gateway import two_gateways
+from tests.integration.test_reload import TENANT_KEY, config_data, name_of, reload, sims
 
 CONTINUATIONS = 6  # with 3 replicas and no pin, six would not all land on one by chance
 HEALTH_POLLS = 50  # x 0.1 s: the fleet's health checks run every 0.2 s
@@ -128,3 +136,29 @@ async def test_gateways_on_one_redis_share_which_replica_stored_a_response(
 )
 def test_the_id_is_read_from_the_streams_first_event(head: bytes, expected: str | None) -> None:
     assert created_id(head) == expected
+
+
+async def test_a_replica_that_left_the_fleet_is_a_410(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    async with AsyncExitStack() as stack:
+        urls = await sims(stack, 2)
+        path.write_text(yaml.safe_dump(config_data(urls)))
+        app = create_app(load_config(path), config_path=str(path))
+        url = await stack.enter_async_context(running_app(app))
+        c = await stack.enter_async_context(client(url, TENANT_KEY))
+        made = await c.responses.with_raw_response.create(
+            model=MODEL, input="hello", max_output_tokens=2
+        )
+        owner = made.headers["x-cachelane-replica"]
+        path.write_text(yaml.safe_dump(config_data([u for u in urls if name_of(u) != owner])))
+        assert (await reload(url)).status_code == 200
+        for attempt in (
+            c.responses.retrieve(made.parse().id),
+            c.responses.create(
+                model=MODEL, input="more", previous_response_id=made.parse().id, max_output_tokens=2
+            ),
+        ):
+            with pytest.raises(openai.APIStatusError) as err:
+                await attempt
+            assert err.value.status_code == 410
+            assert err.value.code == "response_replica_gone"
