@@ -213,15 +213,17 @@ class ResponseOwners:
 
     # ------------------------------------------------------------------ GET, DELETE, cancel
 
-    async def relay(self, request: Request, tenant: Tenant, response_id: str) -> Response:
-        """The request relayed to the replica that stored `response_id`, its answer as it is."""
+    async def relay(
+        self, request: Request, tenant: Tenant, response_id: str, suffix: str = ""
+    ) -> Response:
+        """The request relayed to the replica that stored `response_id` (`suffix`: "" or
+        "/cancel"), its answer as it is."""
         name = await self.owner(response_id, tenant) if _ID.match(response_id) else None
         if name is None:
             raise ApiError(
                 404, f"No response found with id {response_id!r}.", code="response_not_found"
             )
         replica = self.replica_of(name, response_id)
-        suffix = request.url.path.split(response_id, 1)[1]  # "" or "/cancel"
         upstream = self._client.build_request(
             request.method,
             f"{replica.url}/v1/responses/{response_id}{suffix}",
@@ -260,12 +262,12 @@ class ResponseOwners:
 responses_router = APIRouter()
 
 
-async def _relayed(request: Request, response_id: str) -> Response:
+async def _relayed(request: Request, response_id: str, suffix: str = "") -> Response:
     gw = request.app.state.gw
     tenant = gw.authenticate(request)
     replica_auth.remember_client_headers(request.headers)  # pools[].forward_headers
     owners: ResponseOwners = request.app.state.responses
-    return await owners.relay(request, tenant, response_id)
+    return await owners.relay(request, tenant, response_id, suffix)
 
 
 @responses_router.get("/v1/responses/{response_id}")
@@ -280,4 +282,4 @@ async def delete_response(request: Request, response_id: str) -> Response:
 
 @responses_router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(request: Request, response_id: str) -> Response:
-    return await _relayed(request, response_id)
+    return await _relayed(request, response_id, "/cancel")

@@ -14,6 +14,7 @@ import openai
 import pytest
 import yaml
 from openai import AsyncOpenAI
+from openai.types.responses import Response
 
 from gateway.app import create_app
 from gateway.config import load_config
@@ -37,6 +38,7 @@ async def test_continuations_get_and_delete_reach_the_replica_that_stored_it(
     stream: bool,
 ) -> None:
     async with fleet(3) as f, client(f.gateway_url) as c:
+        first: Response
         if stream:
             async with c.responses.stream(model=MODEL, input="hello", max_output_tokens=4) as s:
                 first = await s.get_final_response()
