@@ -830,6 +830,18 @@ class ExposureConfig(Strict):
         description="/ready (replicas, their errors, the index) needs the monitoring or admin "
         "key. /health stays open for liveness probes.",
     )
+    decision_headers: Literal["all", "admin", "none"] = Field(
+        default="all",
+        description="Who sees the routing decision on an answer (x-cachelane-replica, -reason, "
+        "-fallback, -tenant-class, -remote-write): all, admin (requests that present the admin "
+        "key, as their bearer or in x-cachelane-admin-key), or none. It names replicas: a "
+        "fleet's topology.",
+    )
+    estimate_headers: Literal["all", "admin", "none"] = Field(
+        default="all",
+        description="Who sees the estimate on an answer (x-cachelane-est-ttft-ms, "
+        "-est-terms-ms, -expected-cached-tokens), with the same choices as decision_headers.",
+    )
     api_key_sha256: str | None = Field(
         default=None, pattern=r"^[0-9a-f]{64}$", description="The monitoring key's SHA-256."
     )
@@ -1121,6 +1133,8 @@ def quick_config(
             "listen": {"host": host, "port": port},
             "routing": {"policy": policy.value},
             "auth": {"mode": "open"},  # a quick start: no tenants, so no keys to check
+            # a quick start shows every client why it went where it went
+            "exposure": {"decision_headers": "all", "estimate_headers": "all"},
             "pools": [{"name": "default", "replicas": replica_urls}],
         },
         "--replicas",

@@ -37,9 +37,12 @@ from routing.index import Index, MemoryIndex, RemovedFn, ignore_removed
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
 
-if TYPE_CHECKING:  # precise mode only: pyzmq and msgpack are the [precise] extra
+if TYPE_CHECKING:
     from gateway.engines.feed import KvEvents
     from gateway.fleet.reload import Reloader
+    from gateway.serving.responses import (
+        ResponseOwners,  # precise mode only: pyzmq and msgpack are the [precise] extra
+    )
 
 
 PRECISE_CAPACITY_SLACK = 2  # precise mode: index capacity = twice what the replica can hold
@@ -72,6 +75,7 @@ class Gateway:
     scraper: Scraper
     fleet: Fleet
     discovery: Discovery
+    responses: ResponseOwners  # which replica stored a response (the Responses API)
     redis: Any | None = None  # tenants, reuse counts, costs and fits when the index is in Redis
     flow: FlowControl | None = None
     siblings: Siblings | None = None  # cachelane serve --workers N

@@ -34,6 +34,7 @@ from gateway.serving.flow import ClassLimits, FlowControl
 from gateway.serving.planner import Planner
 from gateway.serving.prewarm import Prewarmer
 from gateway.serving.proxy import Proxy
+from gateway.serving.responses import ResponseOwners
 from gateway.serving.settlement import observers
 from gateway.serving.upstream import AiohttpUpstream, Upstream
 from gateway.state import Gateway, build_index, exposition, shared_redis
@@ -68,6 +69,7 @@ def components(
         Resource("upstream", closed=upstream.aclose) if upstream is not None else None,
         Resource("redis", closed=redis.aclose) if redis is not None else None,
         Resource("index", closed=gw.index.close),
+        Resource("responses", closed=gw.responses.aclose),  # its pending Redis writes
         Resource("rate-limits", closed=gw.limits.close),  # waits for its pending Redis writes
         _gc_pauses(gw.metrics),
         _capture(gw.capture) if gw.capture is not None else None,
@@ -204,6 +206,7 @@ def _parts(config: GatewayConfig, client: httpx.AsyncClient, upstream: Upstream)
         scraper=_scraper(config, client, r.registry),
         fleet=fleet,
         discovery=Discovery(fleet, metrics),
+        responses=ResponseOwners(r.registry, client, redis=redis),
         redis=redis,
         flow=_flow_control(config, r.registry, metrics),
         siblings=r.siblings,

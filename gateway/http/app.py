@@ -33,6 +33,7 @@ from gateway.http.exposure import (
     ConnectionPolicy,
     FailedAuthLimit,
     ReadDeadline,
+    hide_decision,
     require_monitoring,
 )
 from gateway.http.openapi import schema_of
@@ -47,10 +48,12 @@ from gateway.serving.handling import (
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
 from gateway.serving.proxy import RelayResponse
+from gateway.serving.responses import responses_router
 from gateway.state import Gateway
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import Metrics, model_label
 from gateway.tenancy.admin import _require_admin, admin_router
+from gateway.tenancy.rate_limits import Budget
 from gateway.tenancy.tenants import ANONYMOUS, Tenant
 from gateway.wiring import build_gateway
 
@@ -110,6 +113,7 @@ def create_app(
     app.add_middleware(logs.RequestContext)  # outside _Unexpected: its 500s are logged too
     app.include_router(admin_router)
     app.include_router(costs_router)  # GET /debug/costs, with the admin key
+    app.include_router(responses_router)  # GET, DELETE /v1/responses/{id}, and its cancel
 
     # The two hot endpoints skip the framework's layers (_App.__call__); these routes give the other
     # methods their 405 and list them in the route table.
@@ -183,6 +187,9 @@ def create_app(
         if gw.siblings is not None:
             body["workers"] = gw.siblings.status()
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    for path, probe in (("/health", health), ("/ready", ready)):  # HEAD: its status, no body
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -327,19 +334,22 @@ async def _serve(request: Request, endpoint: str) -> Response:
     model: object = None
     relay: RelayResponse | None = None
     reserved: Lease | None = None
+    budgets: list[Budget | None] = []  # the tenant's rate limits, as its admission left them
     try:
         tenant = authenticate(gw, request)
         logs.note_tenant(tenant)
         replica_auth.remember_client_headers(request.headers)  # pools[].forward_headers
-        await gw.limits.admit_request(tenant)
+        budgets.append(await gw.limits.admit_request(tenant))
         body = await _read_json(request, gw.config.max_body_bytes)
         check_fields(body, gw.denied_fields[tenant.tenant_class])
         check_request(endpoint, body)  # one schema for chat, completions, responses
         model = body.get("model")
+        if endpoint == "responses":  # previous_response_id: only its replica holds it
+            await gw.responses.pin(body, tenant)
         plan = await gw.planner.plan(
             endpoint, body, tenant, received_s=started, headers=request.headers
         )
-        await gw.limits.admit_tokens(tenant, plan.prompt_tokens)
+        budgets.append(await gw.limits.admit_tokens(tenant, plan.prompt_tokens))
         dispatched = dispatch_now(gw, plan)  # decided and reserved in one step when not held
         plan, reserved = dispatched if dispatched is not None else await _hold(gw, request, plan)
         logs.note_plan(plan)
@@ -353,11 +363,16 @@ async def _serve(request: Request, endpoint: str) -> Response:
             client_gone=request.is_disconnected,
             reserved=reserved,
         )
+        if endpoint == "responses":
+            gw.responses.learn(response, tenant)
+        hide_decision(response.headers, request, gw)  # exposure.decision_headers, ...
+        response.headers.update(_rate_limit_headers(budgets))
         status = response.status_code
         relay = response if isinstance(response, RelayResponse) else None
         return response
     except ApiError as err:
         status = err.status
+        err.headers = _rate_limit_headers(budgets) | err.headers  # a refusal's own win
         raise
     finally:
         if reserved is not None:
@@ -393,6 +408,15 @@ async def _release_abandoned(dispatched: Dispatch) -> None:
     _, reserved = dispatched
     if reserved is not None:
         reserved.release()
+
+
+def _rate_limit_headers(budgets: list[Budget | None]) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers for each budget the request was admitted by."""
+    headers: dict[str, str] = {}
+    for budget in budgets:
+        if budget is not None:
+            headers.update(budget.headers())
+    return headers
 
 
 def _count_decision(gw: Gateway, plan: Plan) -> None:

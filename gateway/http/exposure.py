@@ -23,6 +23,11 @@ held address unread) until one more failure would fit. A valid key is never refu
 
 Monitoring endpoints: `exposure.metrics_auth` / `ready_auth` put /metrics and /ready behind the
 monitoring key (`exposure.api_key`) or the admin key (require_monitoring).
+
+Decision headers: `exposure.decision_headers` (which replica, why: it names the fleet's
+replicas) and `exposure.estimate_headers` (the TTFT estimate and its terms) are `all`, `admin` or
+`none`; `admin` keeps them for requests that present the admin key, as their bearer (auth mode
+open) or in ADMIN_KEY_HEADER beside a tenant's key (hide_decision).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from routing.ratelimit import charge
 
 if TYPE_CHECKING:
     from fastapi import Request
+    from starlette.datastructures import MutableHeaders
 
 log = logging.getLogger("cachelane.exposure")
 
@@ -287,3 +293,49 @@ def require_monitoring(request: Request, gw: Any) -> None:
             if expected is not None and hmac.compare_digest(presented, expected):
                 return
     raise ApiError(401, "invalid or missing monitoring key", code="invalid_api_key")
+
+
+ADMIN_KEY_HEADER = "x-cachelane-admin-key"  # an operator's request: the decision shown to it
+DECISION_HEADERS = (
+    "x-cachelane-replica",
+    "x-cachelane-reason",
+    "x-cachelane-fallback",
+    "x-cachelane-tenant-class",
+    "x-cachelane-remote-write",
+)
+ESTIMATE_HEADERS = (
+    "x-cachelane-est-ttft-ms",
+    "x-cachelane-est-terms-ms",
+    "x-cachelane-expected-cached-tokens",
+)
+
+
+def presents_admin_key(request: Request, gw: Any) -> bool:
+    """The request carries the admin key, as its bearer or in ADMIN_KEY_HEADER."""
+    if gw.admin_digest is None:
+        return False
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    for key in (
+        bearer if scheme.lower() == "bearer" else "",
+        request.headers.get(ADMIN_KEY_HEADER),
+    ):
+        if key and hmac.compare_digest(gw.keyring.digest(key.strip()), gw.admin_digest):
+            return True
+    return False
+
+
+def hide_decision(headers: MutableHeaders, request: Request, gw: Any) -> None:
+    """Remove the decision and estimate headers an answer's audience may not see."""
+    exposure = gw.config.exposure
+    admin: bool | None = None
+    for audience, names in (
+        (exposure.decision_headers, DECISION_HEADERS),
+        (exposure.estimate_headers, ESTIMATE_HEADERS),
+    ):
+        if audience == "admin" and admin is None:
+            admin = presents_admin_key(request, gw)
+        if audience == "all" or (audience == "admin" and admin):
+            continue
+        for name in names:
+            if name in headers:
+                del headers[name]

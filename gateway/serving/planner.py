@@ -39,6 +39,7 @@ from gateway.serving.request_input import (
     prompt_of,
     ttft_slo_of,
 )
+from gateway.serving.responses import pinned
 from gateway.telemetry.metrics import Metrics
 from gateway.tenancy.tenants import Tenant
 from routing.admission import AdmissionVerdict, family_key
@@ -311,7 +312,7 @@ class Planner:
         """The pipeline on the registry's healthy replicas now, and its outcome's I/O: the
         fallback metric, the pinned pool's watch, and ApiError for a rejection (a shed is the
         caller's: _raise_if_shed)."""
-        replicas = self._registry.healthy_for(model)
+        replicas = pinned(self._registry.healthy_for(model))  # previous_response_id's replica
         if not replicas:
             raise no_replica(model)
         now_s, stale_s = time.monotonic(), self._config.engine_metrics.stale_after_s

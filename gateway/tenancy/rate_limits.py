@@ -14,6 +14,12 @@ without usage (a stream without include_usage) keeps the estimate.
 
 Refusals are 429 `rate_limit_exceeded` in OpenAI's envelope (type `requests` or `tokens`) with
 Retry-After, counted in cachelane_rate_limited_total{tenant,limit}.
+
+Every answer to a limited tenant, refusals included, carries OpenAI's rate-limit headers
+(`Budget.headers`): `x-ratelimit-limit-`, `-remaining-` and `-reset-requests` / `-tokens`, as
+its admission left the budget. The reset is the time until the budget is full again, written as
+OpenAI writes it (Go's duration format: "12ms", "1s", "6m0s"; platform.openai.com/docs/guides/
+rate-limits, "Rate limits in headers").
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.http.errors import ApiError
@@ -39,7 +46,8 @@ REDIS_RETRY_S = 1.0  # after a failed Redis call, the local state decides for th
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
 
 # routing/ratelimit.py's admit (ARGV[3] = "admit") and charge ("charge") on the key's stored
-# theoretical arrival time, with Redis's clock as now. Returns {allowed, retry_after_s as text}.
+# theoretical arrival time, with Redis's clock as now. Returns {allowed, retry_after_s as text,
+# the budget's debt (theoretical arrival time - now, s) as text}.
 # The key expires when the budget is full again (nothing is lost: a missing key is a full bucket).
 _SCRIPT = """
 local t = redis.call('TIME')
@@ -55,12 +63,50 @@ if ARGV[3] == 'charge' then
 else
   new = start + math.min(cost, per_min) * per_unit
   if new - now > 60 + 1e-9 then
-    return {0, string.format('%.6f', new - now - 60)}
+    return {0, string.format('%.6f', new - now - 60), string.format('%.6f', math.max(tat - now, 0))}
   end
 end
 redis.call('SET', KEYS[1], string.format('%.6f', new), 'PX', math.ceil((new - now) * 1000) + 1000)
-return {1, '0'}
+return {1, '0', string.format('%.6f', new - now)}
 """
+
+
+def go_duration(seconds: float) -> str:
+    """A duration as OpenAI's reset headers write it (Go's time.Duration format, to the ms):
+    "0s", "12ms", "1.5s", "6m0s", "1h0m0s"."""
+    ms = max(0, math.ceil(seconds * 1000))
+    if ms == 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest_ms = divmod(ms, 3_600_000)
+    minutes, rest_ms = divmod(rest_ms, 60_000)
+    secs = f"{rest_ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours:
+        return f"{hours}h{minutes}m{secs}"
+    return f"{minutes}m{secs}" if minutes else secs
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A tenant's budget of one kind as its admission left it: `kind` "requests" or "tokens",
+    `limit` a minute, `debt_s` how far its GCRA state is ahead of now (0: full)."""
+
+    kind: str
+    limit: int
+    debt_s: float
+
+    @property
+    def remaining(self) -> int:
+        """What may still be spent now: the minute's room the debt leaves."""
+        return max(0, math.floor(self.limit * (60.0 - self.debt_s) / 60.0 + 1e-9))
+
+    def headers(self) -> dict[str, str]:
+        return {
+            f"x-ratelimit-limit-{self.kind}": str(self.limit),
+            f"x-ratelimit-remaining-{self.kind}": str(self.remaining),
+            f"x-ratelimit-reset-{self.kind}": go_duration(self.debt_s),
+        }
 
 
 def total_tokens_in(chunk: bytes | None) -> int | None:
@@ -104,13 +150,15 @@ class RateLimiter:
                 return int(value)
         return None
 
-    async def admit_request(self, tenant: Tenant) -> None:
-        """Spend one request from the tenant's budget, or raise 429."""
-        await self._admit(tenant, "requests_per_min", 1)
+    async def admit_request(self, tenant: Tenant) -> Budget | None:
+        """Spend one request from the tenant's budget (None: it has no such limit), or raise
+        429 carrying the budget's headers."""
+        return await self._admit(tenant, "requests_per_min", 1)
 
-    async def admit_tokens(self, tenant: Tenant, tokens: int) -> None:
-        """Spend the prompt's estimated tokens from the tenant's budget, or raise 429."""
-        await self._admit(tenant, "tokens_per_min", tokens)
+    async def admit_tokens(self, tenant: Tenant, tokens: int) -> Budget | None:
+        """Spend the prompt's estimated tokens from the tenant's budget (None: it has no such
+        limit), or raise 429 carrying the budget's headers."""
+        return await self._admit(tenant, "tokens_per_min", tokens)
 
     def on_usage(self, tenant: Tenant, estimated: int, usage: bytes | None) -> None:
         """The answer's usage is known: charge what it used beyond the admitted estimate (or
@@ -135,29 +183,35 @@ class RateLimiter:
 
     # ---------------------------------------------------------------------------- internals
 
-    async def _admit(self, tenant: Tenant, kind: str, cost: int) -> None:
+    async def _admit(self, tenant: Tenant, kind: str, cost: int) -> Budget | None:
         per_min = self.limit(tenant, kind)
         if per_min is None:
-            return
-        retry_after_s = None
+            return None
         if self._use_redis():
             try:
-                retry_after_s = await self._redis_admit(tenant, kind, per_min, cost)
+                retry_after_s, debt_s = await self._redis_admit(tenant, kind, per_min, cost)
             except Exception as err:
                 self._redis_failed(err)
-                retry_after_s = self._local_admit(tenant, kind, per_min, cost)
+                retry_after_s, debt_s = self._local_admit(tenant, kind, per_min, cost)
         else:
-            retry_after_s = self._local_admit(tenant, kind, per_min, cost)
+            retry_after_s, debt_s = self._local_admit(tenant, kind, per_min, cost)
+        budget = Budget(kind.split("_")[0], per_min, debt_s)
         if retry_after_s is not None:
-            raise self._refusal(tenant, kind, per_min, retry_after_s)
+            raise self._refusal(tenant, budget, retry_after_s)
+        return budget
 
-    def _local_admit(self, tenant: Tenant, kind: str, per_min: int, cost: int) -> float | None:
+    def _local_admit(
+        self, tenant: Tenant, kind: str, per_min: int, cost: int
+    ) -> tuple[float | None, float]:
+        """(None if admitted, else the seconds to wait; the budget's debt after it)."""
         key = (tenant.name, kind)
-        verdict = admit(self._local.get(key, 0.0), time.time(), cost, per_min)
+        now = time.time()
+        tat = self._local.get(key, 0.0)
+        verdict = admit(tat, now, cost, per_min)
         if not verdict.allowed:
-            return verdict.retry_after_s
+            return verdict.retry_after_s, max(tat - now, 0.0)
         self._local[key] = verdict.tat_s
-        return None
+        return None, max(verdict.tat_s - now, 0.0)
 
     def _local_charge(self, tenant: Tenant, kind: str, per_min: int, delta: int) -> None:
         key = (tenant.name, kind)
@@ -168,12 +222,12 @@ class RateLimiter:
 
     async def _redis_admit(
         self, tenant: Tenant, kind: str, per_min: int, cost: int
-    ) -> float | None:
+    ) -> tuple[float | None, float]:
         assert self._script is not None
-        allowed, retry_after = await self._script(
+        allowed, retry_after, debt = await self._script(
             keys=[self._key(tenant, kind)], args=[cost, per_min, "admit"]
         )
-        return None if int(allowed) else float(retry_after)
+        return (None if int(allowed) else float(retry_after)), float(debt)
 
     async def _redis_charge(self, tenant: Tenant, per_min: int, delta: int) -> None:
         assert self._script is not None
@@ -193,15 +247,15 @@ class RateLimiter:
         self._metrics.index_errors.labels("rate_limit").inc()
         log.debug("rate limit in Redis failed, using this gateway's own budget: %r", err)
 
-    def _refusal(self, tenant: Tenant, kind: str, per_min: int, retry_after_s: float) -> ApiError:
-        what = "requests" if kind == "requests_per_min" else "tokens"
+    def _refusal(self, tenant: Tenant, budget: Budget, retry_after_s: float) -> ApiError:
+        what = budget.kind
         self._metrics.rate_limited.labels(tenant.name, what).inc()
         wait_s = max(1, math.ceil(retry_after_s))
         return ApiError(
             429,
-            f"rate limit reached for {what} per minute (limit {per_min}) of tenant "
+            f"rate limit reached for {what} per minute (limit {budget.limit}) of tenant "
             f"{tenant.name!r}: retry after {wait_s} s",
             code="rate_limit_exceeded",
             type=what,
-            headers={"retry-after": str(wait_s)},
+            headers={"retry-after": str(wait_s)} | budget.headers(),
         )

@@ -13,16 +13,54 @@ Workers send theirs to the master with every stats report (Locust's report_to_ma
 worker_report events); the master (or a local runner) logs a table when the test stops, writes
 `<--csv prefix>_outcomes.csv` when --csv is set, and serves the live figures as JSON at
 /cachelane/outcomes in the web UI.
+
+Failures: Locust groups its error rows by message, so a failure is named by its status and the
+error envelope's `code` only (failure_name): a 429 whose message says "retry after 19 s", then
+"18 s", is one row. A refused user waits what the answer's Retry-After asks (retry_after_s)
+before its next request, as the OpenAI SDKs do.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+MAX_RETRY_AFTER_S = 60.0
+# The longest wait a user honours: the gateway's rate limits and failed-auth limit are a minute's
+# budgets (gateway/tenancy/rate_limits.py, gateway/http/exposure.py), so none of its Retry-After
+# values is longer.
+
+
+def failure_name(status: int, body: str) -> str:
+    """A failed answer as one Locust error row: "HTTP 429 rate_limit_exceeded" (the envelope's
+    code, else its type), never its message, which may change from one answer to the next."""
+    code = None
+    try:
+        error = json.loads(body).get("error")
+        if isinstance(error, dict):
+            code = error.get("code") or error.get("type")
+    except (ValueError, AttributeError):
+        pass
+    return f"HTTP {status} {code}" if isinstance(code, str) and code else f"HTTP {status}"
+
+
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """The seconds an answer's Retry-After asks for (its delay-seconds form), at most
+    MAX_RETRY_AFTER_S; None without one."""
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # an HTTP date: the gateway sends none
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
 def rounded_ms(ms: float) -> int:

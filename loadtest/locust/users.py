@@ -2,9 +2,10 @@
 
 Every request streams (`stream: true`, `stream_options.include_usage`) and is one Locust request
 (POST, named after its shape: the full response time, to the end of the stream, failures
-included). Its time to the first chunk carrying generated text (the role-only first chat chunk
-does not count) and its usage's cached and prompt tokens go to outcomes.py, beside Locust's
-request statistics.
+included). A refused request is named by its status and error code (outcomes.failure_name), and
+its user waits out the answer's Retry-After before its next request. Its time to the first
+chunk carrying generated text (the role-only first chat chunk does not count) and its usage's
+cached and prompt tokens go to outcomes.py, beside Locust's request statistics.
 
 Shapes reuse loadtest/workloads/traces.py's session generators, so Locust and the replay benchmarks
 send the same kind of text: chat (per-app system prompts, growing conversations), agent (long tool
@@ -26,7 +27,7 @@ from locust import HttpUser, between, tag, task
 from requests.exceptions import RequestException
 
 from loadtest.bench.replay import PATHS, has_text, streaming_body
-from loadtest.locust.outcomes import OUTCOMES
+from loadtest.locust.outcomes import OUTCOMES, failure_name, retry_after_s
 from loadtest.workloads import traces
 from loadtest.workloads.scenarios import voice_session
 
@@ -88,7 +89,10 @@ class StreamingUser(HttpUser):
             path, json=body, headers=self.headers, stream=True, catch_response=True, name=name
         ) as resp:
             if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                resp.failure(failure_name(resp.status_code, resp.text))
+                wait_s = retry_after_s(resp.headers)
+                if wait_s:
+                    time.sleep(wait_s)  # cooperative: Locust runs users on gevent's patched time
                 return
             problem = None
             try:

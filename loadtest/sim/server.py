@@ -20,6 +20,7 @@ KV events (kv_publisher.py).
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -62,6 +63,7 @@ REMOTE_WRITE_HEADER = "x-cachelane-remote-write"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default for max_tokens (API reference)
 
 FINISH_REASON = "length"  # the simulator always generates exactly max_tokens
+MAX_STORED_RESPONSES = 10_000  # a bound on the simulator's memory, not an engine's number
 
 
 def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
@@ -139,11 +141,42 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         tokens = sum(approx_tokens(t) for t in texts)
         return embeddings_response(spec.model, texts, fmt, tokens)
 
+    # Responses kept for GET, DELETE and previous_response_id, as vLLM keeps them in its
+    # process (its response_store): gone when the replica restarts; the oldest dropped first.
+    stored: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def store(body: dict[str, Any], response: dict[str, Any]) -> None:
+        if body.get("store", True) is not False:
+            stored[response["id"]] = response
+            while len(stored) > MAX_STORED_RESPONSES:
+                stored.popitem(last=False)
+
+    def stored_response(response_id: str, param: str | None = None) -> dict[str, Any]:
+        found = stored.get(response_id)
+        if found is None:
+            raise ApiError(
+                404, f"Response with id '{response_id}' not found.", code="not_found", param=param
+            )
+        return found
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return stored_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        stored_response(response_id)
+        del stored[response_id]
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         engine = _engine(request)
         body = await _json_body(request)
         _check_model(spec, body)
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            stored_response(str(previous), param="previous_response_id")
         try:
             messages = responses_messages(body.get("input"), body.get("instructions"))
             text = chat_text(messages)
@@ -167,13 +200,16 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
                     yield out.delta(pieces[-1])
             for event in out.closing("".join(pieces), _usage(result, max_tokens)):
                 yield event
+            store(body, out.response("".join(pieces), _usage(result, max_tokens)))
 
         if body.get("stream"):
             return StreamingResponse(run(), media_type="text/event-stream")
         async with engine.admit(prompt, priority=priority) as req:
             result = await req.prefill(remote_write=remote_write)
             text_out = "".join([protocol.token_text(i) async for i in req.decode(max_tokens)])
-        return JSONResponse(out.response(text_out, _usage(result, max_tokens)))
+        whole = out.response(text_out, _usage(result, max_tokens))
+        store(body, whole)
+        return JSONResponse(whole)
 
     async def _generate(request: Request, kind: Kind) -> Response:
         engine = _engine(request)

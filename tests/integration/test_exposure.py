@@ -340,3 +340,52 @@ async def test_cachelane_serve_closes_half_sent_requests(tmp_path: Path, workers
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), timeout=30)
+
+
+DECISION = "x-cachelane-replica"
+ESTIMATE = "x-cachelane-est-terms-ms"
+
+
+@pytest.mark.parametrize(
+    ("decision", "estimate"),
+    [("all", "admin"), ("admin", "none"), ("none", "all")],
+    ids=["all-admin", "admin-none", "none-all"],
+)
+async def test_decision_and_estimate_headers_reach_their_audience(
+    decision: str, estimate: str
+) -> None:
+    exposure = {"decision_headers": decision, "estimate_headers": estimate}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    tenant = {"authorization": f"Bearer {KEY}"}
+    operator = tenant | {"x-cachelane-admin-key": ADMIN}
+    impostor = tenant | {"x-cachelane-admin-key": KEY}
+    async with (
+        gateway(exposure=exposure, admin={"api_key": ADMIN}) as (url, _),
+        httpx.AsyncClient(base_url=url) as h,
+    ):
+        seen = {}
+        for who, headers in (("tenant", tenant), ("operator", operator), ("impostor", impostor)):
+            for stream in (False, True):
+                resp = await h.post(
+                    "/v1/chat/completions", json=body | {"stream": stream}, headers=headers
+                )
+                assert resp.status_code == 200
+                seen[who, stream] = (DECISION in resp.headers, ESTIMATE in resp.headers)
+    expected = {
+        "tenant": (decision == "all", estimate == "all"),
+        "operator": (decision != "none", estimate != "none"),
+        "impostor": (decision == "all", estimate == "all"),
+    }
+    assert seen == {(who, s): expected[who] for who in expected for s in (False, True)}
+
+
+async def test_head_on_health_and_ready_answers_the_status_without_a_body() -> None:
+    async with gateway() as (url, _), httpx.AsyncClient(base_url=url) as h:
+        for path in ("/health", "/ready"):
+            resp = await h.head(path)
+            assert (resp.status_code, resp.content) == (200, b""), path
+    config = gateway_config(["http://127.0.0.1:1"], tenants=TENANTS)  # nothing listens there
+    async with running_app(create_app(config)) as url, httpx.AsyncClient(base_url=url) as h:
+        resp = await h.head("/ready")
+        assert (resp.status_code, resp.content) == (503, b"")
+        assert (await h.head("/health")).status_code == 200

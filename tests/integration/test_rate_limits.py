@@ -3,6 +3,7 @@ under uvicorn, the official openai client, and real redis-servers for the shared
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -13,6 +14,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway.http.app import create_app
+from gateway.tenancy.rate_limits import go_duration
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.redis_server import RedisServer
@@ -164,3 +166,55 @@ async def test_two_gateways_share_one_budget_on_redis_cluster(redis_cluster_url:
         await ask(b, "app")
         assert (await refused(a, "app")).response.headers["retry-after"] == "30"
         assert rate_limited(app_b, name, "requests") == 0
+
+
+RESET = re.compile(r"\d+ms|(\d+h)?(\d+m)?\d+(\.\d+)?s")  # Go's duration, as OpenAI writes it
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_every_answer_of_a_limited_tenant_carries_openais_rate_limit_headers(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    limits = {"tenants": {"app": {"requests_per_min": 3, "tokens_per_min": 1000}}}
+    extra: dict[str, Any] = {}
+    if backend == "redis":
+        own: RedisServer = request.getfixturevalue("own_redis")
+        extra["index"] = {"backend": "redis", "redis_url": own.url}
+    async with gateways(1, limits, **extra) as [(url, _)]:
+        answers = [(await ask(url, "app")).headers for _ in range(3)]
+        err = await refused(url, "app")
+        unlimited = (await ask(url, "bulk")).headers
+    assert [h["x-ratelimit-remaining-requests"] for h in answers] == ["2", "1", "0"]
+    for headers in answers:
+        assert headers["x-ratelimit-limit-requests"] == "3"
+        assert headers["x-ratelimit-limit-tokens"] == "1000"
+        assert 0 < int(headers["x-ratelimit-remaining-tokens"]) < 1000
+        for kind in ("requests", "tokens"):
+            assert RESET.fullmatch(headers[f"x-ratelimit-reset-{kind}"]), headers
+    assert answers[0]["x-ratelimit-reset-requests"] == "20s"  # a request's share of the minute
+    refusal = err.response.headers
+    assert refusal["x-ratelimit-remaining-requests"] == "0"
+    assert 40 < seconds_of(refusal["x-ratelimit-reset-requests"]) <= 60  # the minute, spent
+    assert not any(name.startswith("x-ratelimit") for name in unlimited)
+
+
+def seconds_of(reset: str) -> float:
+    match = re.fullmatch(r"(?:(\d+)m)?([\d.]+)s", reset)
+    assert match is not None, reset
+    return 60 * int(match.group(1) or 0) + float(match.group(2))
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (0.0121, "13ms"),
+        (1, "1s"),
+        (1.5, "1.5s"),
+        (20, "20s"),
+        (360, "6m0s"),
+        (3661, "1h1m1s"),
+    ],
+)
+def test_reset_is_written_as_openai_writes_it(seconds: float, text: str) -> None:
+    assert go_duration(seconds) == text

@@ -2,7 +2,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_config, nameserver_address, parse_config
+from gateway.config import (
+    ConfigError,
+    load_config,
+    nameserver_address,
+    parse_config,
+    quick_config,
+)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
 
@@ -253,3 +259,17 @@ def test_class_objectives_and_lending_defaults() -> None:
     assert config.classes.batch.ttft_slo_ms == 2000
     assert config.classes.critical.ttft_slo_ms is None
     assert config.pools[0].lend_below == 1.0  # a pinned pool is lent by default
+
+
+def test_the_production_example_keeps_the_decision_for_admins_and_the_quick_start_shows_it() -> (
+    None
+):
+    vllm = load_config(Path(EXAMPLES[0]).with_name("vllm.yaml")).exposure
+    assert (vllm.decision_headers, vllm.estimate_headers) == ("admin", "admin")
+    quick = quick_config(["http://127.0.0.1:1"], host="127.0.0.1", port=8000).exposure
+    assert (quick.decision_headers, quick.estimate_headers) == ("all", "all")
+
+
+def test_decision_headers_take_all_admin_or_none() -> None:
+    with pytest.raises(ConfigError, match=r"exposure\.decision_headers"):
+        parse_config(MINIMAL | {"exposure": {"decision_headers": "tenants"}})

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
-from loadtest.locust.outcomes import Outcomes, rounded_ms
+from loadtest.locust.outcomes import (
+    MAX_RETRY_AFTER_S,
+    Outcomes,
+    failure_name,
+    retry_after_s,
+    rounded_ms,
+)
 
 # Importing locust monkey-patches the standard library with gevent for the whole process: the
 # tag-filtering check runs in a subprocess, outcomes.py imports no locust.
@@ -56,3 +63,25 @@ def test_tags_keep_only_users_with_a_selected_task() -> None:
         [sys.executable, "-c", TAG_CHECK], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.split("\n")[-2] == ("['VoiceUser'] ['VoiceUser'] ['ChatUser', 'RagUser']")
+
+
+def test_a_failure_is_named_by_status_and_code_never_by_its_changing_message() -> None:
+    def refusal(wait_s: int) -> str:
+        message = f"rate limit reached for requests per minute: retry after {wait_s} s"
+        return json.dumps(
+            {"error": {"message": message, "type": "requests", "code": "rate_limit_exceeded"}}
+        )
+
+    assert {failure_name(429, refusal(s)) for s in (19, 18, 3)} == {"HTTP 429 rate_limit_exceeded"}
+    assert (
+        failure_name(503, '{"error": {"type": "server_error", "code": null}}')
+        == "HTTP 503 server_error"
+    )
+    assert failure_name(502, "<html>bad gateway</html>") == "HTTP 502"
+
+
+def test_retry_after_is_honoured_in_seconds_and_bounded() -> None:
+    assert retry_after_s({"retry-after": "20"}) == 20.0
+    assert retry_after_s({"retry-after": "3600"}) == MAX_RETRY_AFTER_S
+    assert retry_after_s({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) is None
+    assert retry_after_s({}) is None
