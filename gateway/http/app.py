@@ -38,6 +38,7 @@ from gateway.http.exposure import (
 )
 from gateway.http.openapi import schema_of
 from gateway.http.request_schema import check_request
+from gateway.http.responses_routes import responses_router
 from gateway.serving.handling import (
     Dispatch,
     authenticate,
@@ -48,7 +49,6 @@ from gateway.serving.handling import (
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
 from gateway.serving.proxy import RelayResponse
-from gateway.serving.responses import responses_router
 from gateway.state import Gateway
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import Metrics, model_label

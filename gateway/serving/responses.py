@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway.fleet import replica_auth
 from gateway.http.errors import ApiError
 from gateway.index.keyvalue import MemoryKeyValue, RedisKeyValue
 from gateway.telemetry import logs
@@ -258,29 +257,3 @@ class ResponseOwners:
         finally:
             await answer.aclose()
         return Response(content, status_code=answer.status_code, headers=headers)
-
-
-responses_router = APIRouter()
-
-
-async def _relayed(request: Request, response_id: str, suffix: str = "") -> Response:
-    gw = request.app.state.gw
-    tenant = gw.authenticate(request)
-    replica_auth.remember_client_headers(request.headers)  # pools[].forward_headers
-    owners = request.app.state.gw.responses
-    return await owners.relay(request, tenant, response_id, suffix)
-
-
-@responses_router.get("/v1/responses/{response_id}")
-async def get_response(request: Request, response_id: str) -> Response:
-    return await _relayed(request, response_id)
-
-
-@responses_router.delete("/v1/responses/{response_id}")
-async def delete_response(request: Request, response_id: str) -> Response:
-    return await _relayed(request, response_id)
-
-
-@responses_router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(request: Request, response_id: str) -> Response:
-    return await _relayed(request, response_id, "/cancel")

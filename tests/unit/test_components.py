@@ -128,6 +128,7 @@ async def test_a_built_gateway_starts_and_closes_its_list() -> None:
         assert names == [
             "upstream",  # made by the gateway (the client was given: the caller closes it)
             "index",
+            "responses",
             "rate-limits",
             "gc-pauses",
             "fleet",
