@@ -414,7 +414,11 @@ def print_floor(console: Console, floor: ct.Floor, engine: Engine) -> None:
 
 
 def settings(
-    duration_s: float, warmup_s: float, engines: Sequence[Engine], traces: Mapping[int, Any]
+    duration_s: float,
+    warmup_s: float,
+    engines: Sequence[Engine],
+    traces: Mapping[int, Any],
+    source: Mapping[str, Any],
 ) -> dict[str, Any]:
     return {
         "duration_s": duration_s,
@@ -432,7 +436,7 @@ def settings(
         },
         "engines": {e.name: e.to_dict() for e in engines},
         "request_timeout_s": REQUEST_TIMEOUT_S,
-        "source": _source_state(),
+        "source": source,
     }
 
 
@@ -475,6 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if error:
                 peers_missing[arm] = error
 
+    source = _source_state()  # the tree measured, before it may change during the run
     started = time.perf_counter()
     runs: list[Run] = []
     traces: dict[int, Any] = {}
@@ -512,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall_s = time.perf_counter() - started
     console.print(critical_report.ratios_table(runs))
     payload = {
-        "settings": settings(duration_s, warmup_s, engines, traces),
+        "settings": settings(duration_s, warmup_s, engines, traces, source),
         "runs": critical_report.runs_payload(runs, placements),
         "wall_time_s": wall_s,
     }
