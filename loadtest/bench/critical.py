@@ -118,7 +118,6 @@ EXTERNAL_ARMS = {
 # vllm-router's policies in loadtest/bench/peer_routers.py: cache_aware, round_robin,
 # consistent_hash.
 ARMS = (*CACHELANE_ARMS, *EXTERNAL_ARMS)
-SEEDS = (1, 2, 3)
 
 
 def _pool(name: str, urls: Sequence[str], *, offload: bool, **extra: Any) -> dict[str, Any]:
@@ -316,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Latency-critical tenants on a busy heterogeneous simulated fleet, against each "
         "request's own floor: cachelane without tenants, with tenants and engine priority, with "
         "a pinned pool at default knobs; sglang-router and vllm-router; per engine model.",
-        quick=f"{QUICK_DURATION_S:.0f} s per arm, one seed (--seed)",
+        quick=f"{QUICK_DURATION_S:.0f} s per arm",
     )
     add = p.add_argument
     harness.add_names(p, "--arms", ARMS, "comma-separated")
@@ -339,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--seeds",
         default=None,
-        help="comma-separated trace seeds (default: "
-        f"{','.join(map(str, SEEDS))}; with --quick, --seed alone)",
+        help="comma-separated trace seeds, each a run of every engine and arm, e.g. 1,2,3 "
+        "(default: --seed alone)",
     )
     add(
         "--duration-s",
@@ -449,10 +448,7 @@ def _choices(args: argparse.Namespace) -> tuple[list[str], list[Engine], list[in
     names = [e.strip() for e in (args.engines or args.engine).split(",") if e.strip()]
     if not names or any(n not in ENGINES for n in names):
         raise ValueError(f"unknown engines in {names}; known: {', '.join(ENGINES)}")
-    if args.seeds:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    else:
-        seeds = [args.seed] if args.quick else list(SEEDS)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds else [args.seed]
     return arms, [ENGINES[n] for n in names], seeds
 
 
