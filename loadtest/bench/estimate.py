@@ -14,9 +14,13 @@ is replayed open-loop.
 
 Per request, from the client's side: the gateway's estimate (x-cachelane-est-ttft-ms) against the
 observed time to the first SSE chunk, as |est - obs| / obs. Reported: p50 / p90 of that error over
-the first 50 requests (while calibration learns) and over the rest, est / obs p50 (the bias), the
-prefix hit rate from the usage chunks, client TTFT p50 / p99, the prefill utilisation the sims
-saw, and how the prompt tokens split over HBM / CPU / remote / computed.
+the first 50 requests (while calibration learns) and over the rest; the goal figure, its p90 over
+the requests after the first 50 whose TTFT is >= 50 ms; est / obs p50 (the bias); the estimate
+without its load term against the observed TTFT without the sims' own KV load time (the sims run
+vLLM V1's step loop by default, where a request's wait and its prefill spread over shared steps,
+so the queue term alone has no observed counterpart); the prefix hit rate from the usage chunks,
+client TTFT p50 / p99, the prefill utilisation the sims saw (tokens computed and each step's
+fixed cost), and how the prompt tokens split over HBM / CPU / remote / computed.
 
 Prints a table, writes results/bench_estimate.json and results/bench_estimate.png (rolling p90
 of the error over the request index, one line per arm, one panel per speed). The machine's cores
@@ -56,10 +60,19 @@ from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_bod
 from loadtest.bench.tier_experiment import scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
+from loadtest.sim.steps import STEP_OVERHEAD_S
 from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
 from loadtest.workloads import traces
 from loadtest.workloads.traces import TraceRecord
-from routing.cost import PCIE_GBPS, PREFILL_TOKENS_PER_S, REMOTE_GBPS
+from routing.cost import (
+    PCIE_GBPS,
+    PREFILL_TOKENS_PER_S,
+    REMOTE_GBPS,
+    Load,
+    Overlap,
+    PoolCosts,
+    estimate,
+)
 from routing.prompt import approx_tokens
 from routing.whatif.summary import percentile
 
@@ -78,6 +91,10 @@ QUICK_DURATION_S = 4.0
 # ~3 s of start-up and drain each is ~4.5 minutes. --quick checks the machinery only.
 
 FIRST_N = 50  # "while calibrating": the first 50 requests of an arm; the rest are "after"
+GOAL_MIN_TTFT_S = 0.050
+GOAL_P90 = 0.25
+# issue 25: on the step engine, with no constants given, p90 |est - obs| / obs <= 25% over the
+# requests after the first 50 whose observed TTFT is >= 50 ms (below it the fixed term dominates).
 ROLLING_WINDOW = 25  # requests per point of the plot's rolling p90
 
 WEIGHTS: dict[str, float] = {"chat": 0.5, "rag": 0.5}
@@ -115,6 +132,7 @@ SIM_COUNTERS = (
     "vllm:prefix_cache_hits",
     "cachelane_sim_swap_in_tokens",
     "cachelane_sim_remote_fetch_tokens",
+    "cachelane_sim_steps",
 )
 
 
@@ -509,6 +527,32 @@ def error_floor(fixed_obs: Sequence[float], share: float) -> float:
     return min(percentile([abs(c - o) / o for o in fixed_obs], q) for c in grid)
 
 
+def sim_pool_costs(speed: float) -> PoolCosts:
+    """The costs the sims charge at `speed` (sim_costs over routing/cost.py's defaults)."""
+    c = sim_costs(speed)
+    return PoolCosts(
+        prefill_tokens_per_s=c["prefill_tokens_per_s"],
+        pcie_gbps=c["pcie_gbps"],
+        remote_gbps=c["remote_gbps"],
+    )
+
+
+def sim_load_ms(s: Sample, costs: PoolCosts) -> float | None:
+    """How long the sim loaded the request's KV (CPU swap-in, remote fetch) before it could be
+    scheduled: the routing.cost.estimate() swap and fetch terms the sim sleeps for
+    (loadtest/sim/engine.py), from the usage it reported. None without that report."""
+    if not s.sim or not s.prompt_tokens:
+        return None
+    overlap = Overlap(
+        s.prompt_tokens,
+        hbm_tokens=int(s.sim.get("hbm_tokens", 0)),
+        cpu_tokens=int(s.sim.get("cpu_tokens", 0)),
+        remote_tokens=int(s.sim.get("remote_tokens", 0)),
+    )
+    sharing = max(0, int(s.sim.get("swap_sharers", 0)) - 1)  # the others on the link
+    return 1000 * estimate(overlap, Load(swaps_in_flight=sharing), costs).load_s
+
+
 def arm_stats(arm: ArmResult) -> dict[str, Any]:
     ok = [s for s in arm.samples if s.ok]
     first, after = _errors(arm.samples[:FIRST_N]), _errors(arm.samples[FIRST_N:])
@@ -521,19 +565,26 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
     cpu = arm.sims.get("cachelane_sim_swap_in_tokens", 0.0)
     remote = arm.sims.get("cachelane_sim_remote_fetch_tokens", 0.0)
     computed = max(0.0, sim_prompt - hbm - cpu - remote)
-    busy_s = computed / arm.prefill_tokens_per_s
+    # A step costs its fixed part plus its tokens (loadtest/sim/steps.py); the sims run with the
+    # default step overhead (sim_config passes no engine flag).
+    busy_s = computed / arm.prefill_tokens_per_s + arm.sims.get("cachelane_sim_steps", 0.0) * (
+        STEP_OVERHEAD_S
+    )
     span_s = max(1e-9, max((s.scheduled_s for s in arm.samples), default=0.0))
 
     def share(tokens: float) -> float:
         return tokens / sim_prompt if sim_prompt else math.nan
 
-    # The queue term on its own, after the first FIRST_N: the gateway's t_queue against the time
-    # the sim's request waited for the prefill slot, as a share of the observed TTFT.
-    queued = [
-        (s.est_terms_ms["queue"], s.sim["queue_wait_ms"], s.obs_s * 1000)
+    # Everything but the KV load, after the first FIRST_N: on the step engine a request's wait
+    # and its prefill spread over shared steps, so the estimate without its load term is set
+    # against the observed TTFT without the sim's own load time (sim_load_ms).
+    costs = sim_pool_costs(arm.speed)
+    waited = [
+        (s.est_s * 1000 - s.est_terms_ms.get("load", 0.0), s.obs_s * 1000 - load, s.obs_s * 1000)
         for s in arm.samples[FIRST_N:]
-        if s.ok and s.obs_s and "queue" in s.est_terms_ms and "queue_wait_ms" in s.sim
+        if s.ok and s.obs_s and s.est_s is not None and (load := sim_load_ms(s, costs)) is not None
     ]
+    goal = _errors([s for s in arm.samples[FIRST_N:] if (s.obs_s or 0.0) >= GOAL_MIN_TTFT_S])
     after_ok = [s for s in arm.samples[FIRST_N:] if s.ok and s.rel_error is not None]
     fixed_obs = fixed_only(after_ok)
     fixed_share = len(fixed_obs) / len(after_ok) if after_ok else 0.0
@@ -557,9 +608,11 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
         "hit_rate": cached / prompt if prompt else 0.0,
         "ttft_p50_ms": percentile(obs_ms, 50),
         "ttft_p99_ms": percentile(obs_ms, 99),
-        "queue_est_ms_mean": statistics.fmean([q[0] for q in queued]) if queued else math.nan,
-        "queue_sim_ms_mean": statistics.fmean([q[1] for q in queued]) if queued else math.nan,
-        "queue_err_p90_after": percentile([abs(e - w) / o for e, w, o in queued], 90),
+        "err_p90_after_goal": percentile(goal, 90),
+        "n_after_goal": len(goal),
+        "after_load_est_ms_mean": statistics.fmean([w[0] for w in waited]) if waited else math.nan,
+        "after_load_obs_ms_mean": statistics.fmean([w[1] for w in waited]) if waited else math.nan,
+        "after_load_err_p90_after": percentile([abs(e - w) / o for e, w, o in waited], 90),
         "send_lag_p99_ms": percentile([s.send_lag_s * 1000 for s in arm.samples], 99),
         "prefill_utilisation": busy_s / (arm.replicas * span_s),
         "tier_share": {
@@ -639,8 +692,10 @@ def table(results: Mapping[float, Mapping[str, ArmResult]]) -> Table:
         title="TTFT estimate vs client-observed time to first chunk: |est - obs| / obs",
         box=box.SIMPLE_HEAD,
         caption=f"first / after: the first {FIRST_N} requests of an arm / the rest; "
-        "est/obs: median ratio (bias); queue est/sim: mean t_queue vs the sims' measured wait "
-        "(ms), queue err: p90 of |t_queue - wait| / obs after; floor: the p90 after that no "
+        f"goal: err p90 after over TTFT >= {GOAL_MIN_TTFT_S * 1000:.0f} ms (<= {GOAL_P90:.0%}); "
+        "est/obs: median ratio (bias); after load est/obs: mean estimate without its load term "
+        "vs the observed TTFT without the sims' load time (ms), its err: p90 of their "
+        "difference / obs after; floor: the p90 after that no "
         "model with a fixed term reaches, from the requests that cost only that term (their share "
         "of the requests after); gw <=20%: share of the requests after whose estimate was within "
         "20% of the TTFT the gateway observed (sent to first byte; the goal is 90%); util: "
@@ -649,7 +704,8 @@ def table(results: Mapping[float, Mapping[str, ArmResult]]) -> Table:
     )
     columns = (
         "speed", "mode", "err p50 first", "err p90 first", "err p50 after", "err p90 after",
-        "floor (share)", "gw <=20%", "est/obs", "queue est/sim", "queue err", "hit rate",
+        "goal (n)", "floor (share)", "gw <=20%", "est/obs", "after load est/obs", "its err",
+        "hit rate",
         "TTFT p50", "TTFT p99", "util", "tiers h/c/r", "errors",
     )  # fmt: skip
     for c in columns:
@@ -665,11 +721,13 @@ def table(results: Mapping[float, Mapping[str, ArmResult]]) -> Table:
                 _pct(s["err_p90_first"]),
                 _pct(s["err_p50_after"]),
                 _pct(s["err_p90_after"]),
+                f"{_pct(s['err_p90_after_goal'])} ({s['n_after_goal']})",
                 f"{_pct(s['err_p90_floor'])} ({s['fixed_only_share']:.0%})",
                 _pct(s["gateway_within_20_after"]),
                 _num(s["est_over_obs_p50"], ".2f"),
-                f"{_num(s['queue_est_ms_mean'], '.0f')}/{_num(s['queue_sim_ms_mean'], '.0f')}",
-                _pct(s["queue_err_p90_after"]),
+                f"{_num(s['after_load_est_ms_mean'], '.0f')}/"
+                f"{_num(s['after_load_obs_ms_mean'], '.0f')}",
+                _pct(s["after_load_err_p90_after"]),
                 f"{s['hit_rate']:.1%}",
                 _num(s["ttft_p50_ms"], ",.0f"),
                 _num(s["ttft_p99_ms"], ",.0f"),

@@ -280,13 +280,17 @@ def loopback_urls(count: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def sim_from_config(config: dict[str, Any], log_dir: Path, name: str) -> Iterator[ManagedProcess]:
+def sim_from_config(
+    config: dict[str, Any], log_dir: Path, name: str, engine_args: Sequence[str] = ()
+) -> Iterator[ManagedProcess]:
     """`python -m loadtest.sim --config FILE`: every loopback replica and remote tier of a gateway
-    config, with its capacities and costs; ready (every /health is 200) on entry."""
+    config, with its capacities and costs; ready (every /health is 200) on entry. `engine_args`:
+    the sim's engine flags for every replica (--engine-model, --max-num-batched-tokens, ...);
+    none: vLLM V1's step loop with vLLM's defaults scaled (loadtest/sim/steps.py)."""
     config_path = log_dir / f"sim-{name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    args = [sys.executable, "-m", "loadtest.sim", "--config", str(config_path)]
+    args = [sys.executable, "-m", "loadtest.sim", "--config", str(config_path), *engine_args]
     proc = ManagedProcess(f"sim fleet ({name})", args, log_dir / f"sim-{name}.log")
     urls = [u for pool in config["pools"] for u in pool["replicas"]]
     urls += [t["url"] for t in config.get("remote_tiers", []) if t.get("url")]

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadtest.sim.steps import Arrival, StepSettings, replay
 from loadtest.workloads.traces import (
     AGENT_TOOLS_HEAD,
     CHAT_SYSTEM_HEAD,
@@ -391,15 +392,31 @@ def round_robin_load(
 
 @dataclass(frozen=True, slots=True)
 class Floor:
-    """The TTFT no router can beat on this trace (ms), per class and overall."""
+    """The TTFT no router can beat on this trace (ms), per class and overall, and per request."""
 
     ttft_ms: dict[str, list[float]]  # per class, and "all"
+    per_request: list[float | None] = field(default_factory=list)  # trace order; None: warm-up
 
     def p(self, group: str, q: float) -> float:
         return percentile(self.ttft_ms.get(group, []), q)
 
     def to_dict(self) -> dict[str, dict[str, float]]:
-        return {g: {"p50_ms": self.p(g, 50), "p99_ms": self.p(g, 99)} for g in self.ttft_ms}
+        return {
+            g: {"p50_ms": self.p(g, 50), "p90_ms": self.p(g, 90), "p99_ms": self.p(g, 99)}
+            for g in self.ttft_ms
+        }
+
+
+def alone_ms(tokens: int, prefill_tokens_per_s: float, steps: StepSettings | None) -> float:
+    """A prefill of `tokens` on an idle replica: tokens / rate on the one-at-a-time engine
+    (steps None); on a step engine, the steps it takes alone (steps.replay: vLLM lifts the
+    long-prefill threshold for a request that is alone, so chunks of the whole budget), each
+    with its fixed cost."""
+    if steps is None:
+        return 1000 * tokens / prefill_tokens_per_s
+    [first] = replay(steps, [Arrival(0.0, max(1, tokens))])
+    assert first is not None  # never cancelled
+    return 1000 * first
 
 
 def ideal_floor(
@@ -409,16 +426,20 @@ def ideal_floor(
     model: str,
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
     since_s: float = 0.0,
+    steps: StepSettings | None = None,
 ) -> Floor:
     """Each request's own prefill with a perfect cache and no queue: every leading block that any
     earlier request of the trace held is reused for free (whatever replica, tier or timing), the
-    rest is prefilled alone at full speed (and the last token always, as the simulator does).
-    A lower bound of any arm's TTFT: a request's first use of a prefix cannot be cached.
-    Requests before `since_s` (a warm-up) fill the cache but are not counted."""
+    rest is prefilled alone at full speed (and the last token always, as the simulator does), in
+    the engine's steps when `steps` is given (alone_ms). A lower bound of any arm's TTFT: a
+    request's first use of a prefix cannot be cached. Requests before `since_s` (a warm-up) fill
+    the cache but are not counted. `per_request` is in the order of `trace`."""
     bs = block_size_tokens
     seen: set[int] = set()
     out: dict[str, list[float]] = {"all": []}
-    for record in sorted(trace, key=lambda r: r["t_s"]):
+    per_request: list[float | None] = [None] * len(trace)
+    for i in sorted(range(len(trace)), key=lambda j: trace[j]["t_s"]):
+        record = trace[i]
         text = prompt_text(record)
         n = approx_tokens(text)
         hashes = block_hashes(text, block_size_tokens=bs, namespace=model)
@@ -430,7 +451,8 @@ def ideal_floor(
         seen.update(hashes)
         if record["t_s"] < since_s:
             continue
-        ms = 1000 * (n - reused * bs) / prefill_tokens_per_s
+        ms = alone_ms(n - reused * bs, prefill_tokens_per_s, steps)
+        per_request[i] = ms
         out.setdefault(TENANTS[record["tenant"]].tenant_class, []).append(ms)
         out["all"].append(ms)
-    return Floor(out)
+    return Floor(out, per_request)

@@ -19,7 +19,9 @@ BENCH_TIMEOUT_S = 120  # ~25 s here: one fleet, three gateways, 4 s arms
 ARM_FIELDS = {
     "requests", "ok", "errors", "err_p50_first", "err_p90_first", "err_p50_after",
     "err_p90_after", "est_over_obs_p50", "hit_rate", "ttft_p50_ms", "ttft_p99_ms",
-    "prefill_utilisation", "tier_share", "sims", "per_request",
+    "prefill_utilisation", "tier_share", "sims", "per_request", "err_p90_after_goal",
+    "n_after_goal", "after_load_est_ms_mean", "after_load_obs_ms_mean",
+    "after_load_err_p90_after",
 }  # fmt: skip
 
 
@@ -43,6 +45,7 @@ def test_bench_estimate_runs_and_writes_results(tmp_path: Path) -> None:
         assert arm["errors"] == 0, (name, arm["errors_seen"])
         assert arm["err_p50_first"] is not None and arm["err_p50_first"] >= 0, name
         assert 0 <= arm["hit_rate"] <= 1, name
+        assert arm["sims"]["cachelane_sim_steps"] > 0, name  # the step engine, by default
         assert set(arm["tier_share"]) == {"hbm", "cpu", "remote", "computed"}, name
         series = arm["per_request"]
         assert len(series["est_ms"]) == len(series["obs_ms"]) == arm["requests"], name

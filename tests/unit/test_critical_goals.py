@@ -1,0 +1,55 @@
+"""critical_results: excess over each request's own floor, SLO attainment, and the goal ratios
+of issue 25 against the best peer router and against no tenants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loadtest.bench.critical_results import ArmResult, CriticalResult, goal_ratios, meets
+
+
+def arm(name: str, ttft_ms: list[float], *, floors: list[float], hit: float = 0.5) -> ArmResult:
+    """Alternating critical (voice) and standard (chat) requests, all answered."""
+    results = []
+    for i, t in enumerate(ttft_ms):
+        tenant, klass = ("voice", "critical") if i % 2 == 0 else ("chat", "standard")
+        r = CriticalResult(i, tenant, "chat", float(i), tenant_class=klass)
+        r.status, r.ttft_s = 200, t / 1000
+        r.prompt_tokens, r.cached_tokens = 100, round(100 * hit)
+        results.append(r)
+    return ArmResult(name, 10.0, results, {}, list(floors))
+
+
+def test_excess_is_ttft_minus_the_request_s_own_floor_and_shed_misses_the_slo() -> None:
+    a = arm("priority", [300.0, 900.0, 700.0, 1_200.0], floors=[100.0, 50.0, 200.0, 50.0])
+    assert sorted(a.excess_ms("critical")) == [200.0, 500.0]
+    assert a.slo_attained("critical") == 0.5  # 300 ms within 500, 700 ms not
+    a.results[1].status = 503
+    assert a.stats("standard")["shed"] == 1
+    assert a.slo_attained("standard") == 0.0  # the shed one misses, 1,200 ms is over 1 s
+
+
+def test_goal_ratios_against_the_best_peer_and_no_tenants() -> None:
+    floors = [100.0] * 4
+    arms = {
+        "no-tenants": arm("no-tenants", [400.0, 800.0, 400.0, 800.0], floors=floors),
+        "pinned": arm("pinned", [200.0, 800.0, 200.0, 800.0], floors=floors, hit=0.6),
+        "sglang": arm("sglang", [500.0, 1_000.0, 500.0, 1_000.0], floors=floors),
+        "vllm": arm("vllm", [300.0, 2_000.0, 300.0, 2_000.0], floors=floors, hit=0.7),
+    }
+    r = goal_ratios(arms)["pinned"]
+    assert r["critical_excess_p99_vs_best_peer"] == pytest.approx(100 / 200)  # vllm's is lower
+    assert r["all_ttft_p99_vs_best_peer"] == pytest.approx(800 / 1_000)  # sglang's is lower
+    assert r["hit_rate_minus_best_peer"] == pytest.approx(0.6 - 0.7)
+    assert r["critical_ttft_p99_vs_no_tenants"] == pytest.approx(0.5)
+    assert r["all_ttft_p99_vs_no_tenants"] == pytest.approx(1.0)
+    assert meets("critical_excess_p99_vs_best_peer", 0.5) is True
+    assert meets("hit_rate_minus_best_peer", -0.1) is False
+    assert meets("all_ttft_p99_vs_best_peer", math.nan) is None
+
+
+def test_without_peers_the_ratios_against_them_are_unknown() -> None:
+    only = {"priority": arm("priority", [300.0, 600.0], floors=[100.0, 100.0])}
+    assert math.isnan(goal_ratios(only)["priority"]["critical_excess_p99_vs_best_peer"])
