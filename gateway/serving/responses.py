@@ -112,6 +112,13 @@ class ResponseOwners:
 
     async def owner(self, response_id: str, tenant: Tenant) -> str | None:
         """The replica that stored the tenant's response, None if the gateway knows none."""
+        entry = await self._entry(response_id)
+        if entry is None or entry.get("tenant") != tenant.name:
+            return None
+        return str(entry["replica"])
+
+    async def _entry(self, response_id: str) -> dict[str, Any] | None:
+        """What the gateway remembers of a response: its replica and tenant."""
         value = None
         if self._shared is not None:
             try:
@@ -121,8 +128,8 @@ class ResponseOwners:
         value = value or self._local.get_now(response_id)
         if value is None:
             return None
-        entry = orjson.loads(value)
-        return str(entry["replica"]) if entry.get("tenant") == tenant.name else None
+        entry: dict[str, Any] = orjson.loads(value)
+        return entry
 
     async def forget(self, response_id: str) -> None:
         await self._local.delete(response_id)
@@ -152,10 +159,19 @@ class ResponseOwners:
         previous = body.get("previous_response_id")
         if not isinstance(previous, str) or not _ID.match(previous):
             return
-        name = await self.owner(previous, tenant)
-        if name is not None:
-            self.replica_of(name, previous)
-            _pinned.set(name)
+        entry = await self._entry(previous)
+        if entry is None:  # not one this gateway saw (expired, or before a restart)
+            return
+        if entry.get("tenant") != tenant.name:  # another tenant's: as if it did not exist
+            raise ApiError(
+                404,
+                f"No response found with id {previous!r}.",
+                code="response_not_found",
+                param="previous_response_id",
+            )
+        name = str(entry["replica"])
+        self.replica_of(name, previous)
+        _pinned.set(name)
 
     def replica_of(self, name: str, response_id: str) -> Replica:
         replica = self._registry.replicas.get(name)

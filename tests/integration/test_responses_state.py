@@ -77,6 +77,12 @@ async def test_another_tenants_response_is_not_found() -> None:
         with pytest.raises(openai.NotFoundError) as err:
             await bob.responses.retrieve(mine.id)
         assert err.value.code == "response_not_found"
+        with pytest.raises(openai.NotFoundError) as err:  # nor continued
+            await bob.responses.create(
+                model=MODEL, input="go on", previous_response_id=mine.id, max_output_tokens=2
+            )
+        assert err.value.code == "response_not_found"
+        assert err.value.param == "previous_response_id"
 
 
 async def test_a_replica_that_is_down_is_a_503_with_retry_after() -> None:
