@@ -47,12 +47,13 @@ from gateway.serving.handling import (
     served_at_asked_class,
 )
 from gateway.serving.lease import Lease
-from gateway.serving.planner import Plan
+from gateway.serving.plan import Plan
 from gateway.serving.proxy import RelayResponse
 from gateway.state import Gateway
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import Metrics, model_label
-from gateway.tenancy.admin import _require_admin, admin_router
+from gateway.tenancy.admin import admin_router
+from gateway.tenancy.admin_auth import require_admin
 from gateway.tenancy.rate_limits import Budget
 from gateway.tenancy.tenants import ANONYMOUS, Tenant
 from gateway.wiring import build_gateway
@@ -226,7 +227,7 @@ def debug_tenant(gw: Gateway, request: Request) -> Tenant:
     in DEBUG_TENANT_HEADER (404 if there is none of that name), else the anonymous one."""
     if gw.tenants.open_mode:
         return authenticate(gw, request)
-    _require_admin(request)
+    require_admin(request)
     name = request.headers.get(DEBUG_TENANT_HEADER)
     if name is None:
         tenant = ANONYMOUS
