@@ -12,12 +12,7 @@ load (parse_config, load_config, quick_config). Import the names from `gateway.c
 
 from __future__ import annotations
 
-from gateway.config.base import (
-    PositiveFloat,
-    PositiveInt,
-    Strict,
-    url_key,
-)
+from gateway.config.base import PositiveFloat, PositiveInt, Strict, url_key
 from gateway.config.classes import (
     MAX_TTFT_SLO_MS,
     ClassConfig,
@@ -35,12 +30,7 @@ from gateway.config.engines import (
     SimConfig,
     TokenizerConfig,
 )
-from gateway.config.example_keys import (
-    EXAMPLE_DIGESTS,
-    EXAMPLE_MARKERS,
-    is_example,
-    password_of,
-)
+from gateway.config.example_keys import EXAMPLE_DIGESTS, EXAMPLE_MARKERS, is_example, password_of
 from gateway.config.exposure import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -50,12 +40,7 @@ from gateway.config.exposure import (
     ExposureConfig,
     ListenConfig,
 )
-from gateway.config.load import (
-    ConfigError,
-    load_config,
-    parse_config,
-    quick_config,
-)
+from gateway.config.load import ConfigError, load_config, parse_config, quick_config
 from gateway.config.pools import (
     DEFAULT_DISCOVERY_INTERVAL_S,
     DEFAULT_EJECT_AFTER_ERRORS,
@@ -71,11 +56,7 @@ from gateway.config.pools import (
     forwardable,
     nameserver_address,
 )
-from gateway.config.root import (
-    GatewayConfig,
-    example_keys_in,
-    no_tenant_warning,
-)
+from gateway.config.root import GatewayConfig, example_keys_in, no_tenant_warning
 from gateway.config.routing import (
     EngineMetricsConfig,
     HealthConfig,

@@ -5,11 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-)
+from pydantic import BaseModel, ConfigDict, Field
 
 _ZMQ_TCP = re.compile(r"^tcp://[^:/\s]+:\d{1,5}$")
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
 from gateway.config.base import PositiveFloat, PositiveInt, Strict
 from routing.filters import Fallback

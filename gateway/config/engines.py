@@ -7,10 +7,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
 from gateway.config.base import _ZMQ_TCP, PositiveFloat, PositiveInt, Strict, url_key
 from routing.cost import (

@@ -6,10 +6,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-)
+from pydantic import Field, field_validator
 
 from gateway.config.base import PositiveFloat, Strict
 from gateway.config.tenants import ApiKey

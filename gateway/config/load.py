@@ -8,9 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
-from pydantic import (
-    ValidationError,
-)
+from pydantic import ValidationError
 
 from gateway import config_env
 from gateway.config.root import GatewayConfig

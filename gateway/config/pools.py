@@ -7,13 +7,7 @@ import ipaddress
 import re
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    HttpUrl,
-    SecretStr,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, HttpUrl, SecretStr, field_validator, model_validator
 
 from gateway.config.base import PositiveFloat, PositiveInt, Strict
 from gateway.config.engines import (
@@ -24,9 +18,7 @@ from gateway.config.engines import (
     SimConfig,
     TokenizerConfig,
 )
-from routing.cost import (
-    HBM_CAPACITY_TOKENS,
-)
+from routing.cost import HBM_CAPACITY_TOKENS
 
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")  # RFC 9110 section 5.6.2 token
 UNFORWARDABLE_HEADERS = frozenset(

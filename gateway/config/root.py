@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
 from gateway import extras
 from gateway.config.base import PositiveInt, Strict, url_key

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-)
+from pydantic import Field
 
 from gateway.config.base import PositiveFloat, PositiveInt, Strict
 from gateway.config.pools import (

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    AfterValidator,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from gateway.config.base import PositiveInt, Strict
 from gateway.tenancy.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS
