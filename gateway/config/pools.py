@@ -20,6 +20,8 @@ from gateway.config.engines import (
 )
 from routing.cost import HBM_CAPACITY_TOKENS
 
+# Which client headers a pool may forward (pools[].forward_headers), checked as the config loads;
+# gateway/fleet/replica_auth.py forwards them.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")  # RFC 9110 section 5.6.2 token
 UNFORWARDABLE_HEADERS = frozenset(
     {
