@@ -33,7 +33,7 @@ OUTPUT = ROOT / "deploy" / "CONFIG.md"
 UNDOCUMENTED = "UNDOCUMENTED"
 
 # Meaning of each key, by path ("[]" = every item of a list). Defaults' sources are in the code
-# named here (routing/cost.py, routing/index.py, routing/hashing.py, gateway/config.py).
+# named here (routing/cost.py, routing/index.py, routing/hashing.py, gateway/config/).
 DESCRIPTIONS: dict[str, str] = {
     "listen": "Where the gateway accepts client connections.",
     "listen.host": "Address to bind. 127.0.0.1 on a laptop; 0.0.0.0 in a container or pod.",

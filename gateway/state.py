@@ -1,5 +1,5 @@
 """What one running gateway holds: its parts, built by gateway/wiring.py `build_gateway`, read by
-the handlers (gateway/serving/handling.py, gateway/http/app.py). Request logic lives in
+the handlers (gateway/serving/handling.py, gateway/http/serve.py). Request logic lives in
 handling.py."""
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ MAX_TRACKED_BLOCKS = 1 << 16
 # eviction counts within a few percent at 1% sampling. The hashes are xxh3 digests, so a hash
 # residue is a uniform sample. The bound is also the ledger's time, which is linear in the blocks
 # it tracks: an 8k-token prompt's 512 blocks unsampled, about a tenth of them at the default
-# remote tier's rate of 10 (10M tokens, gateway/config.py RemoteTierConfig).
+# remote tier's rate of 10 (10M tokens, gateway/config/pools.py RemoteTierConfig).
 
 
 class CostKey(NamedTuple):

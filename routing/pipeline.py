@@ -69,11 +69,11 @@ __all__ = [
     "route",
 ]
 
-BATCH_MAX_QUEUE_S = 5.0  # the gateway's default, gateway/config.py OverloadConfig.batch_max_queue_s
+BATCH_MAX_QUEUE_S = 5.0  # gateway/config/classes.py OverloadConfig.batch_max_queue_s
 LEND_COOLDOWN_S = 5.0
 # critical.placement: pinned_first: lending resumes 5 s after the last critical spill: longer
 # than a prefill queue takes to drain on a busy replica (~1 s at the standard class's default
-# budget, gateway/config.py ClassesConfig), so it does not flap per request. Cost placement
+# budget, gateway/config/classes.py ClassesConfig), so it does not flap per request. Cost placement
 # knows better: it reclaims for as long as the pinned pool is estimated to stay without a free
 # replica (Routed.reclaim_s).
 PINNED_CLOSE = 0.25

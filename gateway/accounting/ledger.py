@@ -31,9 +31,9 @@ from fastapi import APIRouter, Request
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.fleet.registry import Registry, Replica
 from gateway.http.errors import bad_request
-from gateway.serving.planner import Plan
+from gateway.serving.plan import Plan
 from gateway.telemetry.metrics import Metrics
-from gateway.tenancy.admin import _require_admin
+from gateway.tenancy.admin_auth import require_admin
 from routing.accounting import (
     BUCKET_S,
     FIELDS,
@@ -235,7 +235,7 @@ costs_router = APIRouter()
 @costs_router.get("/debug/costs")
 async def debug_costs(request: Request) -> dict[str, Any]:
     """The cost accounting per window (admin key, like /admin): ?window_s=N for one window."""
-    gw = _require_admin(request)
+    gw = require_admin(request)
     raw = request.query_params.get("window_s")
     windows: tuple[float, ...] = WINDOWS_S
     if raw is not None:

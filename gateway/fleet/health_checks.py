@@ -10,11 +10,12 @@ from typing import Any
 
 import httpx
 
-from gateway.fleet.outliers import probe_generation
 from gateway.fleet.registry import Registry, Replica
 from gateway.serving.deadline import first_byte_deadline_s
 
 log = logging.getLogger("cachelane.registry")
+
+PROBE_PROMPT = "ping"  # any prompt: one token is generated, and thrown away
 
 
 async def probe(
@@ -35,6 +36,24 @@ def _refused_credentials(err: Exception) -> int | None:
     if isinstance(err, httpx.HTTPStatusError) and err.response.status_code in (401, 403):
         return err.response.status_code
     return None
+
+
+async def probe_generation(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
+    """One real generation of one token on the replica (/v1/completions, which every
+    OpenAI-compatible engine serves without a chat template); raises httpx.HTTPError (a 4xx or
+    5xx answer included) or ValueError (an answer that is not a completion)."""
+    model = min(replica.models) if replica.models else ""
+    body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": False}
+    resp = await client.post(
+        f"{replica.url}/v1/completions",
+        json=body,
+        timeout=timeout_s,
+        headers=replica.auth_headers,
+    )
+    resp.raise_for_status()
+    answer = resp.json()
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        raise ValueError(f"not a completion: {resp.text[:200]!r}")
 
 
 class HealthChecker:

@@ -6,24 +6,18 @@ first-byte timeouts in a row, or one refused connection), whatever its health ch
 replica can list its models and still fail every generation. It stays out for a back-off that
 grows with each ejection in a row (health.ejection_s x health.ejection_factor ^ (n - 1), at most
 health.max_ejection_s), then is half open: the health checker sends it one real generation
-(max_tokens 1, `probe_generation`); only when that succeeds does full traffic return. A failed
-probe starts the next, longer, back-off. A replica that then stays in for as long as it was last
-out is forgiven: its next ejection starts from the base again (Envoy's outlier detection lowers
-its ejection multiplier the same way while a host stays healthy).
+(max_tokens 1, gateway/fleet/health_checks.py `probe_generation`); only when that succeeds does
+full traffic return. A failed probe starts the next, longer, back-off. A replica that then stays
+in for as long as it was last out is forgiven: its next ejection starts from the base again
+(Envoy's outlier detection lowers its ejection multiplier the same way while a host stays
+healthy).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import httpx
-
-if TYPE_CHECKING:
-    from gateway.fleet.registry import Replica
-
-PROBE_PROMPT = "ping"  # any prompt: one token is generated, and thrown away
+from typing import Any
 
 
 @dataclass
@@ -82,21 +76,3 @@ class Backoff:
         ejection.count += 1
         ejection.error = error
         ejection.probe_at_s = time.monotonic() + self.seconds(ejection.count)
-
-
-async def probe_generation(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
-    """One real generation of one token on the replica (/v1/completions, which every
-    OpenAI-compatible engine serves without a chat template); raises httpx.HTTPError (a 4xx or
-    5xx answer included) or ValueError (an answer that is not a completion)."""
-    model = min(replica.models) if replica.models else ""
-    body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": False}
-    resp = await client.post(
-        f"{replica.url}/v1/completions",
-        json=body,
-        timeout=timeout_s,
-        headers=replica.auth_headers,
-    )
-    resp.raise_for_status()
-    answer = resp.json()
-    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
-        raise ValueError(f"not a completion: {resp.text[:200]!r}")

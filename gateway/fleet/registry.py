@@ -18,8 +18,8 @@ import httpx
 
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.fleet import replica_auth
+from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.outliers import Backoff, Ejection
-from gateway.fleet.scraper import EngineLoad
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
 from routing.decide import Candidate, PoolRules
 

@@ -16,13 +16,14 @@ import logging
 import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from gateway.accounting.ledger import CostAccounting
 from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
-from gateway.serving.planner import load_tokenizers
-
-if TYPE_CHECKING:
-    from gateway.state import Gateway
+from gateway.fleet.discovery import Discovery
+from gateway.fleet.membership import Fleet
+from gateway.serving.planner import Planner, load_tokenizers
+from gateway.telemetry.metrics import Metrics
 
 log = logging.getLogger("cachelane.reload")
 
@@ -46,8 +47,19 @@ class ReloadReport:
         return asdict(self)
 
 
+class Reloadable(Protocol):
+    """What a reload reads and replaces on the running gateway (gateway/state.py's Gateway)."""
+
+    config: GatewayConfig
+    metrics: Metrics
+    fleet: Fleet
+    discovery: Discovery
+    planner: Planner
+    costs: CostAccounting
+
+
 class Reloader:
-    def __init__(self, gw: Gateway, path: str | None) -> None:
+    def __init__(self, gw: Reloadable, path: str | None) -> None:
         self._gw = gw
         self.path = path
         self._lock = asyncio.Lock()  # one reload at a time

@@ -5,7 +5,8 @@ headers the pool lets through.
   checks), for every call to the pool's replicas: proxied requests, health checks, scrapes, warms.
   The key lives only in the config's SecretStr and in these headers: it is never logged, never in
   an error and never in /debug output.
-- `forwarded(pool)`: the client headers named in `pools[].forward_headers`, taken from the
+- `forwarded(pool)`: the client headers named in `pools[].forward_headers` (which names may be
+  forwarded: gateway/config/pools.py `forwardable`), taken from the
   request being handled. The app notes the client's headers with `remember_client_headers` when
   it starts serving a request (a context variable, as the request id in gateway/telemetry/logs.py),
   so the proxy needs no argument for them.
@@ -13,53 +14,12 @@ headers the pool lets through.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.config import PoolConfig
-
-_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")  # RFC 9110 section 5.6.2 token
-UNFORWARDABLE_HEADERS = frozenset(
-    {
-        # the client's credentials for the gateway, and the gateway's own for the replica
-        "authorization",
-        "proxy-authorization",
-        "cookie",
-        # set by the gateway for the body it sends, its request id and its trace
-        "content-type",
-        "content-length",
-        "content-encoding",
-        "host",
-        "x-request-id",
-        "traceparent",
-        "tracestate",
-        # hop-by-hop (RFC 9110 section 7.6.1)
-        "connection",
-        "proxy-connection",
-        "keep-alive",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-
-
-def forwardable(name: str) -> str:
-    """A `forward_headers` entry, lowercased; ValueError if it may not be forwarded."""
-    name = name.strip().lower()
-    if not _HEADER_NAME.fullmatch(name):
-        raise ValueError(f"{name!r} is not an HTTP header name")
-    if name in UNFORWARDABLE_HEADERS or name.startswith("x-cachelane-"):
-        raise ValueError(
-            f"{name!r} cannot be forwarded: the gateway sets it, it belongs to one "
-            "connection, or it carries the client's credentials"
-        )
-    return name
-
+    from gateway.config.pools import PoolConfig
 
 _client_headers: ContextVar[Mapping[str, str] | None] = ContextVar(
     "cachelane_client_headers", default=None

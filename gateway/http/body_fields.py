@@ -3,16 +3,7 @@ either sets itself (`priority`, from the tenant's class) or which would let a cl
 engine past the gateway. A request that sends one is refused (400 `field_not_allowed`, naming the
 field) rather than silently changed, so a client learns that its field had no effect.
 
-The default list, from the engines' OpenAI request models:
-- vLLM (vllm/entrypoints/openai/protocol.py, ChatCompletionRequest / CompletionRequest):
-  `priority` (the scheduler's order under --scheduling-policy priority), `kv_transfer_params`
-  (where a disaggregated engine fetches or sends KV), `vllm_xargs` (arguments for plugins),
-  `request_id` (the engine's id of the request).
-- SGLang (python/sglang/srt/entrypoints/openai/protocol.py): `rid` (its request id),
-  `bootstrap_host`, `bootstrap_port`, `bootstrap_room` (prefill-decode disaggregation's
-  hand-off).
-`cache_salt` is not in it: a client's salt only narrows its own sharing, and the gateway folds it
-into the tenant's (gateway/serving/planner.py engine_salt).
+The default list and its sources: gateway/config/exposure.py ENGINE_CONTROL_FIELDS.
 """
 
 from __future__ import annotations
@@ -24,18 +15,7 @@ from gateway.http.errors import ApiError
 from routing.types import TenantClass
 
 if TYPE_CHECKING:
-    from gateway.config import BodyFieldsConfig
-
-ENGINE_CONTROL_FIELDS = (
-    "priority",
-    "kv_transfer_params",
-    "vllm_xargs",
-    "request_id",
-    "rid",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-)
+    from gateway.config.exposure import BodyFieldsConfig
 
 
 def check_fields(body: Mapping[str, Any], denied: Collection[str]) -> None:

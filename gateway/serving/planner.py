@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gateway.config import GatewayConfig
@@ -28,6 +28,7 @@ from gateway.http.errors import ApiError, bad_request, no_replica
 from gateway.index.reuse import ReuseCounter
 from gateway.serving import slo
 from gateway.serving.pinning import PinnedPoolWatch
+from gateway.serving.plan import Plan
 from gateway.serving.request_input import (
     PROMPT_PARAM,
     PromptHasher,
@@ -61,7 +62,7 @@ from routing.pipeline import (
     route,
 )
 from routing.speculative import SpeculativeIndex
-from routing.types import ENGINE_PRIORITY, BlockHits, TenantClass
+from routing.types import BlockHits, TenantClass
 
 if TYPE_CHECKING:  # precise mode only: jinja2 and tokenizers are the [precise] extra
     from gateway.engines.tokenizer import PromptTokenizer
@@ -79,40 +80,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("cachelane.planner")
-
-
-@dataclass(frozen=True)
-class Plan:
-    model: str
-    tenant: Tenant
-    namespace: str
-    cache_salt: str
-    hashes: list[int]
-    prompt_tokens: int
-    decision: Decision
-    replicas: dict[str, Replica]  # candidates by name, for the proxy's fallbacks
-    fallback: Fallback | None
-    admission: AdmissionVerdict | None  # None: the chosen pool has no remote tier
-    reuse: int  # earlier requests of this family in the reuse window (0: not counted, see plan())
-    decision_s: float
-    body: dict[str, Any]
-    stream: bool
-    hits: BlockHits = field(repr=False, default_factory=list)  # the index lookup it was made on
-    endpoint: str = "chat"  # chat, completions, responses, embeddings
-    received_s: float | None = None  # perf_counter when the request reached the gateway
-    ttft_objective_ms: float | None = None  # its TTFT objective (x-slo-ttft-ms or its class's)
-
-    def in_gateway_s(self, sent_s: float) -> float:
-        """How long the request was in the gateway before it was sent at `sent_s` (reading the
-        body, deciding, flow control, a failed attempt): part of the client's TTFT, measured."""
-        return max(0.0, sent_s - self.received_s) if self.received_s is not None else 0.0
-
-    def engine_priority(self, replica: Replica) -> int | None:
-        """The `priority` the request carries to `replica`: its class's, where the replica's pool
-        schedules by priority (pools[].engine_priority); None elsewhere."""
-        if not replica.pool.engine_priority:
-            return None
-        return ENGINE_PRIORITY[self.tenant.tenant_class]
 
 
 def pipeline_settings(config: GatewayConfig) -> PipelineSettings:

@@ -29,7 +29,8 @@ import httpx
 
 from gateway.config import PrewarmConfig
 from gateway.fleet.registry import Registry, Replica
-from gateway.serving.planner import Plan, prompt_of
+from gateway.serving.plan import Plan
+from gateway.serving.planner import prompt_of
 from gateway.serving.proxy import NAMESPACE_HEADER, REMOTE_WRITE_HEADER
 from gateway.telemetry.metrics import Metrics
 from routing.decide import Reason

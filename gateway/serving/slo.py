@@ -17,7 +17,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.tenancy.tenants import Tenant
 
 if TYPE_CHECKING:
-    from gateway.serving.planner import Plan
+    from gateway.serving.plan import Plan
 
 Outcome = Literal["met", "missed", "shed"]
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from gateway.serving.planner import Plan
+    from gateway.serving.plan import Plan
     from gateway.tenancy.tenants import Tenant
 
 REQUEST_ID_HEADER = "x-request-id"

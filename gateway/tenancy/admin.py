@@ -17,7 +17,6 @@ Redis cannot be written, changes answer 503 with Retry-After and nothing changes
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -27,6 +26,7 @@ from gateway.config import ConfigError, TenantConfig
 from gateway.fleet.reload import NoConfigFile, Reloader
 from gateway.http.body import BodyError, parse_body
 from gateway.http.errors import ApiError, bad_request
+from gateway.tenancy.admin_auth import require_admin
 from gateway.tenancy.store import KeyInUse, NameTaken, StoreUnavailable
 from gateway.tenancy.tenants import Tenant
 
@@ -35,20 +35,6 @@ admin_router = APIRouter(prefix="/admin")
 STORE_RETRY_AFTER_S = 1  # the tenant refresh retries Redis every second (tenant_store.REFRESH_S)
 _PUT_FIELDS = ("api_key", "class", "share_group")
 MAX_BODY_BYTES = 64 * 1024  # a tenant is three short fields; 64 KiB is generous
-
-
-def _require_admin(request: Request) -> Any:
-    gw = request.app.state.gw
-    expected = gw.admin_digest
-    if expected is None:
-        raise ApiError(
-            404, "the admin API is disabled: no admin key is configured", code="not_found"
-        )
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    presented = gw.keyring.digest(key.strip()) if scheme.lower() == "bearer" else ""
-    if not hmac.compare_digest(presented, expected):
-        raise ApiError(401, "invalid or missing admin key", code="invalid_api_key")
-    return gw
 
 
 def _public(t: Tenant) -> dict[str, Any]:
@@ -96,13 +82,13 @@ async def _tenant_body(request: Request, name: str) -> TenantConfig:
 
 @admin_router.get("/tenants")
 async def list_tenants(request: Request) -> dict[str, Any]:
-    gw = _require_admin(request)
+    gw = require_admin(request)
     return {"data": [_public(t) for t in gw.tenants.list()]}
 
 
 @admin_router.put("/tenants/{name}")
 async def put_tenant(name: str, request: Request) -> dict[str, Any]:
-    gw = _require_admin(request)
+    gw = require_admin(request)
     config = await _tenant_body(request, name)
     try:
         tenant = await gw.tenants.put(config)
@@ -124,7 +110,7 @@ async def put_tenant(name: str, request: Request) -> dict[str, Any]:
 
 @admin_router.delete("/tenants/{name}", status_code=204)
 async def delete_tenant(name: str, request: Request) -> Response:
-    gw = _require_admin(request)
+    gw = require_admin(request)
     try:
         removed = await gw.tenants.remove(name)
     except StoreUnavailable as err:
@@ -136,7 +122,7 @@ async def delete_tenant(name: str, request: Request) -> Response:
 
 @admin_router.post("/reload")
 async def reload_config(request: Request) -> dict[str, Any]:
-    gw = _require_admin(request)
+    gw = require_admin(request)
     reloader: Reloader = gw.reloader
     try:
         report = await reloader.reload()

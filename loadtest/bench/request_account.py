@@ -81,7 +81,7 @@ PHASES: tuple[tuple[str, str, F, F], ...] = (
         ),
         (),
     ),
-    ("body read + JSON parse", "before", (("gateway/http/app.py", "_read_json"),), ()),
+    ("body read + JSON parse", "before", (("gateway/http/serve.py", "read_json"),), ()),
     (
         "request checks (fields, schema)",
         "before",
@@ -105,7 +105,7 @@ PHASES: tuple[tuple[str, str, F, F], ...] = (
         "decision metrics + log + trace notes",
         "before",
         (
-            ("gateway/http/app.py", "_count_decision"),
+            ("gateway/http/serve.py", "_count_decision"),
             ("gateway/telemetry/logs.py", "note_plan"),
             ("gateway/telemetry/tracing.py", "note_plan"),
         ),

@@ -93,9 +93,9 @@ class PoolSetup:
     max_prefill_tokens: int | None = None
     lend_below: float | None = None
     costs: PoolCosts = field(default_factory=PoolCosts)
-    lend_max_prefill_tokens: int | None = None  # gateway/config.py PoolConfig: unset, no bound
-    lend_keep_idle: int = 0  # gateway/config.py PoolConfig: no idle reserve
-    engine_priority: bool = False  # gateway/config.py PoolConfig: engines schedule first come
+    lend_max_prefill_tokens: int | None = None  # gateway/config/pools.py: unset, no bound
+    lend_keep_idle: int = 0  # gateway/config/pools.py PoolConfig: no idle reserve
+    engine_priority: bool = False  # gateway/config/pools.py PoolConfig: engines schedule first come
     replica_names: tuple[str, ...] = ()  # as captured; a scenario's own are synthetic
 
 
@@ -110,7 +110,7 @@ class Header:
     remote_tiers: dict[str, int]  # name -> capacity in tokens
     critical_fallback: str = "spill"
     critical_budget_ms: float | None = None
-    # gateway/config.py CriticalConfig and OverloadConfig defaults (a capture written before
+    # gateway/config/classes.py CriticalConfig and OverloadConfig defaults (a capture written before
     # the header carried them was served with those)
     critical_placement: str = "pinned_first"
     clear_while_loading: bool = False

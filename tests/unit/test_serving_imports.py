@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import gateway.config as config_module
+import gateway.extras as extras_module
 from gateway.config import ConfigError, parse_config
 from gateway.extras import PRECISE_MODULES, install_hint
 from loadtest.sim.tiny_tokenizer import write_tiny_tokenizer
@@ -81,7 +81,7 @@ def test_precise_mode_without_the_extra_names_it(
     }
     data = {"routing": {"mode": "precise"}, "pools": [pool]}
     parse_config(data)  # installed here: accepted
-    monkeypatch.setattr(config_module, "missing_modules", lambda modules: ["tokenizers"])
+    monkeypatch.setattr(extras_module, "missing_modules", lambda modules: ["tokenizers"])
     with pytest.raises(ConfigError, match=re.escape(install_hint("precise"))):
         parse_config(data)
 
@@ -90,7 +90,7 @@ def test_tracing_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> 
     off = {"pools": [{"name": "p", "replicas": ["http://127.0.0.1:8001"]}]}
     on = {**off, "tracing": {"enabled": True}}
     parse_config(on)  # installed here: accepted
-    monkeypatch.setattr(config_module, "missing_modules", lambda modules: ["opentelemetry.sdk"])
+    monkeypatch.setattr(extras_module, "missing_modules", lambda modules: ["opentelemetry.sdk"])
     assert not parse_config(off).tracing.enabled  # off: the extra is not needed
     with pytest.raises(ConfigError, match=re.escape(install_hint("otel"))):
         parse_config(on)

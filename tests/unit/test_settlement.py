@@ -22,9 +22,9 @@ from fastapi import Request
 
 from gateway.config import parse_config
 from gateway.fleet.registry import Joining, Registry, Reservation
-from gateway.http.app import _hold
 from gateway.http.disconnect import while_client_waits
 from gateway.http.errors import ApiError
+from gateway.http.serve import _hold
 from gateway.serving.handling import dispatch_now
 from gateway.serving.lease import Lease
 from gateway.serving.proxy import Proxy, RelayResponse

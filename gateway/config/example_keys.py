@@ -8,11 +8,7 @@ digests deploy/examples/vllm.yaml printed (the SHA-256 of `test` and another sho
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
-
-if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
 
 EXAMPLE_MARKERS = ("change-me", "not-for-production")
 EXAMPLE_DIGESTS = frozenset(
@@ -32,27 +28,8 @@ def is_example(value: str | None) -> bool:
     return lowered in EXAMPLE_DIGESTS or any(m in lowered for m in EXAMPLE_MARKERS)
 
 
-def example_keys_in(config: GatewayConfig) -> list[str]:
-    """The places (config paths, never the values) that hold an example key or secret."""
-    found = []
-    for i, t in enumerate(config.tenants):
-        if is_example(t.api_key) or is_example(t.api_key_sha256):
-            found.append(f"tenants.{i} ({t.name!r}).api_key")
-    if is_example(config.admin.api_key) or is_example(config.admin.api_key_sha256):
-        found.append("admin.api_key")
-    if is_example(config.exposure.api_key) or is_example(config.exposure.api_key_sha256):
-        found.append("exposure.api_key")
-    for i, pool in enumerate(config.pools):
-        if pool.api_key is not None and is_example(pool.api_key.get_secret_value()):
-            found.append(f"pools.{i} ({pool.name!r}).api_key")
-    if is_example(config.auth.secret):
-        found.append("auth.secret")
-    if config.index.backend == "redis" and is_example(_password(config.index.redis_url)):
-        found.append("index.redis_url (its password)")
-    return found
-
-
-def _password(url: str) -> str | None:
+def password_of(url: str) -> str | None:
+    """The password in a Redis URL, decoded; None when it has none or does not parse."""
     try:
         password = urlsplit(url).password
     except ValueError:
