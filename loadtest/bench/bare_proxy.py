@@ -25,7 +25,7 @@ from gateway.serving.upstream import AiohttpUpstream, Upstream, UpstreamError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
-KEEPALIVE_S = 60.0  # what gateway/http/app.py gives AiohttpUpstream
+KEEPALIVE_S = 60.0  # what gateway/wiring.py gives AiohttpUpstream
 
 
 class BareProxy:

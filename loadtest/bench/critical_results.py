@@ -24,10 +24,11 @@ SHED_STATUSES = (429, 503)
 SLO_MS: dict[str, float] = {"critical": 500.0, "standard": 1_000.0}
 # TTFT objectives per class, counted by the benchmark from the observed TTFT (the gateway's own
 # objectives, classes.<class>.ttft_slo_ms, are not assumed). standard: the gateway's standard
-# class TTFT budget (gateway/config.py ClassesConfig.standard.ttft_budget_ms, 1 s). critical: an
-# assumption, not a measurement: a voice caller hears the model's first token after speech
-# recognition and before synthesis, and turn gaps in conversation are ~200 ms on average (Stivers
-# et al. 2009, PNAS 106(26)); half a second for the first token leaves the rest of a ~1 s reply.
+# class TTFT budget (gateway/config/classes.py ClassesConfig.standard.ttft_budget_ms, 1 s).
+# critical: an assumption, not a measurement: a voice caller hears the model's first token after
+# speech recognition and before synthesis, and turn gaps in conversation are ~200 ms on average
+# (Stivers et al. 2009, PNAS 106(26)); half a second for the first token leaves the rest of a ~1 s
+# reply.
 
 PEER_ARMS = ("sglang", "vllm")
 TENANT_ARMS = ("priority", "pinned")

@@ -71,7 +71,7 @@ SETTLE: F = (
 )
 LEARN: F = (("gateway/serving/proxy.py", "_learn"),)
 PHASES: tuple[tuple[str, str, F, F], ...] = (
-    ("auth (key -> tenant)", "before", (("gateway/state.py", "authenticate"),), ()),
+    ("auth (key -> tenant)", "before", (("gateway/serving/handling.py", "authenticate"),), ()),
     (
         "rate limits",
         "before",

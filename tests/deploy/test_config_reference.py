@@ -35,7 +35,7 @@ def test_config_md_is_current() -> None:
     expected = GEN.render()
     actual = (ROOT / "deploy" / "CONFIG.md").read_text()
     assert actual == expected, (
-        "deploy/CONFIG.md is out of date with gateway/config.py; regenerate it: "
+        "deploy/CONFIG.md is out of date with gateway/config/; regenerate it: "
         ".venv/bin/python deploy/gen_config_reference.py > deploy/CONFIG.md"
     )
 
