@@ -365,8 +365,8 @@ class Metrics:
         )
         self.cost_fit_seconds = Gauge(
             "cachelane_cost_fit_seconds",
-            "The replica's fixed cost term in use (term=fixed: seconds per request); fitted "
-            "online from observed TTFTs",
+            "The replica's cost terms in seconds in use (term=fixed: per request; term=step: "
+            "per engine step); fitted online from observed TTFTs",
             ["replica", "term"],
             registry=r,
         )

@@ -163,8 +163,11 @@ async def test_units_in_names_and_no_value_before_it_is_known() -> None:
     (replica,) = [r.removeprefix("http://") for r in f.replica_urls]
     terms = {ls["term"] for n, ls, _ in samples if n == "cachelane_cost_fit_seconds_per_token"}
     assert terms == {"prefill", "swap", "fetch"}
-    fixed = [ls for n, ls, _ in samples if n == "cachelane_cost_fit_seconds"]
-    assert fixed == [{"replica": replica, "term": "fixed"}]
+    seconds = [ls for n, ls, _ in samples if n == "cachelane_cost_fit_seconds"]
+    assert sorted(seconds, key=lambda ls: ls["term"]) == [
+        {"replica": replica, "term": "fixed"},  # seconds per request
+        {"replica": replica, "term": "step"},  # seconds per engine step
+    ]
     assert "cachelane_cost_fit{" not in text
     # no window of critical requests has passed: the pinned pool's share is not known, not 0
     assert "cachelane_pinned_share" not in text
