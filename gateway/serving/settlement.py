@@ -296,7 +296,8 @@ class CaptureObserver(Observer):
 
 
 class Learning(Observer):
-    """The cost model learns from every observed TTFT (gateway/accounting/calibration.py)."""
+    """The cost model learns from every observed TTFT (gateway/accounting/calibration.py), in
+    batches off the request: the observation is queued, the fit solved after the stream closed."""
 
     def __init__(self, learner: CostLearner) -> None:
         self._learner = learner
@@ -305,7 +306,7 @@ class Learning(Observer):
         if settled.answered and settled.ttft_s is not None:
             score = settled.plan.decision.score(settled.replica.name)
             observation = Observation(settled.replica, score, settled.ttft_s, settled.cached_tokens)
-            self._learner.observe(observation)
+            self._learner.queue(observation)
 
 
 class ObjectiveAttainment(Observer):
