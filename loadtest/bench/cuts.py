@@ -8,8 +8,8 @@ request whose prompt is new) into an index that already holds 50,000 blocks; and
 of a streamed request's access line; the cost learner (gateway/accounting/calibration.py) taking
 one observed TTFT in "fit" mode, warm (every replica past its own fit's first samples): at REF
 as the settlement called it, here as it calls it now (queued, learned in batches of BATCH, the
-observations of 100 ms at 100 req/s; and of 1, one request per 100 ms). Rounds alternate the two versions so both see the same
-machine; the ratio (here / REF) of the medians is the figure to read.
+observations of 100 ms at 100 req/s; and of 1, one request per 100 ms). Rounds alternate the
+two versions so both see the same machine; the ratio (here / REF) of the medians is the figure to read.
 """
 
 from __future__ import annotations
