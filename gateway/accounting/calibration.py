@@ -14,10 +14,16 @@ byte. `routing.calibration` says what is done with that:
 
 Non-streamed responses arrive whole, so their first byte includes the decode; only prefill-only
 ones (max_tokens <= 1, such as prewarms) are observations.
+
+A request's observation is queued (`queue`), not learned on the request: the fit's solve is the
+costliest step of settling an answer, and the stream's close waited for it. The queue is learned
+in one batch LEARN_BATCH_S later (each touched fit solved once), or when something reads the
+terms through this class (`describe`, `states`, `terms_of`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,6 +43,14 @@ POOL_REFIT_EVERY = 8
 # Once every replica of a pool has its own fit, the pool's is read only by a replica that joins:
 # it takes every observation but is solved every 8th (the solve is the fit's costly step,
 # routing/learn.py).
+
+LEARN_BATCH_S = 0.1
+# A decision uses terms at most 100 ms older than the newest answer; the fit's memory is ~50
+# observations (routing/learn.py FORGETTING), so at the ~100 req/s one replica serves in
+# docs/bench/overhead.md a batch is a few observations of fifty, and one solve replaces several.
+MAX_QUEUED = 64
+# A burst that fills the queue before the timer is learned at the loop's next turn: the window
+# holds 100 samples (routing/learn.py WINDOW), so a batch never overflows it.
 
 MIN_ESTIMATE_S = 0.005
 # correction mode: below 5 ms the observation is dominated by the network round trip and the first
@@ -103,12 +117,15 @@ class CostLearner:
         self._replicas: dict[str, Replica] = {}
         self._own: dict[str, OnlineFit] = {}
         self._pooled: dict[str, OnlineFit] = {}
+        self._queued: list[Observation] = []
+        self._learn_soon: asyncio.TimerHandle | asyncio.Handle | None = None
         for r in replicas:
             self.add(r)
 
     def add(self, r: Replica) -> None:
         """Learn for a replica that joined, or whose pool's costs changed: its own fit, and the
         pool's if it was seeded from other costs, start again from the new seed."""
+        self.learn_queued()  # what came before it is learned by the fits it came to
         seed = CostTerms.seed(r.costs)
         self._replicas[r.name] = r
         self._own[r.name] = OnlineFit(seed)
@@ -117,39 +134,91 @@ class CostLearner:
             self._pooled[r.pool.name] = OnlineFit(seed)
         else:
             pooled.refit()  # the newcomer reads it: solve what it took since its last refit
-        r.terms = None if self.mode == "none" else self.terms_of(r.name)
+        r.terms = None if self.mode == "none" else self._terms_of(r.name)
         self._export(r)
 
     def remove(self, name: str) -> None:
         """Forget a replica that left (its pool's fit stays)."""
+        self.learn_queued()
         self._replicas.pop(name, None)
         self._own.pop(name, None)
 
+    def queue(self, ob: Observation) -> None:
+        """Learn from `ob` off the request: in the next batch (see the module's docstring).
+        Without a running event loop (a script, a test) it is learned now."""
+        self._queued.append(ob)
+        if self._learn_soon is not None and len(self._queued) < MAX_QUEUED:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.learn_queued()
+            return
+        if self._learn_soon is not None:  # full: learn at the loop's next turn
+            self._learn_soon.cancel()
+            self._learn_soon = loop.call_soon(self.learn_queued)
+        else:
+            self._learn_soon = loop.call_later(LEARN_BATCH_S, self.learn_queued)
+
+    def learn_queued(self) -> None:
+        """Learn the queued observations now, each touched fit solved once."""
+        if self._learn_soon is not None:
+            self._learn_soon.cancel()
+            self._learn_soon = None
+        queued, self._queued = self._queued, []
+        if queued:
+            self._observe_batch(queued)
+
     def observe(self, ob: Observation) -> None:
-        replica, est_s = ob.replica, ob.score.estimate.ttft_s
-        if self._replicas.get(replica.name) is not replica:
-            return  # it left the fleet while this request was finishing
+        """Learn from `ob` now (after what is queued, so observations keep their order)."""
+        self.learn_queued()
+        self._observe_batch([ob])
+
+    def _observe_batch(self, batch: list[Observation]) -> None:
+        own_moved: dict[str, Replica] = {}
+        pools_moved: set[str] = set()
+        for ob in batch:
+            replica = ob.replica
+            if self._replicas.get(replica.name) is not replica:
+                continue  # it left the fleet while this request was finishing
+            self._observe_error(ob)
+            if self.mode == "fit":
+                if self._fold(ob):
+                    own_moved[replica.name] = replica
+                    pools_moved.add(replica.pool.name)
+            elif self.mode == "correction":
+                self._correct(replica, ob.score.estimate.ttft_s, ob.observed_s)
+        for name, replica in own_moved.items():
+            self._own[name].refit()
+            if not self._pool_fit_in_use(replica.pool.name):  # only its own fit is read
+                replica.terms = self._terms_of(name)
+                self._export(replica)
+        for pool in pools_moved:
+            if self._pool_fit_in_use(pool):
+                self._pooled[pool].refit()
+                self._refresh_pool(pool)
+
+    def _observe_error(self, ob: Observation) -> None:
+        est_s, name = ob.score.estimate.ttft_s, ob.replica.name
         if ob.observed_s > 0:
-            self._metrics.estimate_error.labels(replica.name).observe(
+            self._metrics.estimate_error.labels(name).observe(
                 abs(est_s - ob.observed_s) / ob.observed_s
             )
-            self._metrics.estimate_ratio.labels(replica.name).observe(
+            self._metrics.estimate_ratio.labels(name).observe(
                 ob.observed_s / est_s if est_s > 0 else 0.0
             )
-        if self.mode == "fit":
-            remote_fixed_s = replica.costs.remote_fixed_s
-            sample = sample_of(ob.score, ob.observed_s, ob.cached_tokens, remote_fixed_s)
-            if self._own[replica.name].update(sample):
-                pooled = self._pooled[replica.pool.name]
-                read = self._pool_fit_in_use(replica.pool.name)
-                pooled.update(sample, refit=read or pooled.samples % POOL_REFIT_EVERY == 0)
-                if read:
-                    self._refresh_pool(replica.pool.name)
-                else:  # only its own fit moved
-                    replica.terms = self.terms_of(replica.name)
-                    self._export(replica)
-        elif self.mode == "correction":
-            self._correct(replica, est_s, ob.observed_s)
+
+    def _fold(self, ob: Observation) -> bool:
+        """Add `ob` to its replica's and its pool's windows, unsolved; False if not usable.
+        The pool's fit, read by nobody once every replica has its own, is solved every
+        POOL_REFIT_EVERY samples even then, so a replica that joins finds it near current."""
+        replica = ob.replica
+        sample = sample_of(ob.score, ob.observed_s, ob.cached_tokens, replica.costs.remote_fixed_s)
+        if not self._own[replica.name].update(sample, refit=False):
+            return False
+        pooled = self._pooled[replica.pool.name]
+        pooled.update(sample, refit=pooled.samples % POOL_REFIT_EVERY == 0)
+        return True
 
     def _correct(self, replica: Replica, est_s: float, observed_s: float) -> None:
         if est_s < MIN_ESTIMATE_S or observed_s <= 0:
@@ -173,10 +242,15 @@ class CostLearner:
     def _refresh_pool(self, pool: str) -> None:
         for r in self._replicas.values():
             if r.pool.name == pool:
-                r.terms = self.terms_of(r.name)
+                r.terms = self._terms_of(r.name)
                 self._export(r)
 
     def terms_of(self, replica: str) -> CostTerms:
+        """The terms in use for `replica`, with what is queued learned."""
+        self.learn_queued()
+        return self._terms_of(replica)
+
+    def _terms_of(self, replica: str) -> CostTerms:
         r = self._replicas[replica]
         if self.mode == "none":
             return CostTerms.seed(r.costs)
@@ -189,16 +263,17 @@ class CostLearner:
         return CostTerms(*pooled.as_vector(), samples=own.samples)
 
     def _export(self, r: Replica) -> None:
-        terms = self.terms_of(r.name)
+        terms = self._terms_of(r.name)
         for name, value in zip(TERMS, terms.as_vector(), strict=True):
             self._metrics.set_cost_fit(r.name, name, value)
         self._metrics.cost_fit_samples.labels(r.name).set(self._own[r.name].samples)
 
     def describe(self) -> dict[str, Any]:
         """For /debug/route and route-explain: the terms in use per replica, and their source."""
+        self.learn_queued()
         out: dict[str, Any] = {"mode": self.mode, "replicas": {}}
         for name, r in self._replicas.items():
-            terms = self.terms_of(name)
+            terms = self._terms_of(name)
             own = self._own[name].samples
             source = {
                 "none": "config",
@@ -219,6 +294,7 @@ class CostLearner:
 
     def states(self) -> dict[str, dict[str, object]]:
         """The fits' states, by replica and by pool (key "pool:NAME"), for sharing."""
+        self.learn_queued()
         out = {name: fit.to_dict() for name, fit in self._own.items()}
         out |= {f"pool:{name}": fit.to_dict() for name, fit in self._pooled.items()}
         return out
@@ -226,6 +302,7 @@ class CostLearner:
     def resume(self, states: dict[str, dict[str, object]]) -> int:
         """Adopt states another gateway shared (only where they have more samples than ours);
         returns how many fits were adopted."""
+        self.learn_queued()
         adopted = 0
         for key, data in states.items():
             pool = key.removeprefix("pool:") if key.startswith("pool:") else None

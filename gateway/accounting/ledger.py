@@ -68,6 +68,7 @@ class CostAccounting:
         self._pools = Windows()
         # --workers N with a view every worker shares: only one counts evictions (gateway/wiring.py)
         self.counts_evictions: Callable[[], bool] = lambda: True
+        self._series: dict[CostKey, _RequestSeries] = {}  # bounded: keys are (Windows.key_of)
         self._ledgers: dict[str, RemoteLedger] = {}
         for tier in config.remote_tiers:
             users = [r for r in registry.replicas.values() if r.pool.remote_tier == tier.name]
@@ -155,15 +156,14 @@ class CostAccounting:
 
     def _export(self, key: CostKey, f: Mapping[str, float]) -> None:
         m, labels = self._metrics, (key.tenant, key.tenant_class, key.pool)
-        if f.get("timed_requests"):
-            for layer in LAYERS:
-                m.cost_ttft_seconds.labels(*labels, layer).inc(f[f"{layer}_s"])
-        if f.get("requests"):
-            for tier in ("hbm", "cpu", "remote", "computed"):
-                m.cost_tokens.labels(*labels, tier).inc(f[f"{tier}_tokens"])
-            for tier in ("hbm", "cpu", "remote"):
-                m.cost_prefill_avoided_seconds.labels(*labels, tier).inc(f[f"avoided_{tier}_s"])
-            m.cost_hbm_blocks.labels(*labels, "inserted").inc(f["hbm_inserted_blocks"])
+        if f.get("timed_requests") or f.get("requests"):
+            series = self._series.get(key)
+            if series is None:
+                series = self._series[key] = _RequestSeries(m, labels)
+            if f.get("timed_requests"):
+                series.add(series.timed, f)
+            if f.get("requests"):
+                series.add(series.answered, f)
         if f.get("swap_ins"):
             m.cost_pcie_bytes.labels(*labels).inc(f["pcie_bytes"])
             shared = "yes" if f["shared_swap_ins"] else "no"
@@ -218,6 +218,36 @@ class CostAccounting:
             "pools": pools,
             "remote_tiers": tiers,
         }
+
+
+class _RequestSeries:
+    """The counter children one (tenant, class, pool) key's answers add to, resolved once: an
+    answer adds to ~13 of them, and a field that is zero (a tier the prompt did not touch) is not
+    added (its series exists from the first answer on, at zero, as before)."""
+
+    __slots__ = ("answered", "timed")
+
+    def __init__(self, m: Metrics, labels: tuple[str, str, str]) -> None:
+        self.timed = [
+            (f"{layer}_s", m.cost_ttft_seconds.labels(*labels, layer)) for layer in LAYERS
+        ]
+        tokens = [(f"{t}_tokens", m.cost_tokens.labels(*labels, t)) for t in _TOKEN_TIERS]
+        avoided = [
+            (f"avoided_{t}_s", m.cost_prefill_avoided_seconds.labels(*labels, t))
+            for t in _TOKEN_TIERS[:-1]
+        ]
+        inserted = ("hbm_inserted_blocks", m.cost_hbm_blocks.labels(*labels, "inserted"))
+        self.answered = [*tokens, *avoided, inserted]
+
+    @staticmethod
+    def add(children: list[tuple[str, Any]], f: Mapping[str, float]) -> None:
+        for field, child in children:
+            value = f[field]
+            if value:
+                child.inc(value)
+
+
+_TOKEN_TIERS = ("hbm", "cpu", "remote", "computed")
 
 
 def _labels(key: CostKey) -> dict[str, str]:

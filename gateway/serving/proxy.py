@@ -274,12 +274,12 @@ class Proxy:
             async with asyncio.timeout(timeout_s):
                 resp = await self._upstream.post(replica.url + path, body, headers)
                 head_s = time.perf_counter() - lease.reservation.started_s  # a whole answer's TTFT
-                if resp.status < 400:  # only a replica that took it holds its prompt
-                    await self._settlement.accepted(plan, replica)
-                if resp.status < 400 and plan.stream:
+                if resp.status < 400 and plan.stream:  # accepted while the replica prefills
                     chunks = resp.chunks()
-                    first = await anext(chunks, None)
+                    first = await self._settlement.accepted_while_reading(plan, replica, chunks)
                 else:  # nothing is sent on before the whole answer is in: a retry stays safe
+                    if resp.status < 400:  # only a replica that took it holds its prompt
+                        await self._settlement.accepted(plan, replica)
                     content = await resp.read()
                 why = garbled(resp, first if chunks is not None else content)
                 if why is not None:

@@ -16,9 +16,12 @@ capture, learning, rate limits, metrics). Adding one is a class here and a line 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import anyio
 
 from gateway.accounting.calibration import CostLearner, Observation
 from gateway.serving import slo
@@ -146,6 +149,21 @@ class Settlement:
     async def accepted(self, plan: Plan, replica: Replica) -> None:
         for hook in self._accepted:
             await hook(plan, replica)
+
+    async def accepted_while_reading(
+        self, plan: Plan, replica: Replica, chunks: AsyncIterator[bytes]
+    ) -> bytes | None:
+        """`accepted`, run while a stream's first chunk is read (returned; None: the stream was
+        empty): the acceptance's work (the index's record of the prompt sent) needs no byte of
+        the answer, and the replica's prefill is time the request waits anyway. It is done,
+        however the read ends, before this returns: the first byte's observers run after it
+        (what was loaded is recorded after what was sent)."""
+        accepted = asyncio.ensure_future(self.accepted(plan, replica))
+        try:
+            return await anext(chunks, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await accepted
 
     async def first_byte(self, plan: Plan, reservation: Reservation, ttft_s: float) -> None:
         for hook in self._first_byte:
@@ -296,7 +314,8 @@ class CaptureObserver(Observer):
 
 
 class Learning(Observer):
-    """The cost model learns from every observed TTFT (gateway/accounting/calibration.py)."""
+    """The cost model learns from every observed TTFT (gateway/accounting/calibration.py), in
+    batches off the request: the observation is queued, the fit solved after the stream closed."""
 
     def __init__(self, learner: CostLearner) -> None:
         self._learner = learner
@@ -305,7 +324,7 @@ class Learning(Observer):
         if settled.answered and settled.ttft_s is not None:
             score = settled.plan.decision.score(settled.replica.name)
             observation = Observation(settled.replica, score, settled.ttft_s, settled.cached_tokens)
-            self._learner.observe(observation)
+            self._learner.queue(observation)
 
 
 class ObjectiveAttainment(Observer):

@@ -177,3 +177,29 @@ def test_metrics_show_the_fitted_terms_and_the_error() -> None:
         "cachelane_cost_fit_seconds_per_token", {"replica": rs[0].name, "term": "prefill"}
     )
     assert fitted is not None and fitted > 0
+
+
+async def test_queued_observations_are_learned_in_one_batch_off_the_request() -> None:
+    """A request's observation is queued: the terms move only when the batch is learned (its
+    timer, or a read through the learner), and end where one-by-one learning ends."""
+    rs, one_by_one_rs = replicas(), replicas()
+    batched = CostLearner("fit", rs, Metrics())
+    one_by_one = CostLearner("fit", one_by_one_rs, Metrics())
+    overlap = Overlap(2000)
+    for i in range(MIN_OWN_SAMPLES + 5):
+        observed_s = slow_ttft(overlap, 3.0) * (1 + 0.01 * (i % 3))
+        batched.queue(Observation(rs[0], score_on(rs[0], overlap), observed_s, None))
+        observe(one_by_one, one_by_one_rs[0], overlap, observed_s)
+    assert rs[0].terms == SEED  # nothing learned yet: the request did not wait for it
+    assert batched.describe()["replicas"][rs[0].name]["samples"] == MIN_OWN_SAMPLES + 5
+    assert rs[0].terms is not None and one_by_one_rs[0].terms is not None
+    assert rs[0].terms.prefill_s_per_token == pytest.approx(
+        one_by_one_rs[0].terms.prefill_s_per_token, rel=0.05
+    )
+
+
+def test_without_an_event_loop_a_queued_observation_is_learned_at_once() -> None:
+    r = replicas()[0]
+    learner = CostLearner("fit", [r], Metrics())
+    learner.queue(Observation(r, score_on(r, Overlap(2000)), 0.5, None))
+    assert learner._own[r.name].samples == 1

@@ -427,3 +427,30 @@ async def test_a_streamed_request_answered_whole_with_an_error_is_timed_as_befor
     labels = {"replica": plan.decision.replica, "model": MODEL, "mode": "stream"}
     assert metric(s, "cachelane_ttft_seconds_count", **labels) == 1
     s.assert_all_released()
+
+
+class Steps(Observer):
+    """Records when the acceptance's work ends and when the first byte's begins."""
+
+    def __init__(self) -> None:
+        self.steps: list[str] = []
+
+    async def on_accepted(self, plan: Any, replica: Any) -> None:
+        for _ in range(3):  # an index write that awaits (the Redis index does)
+            await asyncio.sleep(0)
+        self.steps.append("accepted")
+
+    async def on_first_byte(self, plan: Any, reservation: Reservation, ttft_s: float) -> None:
+        self.steps.append("first byte")
+
+
+async def test_the_prompt_sent_is_recorded_before_the_first_bytes_observers_run() -> None:
+    """The acceptance's work runs beside the first chunk's read, and ends before it is used."""
+    s = await setup()
+    steps = Steps()
+    chain = [*observers(s.planner, s.metrics, s.learner).observers, steps]
+    s.proxy = Proxy(s.fleet, s.registry, s.metrics, Settlement(chain), retries=2)
+    _, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
+    assert b"".join(SSE) == await read_all(response)
+    assert steps.steps == ["accepted", "first byte"]
+    s.assert_all_released()
