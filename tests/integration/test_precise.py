@@ -157,14 +157,19 @@ def replica_index(f: PreciseFleet, name: str) -> int:
     return [f.name(i) for i in range(len(f.replica_urls))].index(name)
 
 
+async def served_by(f: PreciseFleet, c: AsyncOpenAI, text: str, *, max_tokens: int) -> int:
+    """Sends one chat request; the index of the replica that answered it."""
+    done = await c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat(text), max_tokens=max_tokens
+    )
+    return replica_index(f, done.headers["x-cachelane-replica"])
+
+
 async def test_index_follows_stored_blocks_and_a_shared_prefix_lands_there(
     tokenizer_files: TinyTokenizerFiles,
 ) -> None:
     async with precise_fleet(tokenizer_files) as f, client(f.gateway_url) as c:
-        first = await c.chat.completions.with_raw_response.create(
-            model=MODEL, messages=chat("first question"), max_tokens=2
-        )
-        i = replica_index(f, first.headers["x-cachelane-replica"])
+        i = await served_by(f, c, "first question", max_tokens=2)
         held = await sim_blocks(f.replica_urls[i])
         assert held > 20
         await until(lambda: f.index_size(i) == held, "the index to hold the replica's blocks")
@@ -226,10 +231,7 @@ async def test_reset_prefix_cache_empties_the_replicas_entries(
     tokenizer_files: TinyTokenizerFiles,
 ) -> None:
     async with precise_fleet(tokenizer_files) as f, client(f.gateway_url) as c:
-        done = await c.chat.completions.with_raw_response.create(
-            model=MODEL, messages=chat("hello"), max_tokens=1
-        )
-        i = replica_index(f, done.headers["x-cachelane-replica"])
+        i = await served_by(f, c, "hello", max_tokens=1)
         await until(lambda: f.index_size(i) > 0, "blocks in the index")
         async with httpx.AsyncClient() as h:
             assert (await h.post(f"{f.replica_urls[i]}/reset_prefix_cache")).status_code == 200
