@@ -8,7 +8,7 @@ import math
 
 import xxhash
 
-from routing.policies.base import Choice, Policy, Reason, RoutingPolicy
+from routing.policies.base import Choice, Policy, Reason, RouteRequest, RoutingPolicy
 
 PREFIX_KEY_BLOCKS = 4
 # prefix_hash keys on the first 4 blocks (64 tokens at block size 16): long enough to separate
@@ -23,11 +23,8 @@ class PrefixHash(RoutingPolicy):
     policy = Policy.PREFIX_HASH
 
     def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:
-        request, candidates = choice.request, choice.candidates
-        hashes = request.hashes
-        # a prompt shorter than one block has no hash; its length is the only key left
-        key = hashes[min(PREFIX_KEY_BLOCKS, len(hashes)) - 1] if hashes else request.prompt_tokens
-        key_bytes = key.to_bytes(8, "little")
+        key_bytes = prefix_key(choice.request)
+        candidates = choice.candidates
         by_weight = sorted(
             candidates,
             key=lambda c: xxhash.xxh3_64_intdigest(
@@ -41,3 +38,11 @@ class PrefixHash(RoutingPolicy):
         order = within + [c for c in by_weight if c not in within]
         reason = Reason.PREFIX_HASH if order[0] is by_weight[0] else Reason.PREFIX_HASH_SPILL
         return tuple(c.name for c in order), reason
+
+
+def prefix_key(request: RouteRequest) -> bytes:
+    """What the prompt hashes to: the hash of its first PREFIX_KEY_BLOCKS blocks."""
+    hashes = request.hashes
+    # a prompt shorter than one block has no hash; its length is the only key left
+    key = hashes[min(PREFIX_KEY_BLOCKS, len(hashes)) - 1] if hashes else request.prompt_tokens
+    return key.to_bytes(8, "little")
