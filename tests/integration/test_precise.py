@@ -3,10 +3,10 @@ that tokenize like the engine and publish vLLM-format KV events; the official op
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny
 from routing.types import Location, Tier
 from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
+from tests.helpers.waiting import poll_until
 from tests.integration.fleet import FAST_COSTS, MODEL, with_auth
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets in precise mode
@@ -137,13 +138,7 @@ def chat(user: str, system: str = SYSTEM) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-async def until(cond: Callable[[], bool], what: str) -> None:
-    """Bounded wait for an event to reach the index (loopback: normally a few ms)."""
-    for _ in range(int(WAIT_S / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+until = partial(poll_until, timeout_s=WAIT_S, poll_s=0.01)  # an event: a few ms on loopback
 
 
 async def sim_blocks(url: str, tier: str = "hbm") -> int:
