@@ -38,6 +38,14 @@ class Fleet:
         await self.replica_stacks[i].aclose()
 
 
+CLASS_KEYS = {
+    "voice": "voice-key-123-0123456789abcdef0123456789",
+    "web": "web-key-1234-0123456789abcdef0123456789",
+    "bulk": "bulk-key-123-0123456789abcdef0123456789",
+}
+# API keys of the tenants the class tests name after their traffic: voice (critical), web
+# (standard) and bulk (batch).
+
 TEST_AUTH_SECRET = "test-secret-" + "0" * 32  # signs tenant records in Redis (auth.secret)
 
 

@@ -41,19 +41,14 @@ from loadtest.sim.server import create_sim_app
 from routing.cost import HBM_CAPACITY_TOKENS, PoolCosts
 from routing.types import ENGINE_PRIORITY, TenantClass
 from tests.helpers.servers import running_app
-from tests.integration.fleet import MODEL, PoolSpec, TieredFleet, tiered_fleet
+from tests.integration.fleet import CLASS_KEYS, MODEL, PoolSpec, TieredFleet, tiered_fleet
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
 
 SLOW = PoolCosts(prefill_tokens_per_s=10_000.0)  # 0.1 ms per prompt token: 4000 tokens = 0.4 s
 WAIT_S = 15.0  # bound on any one wait; the tests take a few seconds
 
-KEYS = {
-    "voice": "voice-key-123-0123456789abcdef0123456789",
-    "web": "web-key-1234-0123456789abcdef0123456789",
-    "acme": "acme-key-1234-0123456789abcdef0123456789",
-    "bulk": "bulk-key-123-0123456789abcdef0123456789",
-}
+KEYS = {**CLASS_KEYS, "acme": "acme-key-1234-0123456789abcdef0123456789"}
 TENANTS = [
     {"name": "voice", "api_key": KEYS["voice"], "class": "critical"},
     {"name": "web", "api_key": KEYS["web"], "class": "standard"},
