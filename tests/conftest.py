@@ -9,27 +9,25 @@ import pytest
 from tests.helpers.redis_server import RedisClusterProcs, RedisMissing, RedisServer
 
 
-@pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """A standalone redis-server for the session; tests isolate themselves by key_prefix."""
+def _running(redis: RedisServer | RedisClusterProcs) -> Iterator[str]:
+    """Starts `redis`, yields its URL, stops it; fails the test where redis-server is missing."""
     try:
-        server = RedisServer().start()
+        redis.start()
     except RedisMissing as e:
         pytest.fail(str(e), pytrace=False)
     try:
-        yield server.url
+        yield redis.url
     finally:
-        server.stop()
+        redis.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A standalone redis-server for the session; tests isolate themselves by key_prefix."""
+    yield from _running(RedisServer())
 
 
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
     """A 3-master Redis Cluster for the session; any node's URL bootstraps the client."""
-    try:
-        cluster = RedisClusterProcs().start()
-    except RedisMissing as e:
-        pytest.fail(str(e), pytrace=False)
-    try:
-        yield cluster.url
-    finally:
-        cluster.stop()
+    yield from _running(RedisClusterProcs())

@@ -40,10 +40,20 @@ REMOTE_CAPACITY_TOKENS = (1 << 40) // KV_BYTES_PER_TOKEN
 
 
 @dataclass(frozen=True, kw_only=True)
-class SimReplicaSpec:
+class ServerSpec:
+    """A simulated server's name and where it listens."""
+
     name: str
     port: int
     host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimReplicaSpec(ServerSpec):
     model: str = SIM_MODEL
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
     hbm_capacity_tokens: int = HBM_CAPACITY_TOKENS
@@ -110,26 +120,15 @@ class SimReplicaSpec:
             step_overhead_s=self.step_overhead_s,
         )
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
 
 @dataclass(frozen=True, kw_only=True)
-class RemoteTierSpec:
-    name: str
-    port: int
-    host: str = "127.0.0.1"
+class RemoteTierSpec(ServerSpec):
     capacity_tokens: int = REMOTE_CAPACITY_TOKENS
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
 
     def __post_init__(self) -> None:
         _require(self.block_size_tokens > 0, "block_size_tokens must be > 0")
         _require(self.capacity_tokens >= 0, "capacity_tokens must be >= 0")
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 def _require(ok: bool, message: str) -> None:

@@ -1,4 +1,4 @@
-"""What a routing policy sees and returns, and the protocol every policy implements.
+"""What a routing policy sees and returns, and the base every policy extends.
 
 decide() (routing/decide.py) scores every candidate (its overlap with the prompt, the cost model's
 estimate) and hands the request, the candidates and their scores to the configured policy, which
@@ -8,10 +8,11 @@ orders the candidates and says why. A policy is pure: same inputs and rng state,
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple
 
 from routing.cost import CostTerms, Estimate, Load, Overlap, PoolCosts
 
@@ -114,13 +115,26 @@ class Decision:
         return self.score().expected_cached_tokens
 
 
-class RoutingPolicy(Protocol):
-    """One routing policy: orders the candidates (at least one) and says why.
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What one choice starts from: the request, the candidates (at least one), every candidate's
+    overlap and estimate in the candidates' order, the caller's request counter, and the caller's
+    generator, the only randomness a policy may use (so a seeded gateway or benchmark repeats its
+    choices)."""
 
-    `scores` holds every candidate's overlap and estimate, in the candidates' order; the Decision
-    carries them unchanged. `seq` is the caller's request counter; `rng` the caller's generator,
-    the only randomness a policy may use (so a seeded gateway or benchmark repeats its choices).
-    """
+    request: RouteRequest
+    candidates: Sequence[Candidate]
+    scores: tuple[Score, ...]
+    seq: int
+    rng: random.Random
+
+
+class RoutingPolicy(ABC):
+    """The base of every policy: a subclass names its `policy` and implements `rank`, which orders
+    the candidates and says why; `choose` wraps that in the Decision, whose scores are the ones
+    given, unchanged."""
+
+    policy: ClassVar[Policy]
 
     def choose(
         self,
@@ -130,4 +144,10 @@ class RoutingPolicy(Protocol):
         *,
         seq: int,
         rng: random.Random,
-    ) -> Decision: ...
+    ) -> Decision:
+        ranking, reason = self.rank(Choice(request, candidates, scores, seq, rng))
+        return Decision(self.policy, ranking[0], reason, ranking, scores)
+
+    @abstractmethod
+    def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:
+        """The candidates' names, chosen first then the fallbacks in order, and why the first."""

@@ -9,10 +9,7 @@ cold idle one: one shared system prompt does not pile every request onto one rep
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
-
-from routing.policies.base import Candidate, Decision, Policy, Reason, RouteRequest, Score
+from routing.policies.base import Choice, Policy, Reason, RoutingPolicy, Score
 
 NEAR_TIE_S = 0.002
 NEAR_TIE_FRACTION = 0.05
@@ -31,20 +28,15 @@ OVERTAKE_WEIGHT = 1.0
 # on a slow tiered fleet; docs/bench/estimate.md).
 
 
-class CacheAware:
-    def choose(
-        self,
-        request: RouteRequest,
-        candidates: Sequence[Candidate],
-        scores: tuple[Score, ...],
-        *,
-        seq: int,
-        rng: random.Random,
-    ) -> Decision:
+class CacheAware(RoutingPolicy):
+    policy = Policy.CACHE_AWARE
+
+    def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:
+        candidates, scores = choice.candidates, choice.scores
         costs = [cost_s(s) for s in scores]  # scores are in the candidates' order
         best_s = min(costs)
         tie_s = best_s + max(NEAR_TIE_S, NEAR_TIE_FRACTION * best_s)
-        rand = rng.random
+        rand = choice.rng.random
         # rank: the cost, where near-ties count as the best, then fewer in flight, then rng
         keys = [
             (best_s if cost <= tie_s else cost, c.load.in_flight, rand(), i)
@@ -52,10 +44,7 @@ class CacheAware:
         ]
         keys.sort()
         ordered = [scores[k[3]] for k in keys]
-        chosen = ordered[0]
-        reason = _reason(chosen, scores)
-        ranking = tuple(s.replica for s in ordered)
-        return Decision(Policy.CACHE_AWARE, chosen.replica, reason, ranking, scores)
+        return tuple(s.replica for s in ordered), _reason(ordered[0], scores)
 
 
 def cost_s(s: Score) -> float:

@@ -3,25 +3,16 @@ baseline."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
-
-from routing.policies.base import Candidate, Decision, Policy, Reason, RouteRequest, Score
+from routing.policies.base import Choice, Policy, Reason, RoutingPolicy
 
 
-class LeastLoaded:
-    def choose(
-        self,
-        request: RouteRequest,
-        candidates: Sequence[Candidate],
-        scores: tuple[Score, ...],
-        *,
-        seq: int,
-        rng: random.Random,
-    ) -> Decision:
+class LeastLoaded(RoutingPolicy):
+    policy = Policy.LEAST_LOADED
+
+    def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:
+        rand = choice.rng.random
         keyed = sorted(
-            candidates,
-            key=lambda c: (c.load.in_flight, c.load.pending_prefill_tokens, rng.random()),
+            choice.candidates,
+            key=lambda c: (c.load.in_flight, c.load.pending_prefill_tokens, rand()),
         )
-        order = [c.name for c in keyed]
-        return Decision(Policy.LEAST_LOADED, order[0], Reason.LEAST_LOADED, tuple(order), scores)
+        return tuple(c.name for c in keyed), Reason.LEAST_LOADED

@@ -5,12 +5,10 @@ hash order (Mirrokni et al., "Consistent Hashing with Bounded Loads", 2018). A b
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Sequence
 
 import xxhash
 
-from routing.policies.base import Candidate, Decision, Policy, Reason, RouteRequest, Score
+from routing.policies.base import Choice, Policy, Reason, RouteRequest, RoutingPolicy
 
 PREFIX_KEY_BLOCKS = 4
 # prefix_hash keys on the first 4 blocks (64 tokens at block size 16): long enough to separate
@@ -21,20 +19,12 @@ LOAD_BOUND = 1.25
 # of bounded-load consistent hashing (HAProxy hash-balance-factor 125).
 
 
-class PrefixHash:
-    def choose(
-        self,
-        request: RouteRequest,
-        candidates: Sequence[Candidate],
-        scores: tuple[Score, ...],
-        *,
-        seq: int,
-        rng: random.Random,
-    ) -> Decision:
-        hashes = request.hashes
-        # a prompt shorter than one block has no hash; its length is the only key left
-        key = hashes[min(PREFIX_KEY_BLOCKS, len(hashes)) - 1] if hashes else request.prompt_tokens
-        key_bytes = key.to_bytes(8, "little")
+class PrefixHash(RoutingPolicy):
+    policy = Policy.PREFIX_HASH
+
+    def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:
+        key_bytes = prefix_key(choice.request)
+        candidates = choice.candidates
         by_weight = sorted(
             candidates,
             key=lambda c: xxhash.xxh3_64_intdigest(
@@ -47,5 +37,12 @@ class PrefixHash:
         within = [c for c in by_weight if c.load.in_flight + 1 <= bound]
         order = within + [c for c in by_weight if c not in within]
         reason = Reason.PREFIX_HASH if order[0] is by_weight[0] else Reason.PREFIX_HASH_SPILL
-        ranking = tuple(c.name for c in order)
-        return Decision(Policy.PREFIX_HASH, order[0].name, reason, ranking, scores)
+        return tuple(c.name for c in order), reason
+
+
+def prefix_key(request: RouteRequest) -> bytes:
+    """What the prompt hashes to: the hash of its first PREFIX_KEY_BLOCKS blocks."""
+    hashes = request.hashes
+    # a prompt shorter than one block has no hash; its length is the only key left
+    key = hashes[min(PREFIX_KEY_BLOCKS, len(hashes)) - 1] if hashes else request.prompt_tokens
+    return key.to_bytes(8, "little")

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
-
-from routing.policies.base import Candidate, Decision, Policy, Reason, RouteRequest, Score
+from routing.policies.base import Choice, Policy, Reason, RoutingPolicy
 
 
-class RoundRobin:
-    def choose(
-        self,
-        request: RouteRequest,
-        candidates: Sequence[Candidate],
-        scores: tuple[Score, ...],
-        *,
-        seq: int,
-        rng: random.Random,
-    ) -> Decision:
-        start = seq % len(candidates)
+class RoundRobin(RoutingPolicy):
+    policy = Policy.ROUND_ROBIN
+
+    def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:
+        candidates = choice.candidates
+        start = choice.seq % len(candidates)
         order = [c.name for c in candidates[start:]] + [c.name for c in candidates[:start]]
-        return Decision(Policy.ROUND_ROBIN, order[0], Reason.ROUND_ROBIN, tuple(order), scores)
+        return tuple(order), Reason.ROUND_ROBIN

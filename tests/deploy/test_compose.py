@@ -17,7 +17,7 @@ from gateway.cli.main import build_parser as cli_parser
 from gateway.config import GatewayConfig, load_config
 from gateway.telemetry.metrics import Metrics
 from loadtest.sim.fleet import build_parser as sim_parser
-from tests.deploy.util import COMPOSE_DIR, DEPLOY, load_one, rel, yaml_files
+from tests.deploy.util import COMPOSE_DIR, DEPLOY, cli_answers, load_one, rel, yaml_files
 
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yaml"
 GATEWAY_CONFIGS = sorted(COMPOSE_DIR.glob("gateway-*.yaml"))
@@ -310,13 +310,7 @@ def test_mounted_files_exist(services: dict[str, Any]) -> None:
 
 def _compose_cli() -> list[str] | None:
     docker = shutil.which("docker")
-    if (
-        docker
-        and subprocess.run(
-            [docker, "compose", "version"], capture_output=True, check=False
-        ).returncode
-        == 0
-    ):
+    if docker and cli_answers(docker, "compose", "version"):
         return [docker, "compose"]
     legacy = shutil.which("docker-compose")
     return [legacy] if legacy else None

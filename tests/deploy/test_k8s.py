@@ -22,7 +22,15 @@ import yaml
 from gateway.cli.main import build_parser as cli_parser
 from gateway.config import ConfigError, GatewayConfig, load_config
 from tests.deploy import kustomize_check
-from tests.deploy.util import COMPOSE_DIR, K8S_DIR, load_docs, load_one, rel, yaml_files
+from tests.deploy.util import (
+    COMPOSE_DIR,
+    K8S_DIR,
+    cli_answers,
+    load_docs,
+    load_one,
+    rel,
+    yaml_files,
+)
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: renders the manifests with kubectl
 
@@ -36,13 +44,7 @@ def _kustomize_cli() -> list[str] | None:
     if shutil.which("kustomize"):
         return ["kustomize", "build"]
     kubectl = shutil.which("kubectl")
-    if (
-        kubectl
-        and subprocess.run(
-            [kubectl, "kustomize", "--help"], capture_output=True, check=False
-        ).returncode
-        == 0
-    ):
+    if kubectl and cli_answers(kubectl, "kustomize", "--help"):
         return [kubectl, "kustomize"]
     return None
 

@@ -1,7 +1,8 @@
-"""Helpers shared by the deploy tests: paths and YAML loading."""
+"""Helpers shared by the deploy tests: paths, YAML loading, and whether a CLI is installed."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +42,8 @@ def load_one(path: Path) -> Any:
 
 def rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
+
+
+def cli_answers(*command: str) -> bool:
+    """Whether `command` runs and exits 0 (a tool that is installed and has the subcommand)."""
+    return subprocess.run(command, capture_output=True, check=False).returncode == 0

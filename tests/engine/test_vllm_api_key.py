@@ -5,10 +5,10 @@ AuthenticationMiddleware); /health and /metrics stay open."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from gateway.config import parse_config
 from gateway.http.app import create_app
 from tests.engine.conftest import MODEL, VllmReplica, start_vllm, stop, wait_ready
 from tests.helpers.servers import running_app
+from tests.helpers.waiting import poll_until
 
 pytestmark = pytest.mark.engine
 
@@ -46,12 +47,7 @@ def keyed_replica(
         stop(replica)
 
 
-async def until(cond: Callable[[], bool], what: str) -> None:
-    for _ in range(int(WAIT_S / 0.1)):
-        if cond():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+until = partial(poll_until, timeout_s=WAIT_S, poll_s=0.1)
 
 
 @asynccontextmanager

@@ -3,9 +3,9 @@ shared-prefix requests land where the blocks are, and vLLM's cached_tokens agree
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from routing.hashing import token_block_hashes
 from routing.types import Location, Tier
 from tests.engine.conftest import BLOCK_SIZE_TOKENS, GPU_BLOCKS, MODEL, VllmReplica
 from tests.helpers.servers import running_app
+from tests.helpers.waiting import poll_until
 
 pytestmark = pytest.mark.engine
 
@@ -36,12 +37,7 @@ def chat(user: str, system: str = SYSTEM) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-async def until(cond: Callable[[], bool], what: str) -> None:
-    for _ in range(int(WAIT_S / 0.05)):
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+until = partial(poll_until, timeout_s=WAIT_S, poll_s=0.05)
 
 
 @asynccontextmanager

@@ -33,6 +33,20 @@ CHUNK = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"
 EVENT = b"data: " + json.dumps(CHUNK).encode() + b"\n\n"
 
 
+async def is_http(scope: Scope, receive: Receive, send: Send) -> bool:
+    """Whether `scope` is an HTTP request for the app to answer; a lifespan is answered here, as
+    an app's with nothing to set up or close."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return False
+    return bool(scope["type"] == "http")
+
+
 @dataclass
 class FaultyReplica:
     mode: Mode
@@ -42,15 +56,7 @@ class FaultyReplica:
     bodies: list[dict[str, Any]] = field(default_factory=list)  # of the completions, in order
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
+        if not await is_http(scope, receive, send):
             return
         if scope["method"] == "GET" and scope["path"] == "/v1/models":
             data = {"object": "list", "data": [{"id": self.model, "object": "model"}]}

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import uvicorn
 
 from loadtest.sim.fleet import QuietServer, bind_socket, serve_app
@@ -68,3 +70,19 @@ async def running_app(
         crash = None if task.cancelled() else task.exception()
         if crash is not None and sys.exc_info()[1] is None:
             raise crash
+
+
+async def until_serve_ready(url: str, proc: asyncio.subprocess.Process, timeout_s: float) -> None:
+    """Waits, at most `timeout_s`, for a `cachelane serve` process at `url` to answer /ready with
+    200; fails the test where it exits first or never does."""
+    async with httpx.AsyncClient(timeout=1.0) as h:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert proc.returncode is None, "cachelane serve exited"
+            try:
+                if (await h.get(f"{url}/ready")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "cachelane serve never became ready"
+            await asyncio.sleep(0.1)

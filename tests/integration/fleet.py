@@ -38,6 +38,14 @@ class Fleet:
         await self.replica_stacks[i].aclose()
 
 
+CLASS_KEYS = {
+    "voice": "voice-key-123-0123456789abcdef0123456789",
+    "web": "web-key-1234-0123456789abcdef0123456789",
+    "bulk": "bulk-key-123-0123456789abcdef0123456789",
+}
+# API keys of the tenants the class tests name after their traffic: voice (critical), web
+# (standard) and bulk (batch).
+
 TEST_AUTH_SECRET = "test-secret-" + "0" * 32  # signs tenant records in Redis (auth.secret)
 
 
@@ -51,21 +59,31 @@ def with_auth(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "auth": {"mode": "keys", "secret": TEST_AUTH_SECRET}}
 
 
+QUICK_CHECKS: dict[str, Any] = {
+    "health": {"interval_s": 0.2, "timeout_s": 0.5, "fail_after": 1},
+    "engine_metrics": {"enabled": False},
+}
+# A test config's checks: health every 0.2 s, a replica out after one failed check (tests wait for
+# it, bounded); no scraping of engine /metrics.
+
+
+def default_pool(replicas: list[str], costs: PoolCosts, **extra: Any) -> dict[str, Any]:
+    """A test config's one pool, "default", serving MODEL from `replicas` at `costs`."""
+    return {
+        "name": "default",
+        "models": [MODEL],
+        "replicas": replicas,
+        **extra,
+        "costs": {"prefill_tokens_per_s": costs.prefill_tokens_per_s},
+    }
+
+
 def gateway_config(
     replica_urls: list[str], costs: PoolCosts = FAST_COSTS, **overrides: Any
 ) -> GatewayConfig:
     data: dict[str, Any] = {
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "fail_after": 1},
-        "engine_metrics": {"enabled": False},
-        "pools": [
-            {
-                "name": "default",
-                "models": [MODEL],
-                "replicas": replica_urls,
-                "max_prompt_tokens": 50_000,
-                "costs": {"prefill_tokens_per_s": costs.prefill_tokens_per_s},
-            }
-        ],
+        **QUICK_CHECKS,
+        "pools": [default_pool(replica_urls, costs, max_prompt_tokens=50_000)],
     }
     data.update(overrides)
     return parse_config(with_auth(data))

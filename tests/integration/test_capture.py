@@ -21,6 +21,7 @@ from routing.prompt import chat_text
 from routing.whatif.capture import hex_hashes, parse_capture
 from routing.whatif.replay import replay
 from routing.whatif.setup import Setup
+from tests.helpers.completions import streamed_usage
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]  # slow: `make check` leaves it out
@@ -45,15 +46,7 @@ async def _send(url: str, prompts: list[str], *, stream: bool) -> None:
     for text in prompts:
         messages: Any = [{"role": "system", "content": text}, {"role": "user", "content": "go"}]
         if stream:
-            chunks = await client.chat.completions.create(
-                model=MODEL,
-                messages=messages,
-                max_tokens=4,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            async for _ in chunks:
-                pass
+            await streamed_usage(client, MODEL, messages)
         else:
             await client.completions.create(model=MODEL, prompt=text, max_tokens=4)
     await client.close()

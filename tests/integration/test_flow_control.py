@@ -41,19 +41,14 @@ from loadtest.sim.server import create_sim_app
 from routing.cost import HBM_CAPACITY_TOKENS, PoolCosts
 from routing.types import ENGINE_PRIORITY, TenantClass
 from tests.helpers.servers import running_app
-from tests.integration.fleet import MODEL, PoolSpec, TieredFleet, tiered_fleet
+from tests.integration.fleet import CLASS_KEYS, MODEL, PoolSpec, TieredFleet, tiered_fleet
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
 
 SLOW = PoolCosts(prefill_tokens_per_s=10_000.0)  # 0.1 ms per prompt token: 4000 tokens = 0.4 s
 WAIT_S = 15.0  # bound on any one wait; the tests take a few seconds
 
-KEYS = {
-    "voice": "voice-key-123-0123456789abcdef0123456789",
-    "web": "web-key-1234-0123456789abcdef0123456789",
-    "acme": "acme-key-1234-0123456789abcdef0123456789",
-    "bulk": "bulk-key-123-0123456789abcdef0123456789",
-}
+KEYS = {**CLASS_KEYS, "acme": "acme-key-1234-0123456789abcdef0123456789"}
 TENANTS = [
     {"name": "voice", "api_key": KEYS["voice"], "class": "critical"},
     {"name": "web", "api_key": KEYS["web"], "class": "standard"},
@@ -115,6 +110,19 @@ async def first_token_in_order(
         async for _ in stream:
             pass
     return raw.headers
+
+
+def sender(
+    url: str, order: list[str], tokens: int
+) -> Callable[..., asyncio.Task[Mapping[str, str]]]:
+    """`send(tenant, tag)` streams a prompt of `tokens` tokens (unless the call gives another
+    number) as a task bounded by WAIT_S; `order` gets its tag at its first token."""
+
+    def send(tenant: str, tag: str, tokens: int = tokens) -> asyncio.Task[Mapping[str, str]]:
+        coro = first_token_in_order(url, tenant, prompt(tag, tokens), order, tag)
+        return asyncio.create_task(asyncio.wait_for(coro, WAIT_S))
+
+    return send
 
 
 async def ask(
@@ -236,6 +244,21 @@ def in_flight(f: TieredFleet, replica: str) -> int:
     return int(f.gw.registry.replicas[replica].in_flight)
 
 
+async def busy_shared_idle_pinned(
+    h: httpx.AsyncClient, f: TieredFleet, pinned: str, shared: str
+) -> OpenStream:
+    """A critical request holds the pinned replica (at half its cap, it is not lent) while a
+    standard one starts on the shared replica; the critical one then leaves. Returns the
+    standard one's stream, still generating on the shared replica."""
+    c1 = await open_stream(h, "voice", prompt("c1", 100), first_token=True)
+    assert c1.headers["x-cachelane-replica"] == pinned
+    s1 = await open_stream(h, "web", prompt("s1", 100), first_token=True)
+    assert s1.headers["x-cachelane-replica"] == shared
+    await c1.aclose()
+    await until(lambda: in_flight(f, pinned) == 0, "the pinned replica to be idle")
+    return s1
+
+
 # --- fleets of simulated replicas with engine-side options -----------------------------------
 
 
@@ -324,11 +347,7 @@ async def test_critical_dispatched_before_held_standard_requests() -> None:
         (replica,) = f.pools["shared"]
         order: list[str] = []
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
-
-            def send(tenant: str, tag: str, tokens: int = 3000) -> asyncio.Task[Mapping[str, str]]:
-                coro = first_token_in_order(f.gateway_url, tenant, prompt(tag, tokens), order, tag)
-                return asyncio.create_task(asyncio.wait_for(coro, WAIT_S))
-
+            send = sender(f.gateway_url, order, tokens=3000)
             busy = send("web", "busy", BUSY_TOKENS)
             await until(lambda: in_flight(f, replica) == 1, "the first request to be sent")
             held = [send("web", f"held-{i}") for i in range(3)]
@@ -356,11 +375,7 @@ async def test_held_requests_released_standard_first_round_robin_between_tenants
         (replica,) = f.pools["shared"]
         order: list[str] = []
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
-
-            def send(tenant: str, tag: str, tokens: int = 2000) -> asyncio.Task[Mapping[str, str]]:
-                coro = first_token_in_order(f.gateway_url, tenant, prompt(tag, tokens), order, tag)
-                return asyncio.create_task(asyncio.wait_for(coro, WAIT_S))
-
+            send = sender(f.gateway_url, order, tokens=2000)
             tasks = [send("web", "busy", BUSY_TOKENS)]
             await until(lambda: in_flight(f, replica) == 1, "the first request to be sent")
             tasks.append(send("bulk", "bulk-1"))
@@ -618,13 +633,7 @@ async def test_pinned_replica_lent_while_idle_and_reclaimed_after_a_critical_spi
             return headers
 
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
-            # one critical request on the pinned replica: at half its cap, it is not lent
-            c1 = await open_stream(h, "voice", prompt("c1", 100), first_token=True)
-            assert c1.headers["x-cachelane-replica"] == p
-            s1 = await open_stream(h, "web", prompt("s1", 100), first_token=True)
-            assert s1.headers["x-cachelane-replica"] == s
-            await c1.aclose()
-            await until(lambda: in_flight(f, p) == 0, "the pinned replica to be idle")
+            s1 = await busy_shared_idle_pinned(h, f, p, s)
 
             # idle pinned replica, busy shared one: standard traffic borrows the pinned one
             assert (await replica_for("web", "lent"))["x-cachelane-replica"] == p
@@ -899,14 +908,7 @@ async def test_pinned_replica_lent_only_for_short_prefills() -> None:
     async with tiered_fleet([pinned, PoolSpec("shared", 1)], tenants=TENANTS, routing=routing) as f:
         (p,), (s,) = f.pools["pinned"], f.pools["shared"]
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
-            # as in test 6: a critical request holds the pinned replica (at half its cap, it is
-            # not lent) while a standard one starts on the shared replica, then leaves
-            c1 = await open_stream(h, "voice", prompt("c1", 100), first_token=True)
-            assert c1.headers["x-cachelane-replica"] == p
-            s1 = await open_stream(h, "web", prompt("s1", 100), first_token=True)
-            assert s1.headers["x-cachelane-replica"] == s
-            await c1.aclose()
-            await until(lambda: in_flight(f, p) == 0, "the pinned replica to be idle")
+            s1 = await busy_shared_idle_pinned(h, f, p, s)
             short, _ = await asyncio.wait_for(
                 ask(f.gateway_url, "web", prompt("short", 200)), WAIT_S
             )

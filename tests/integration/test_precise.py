@@ -3,10 +3,10 @@ that tokenize like the engine and publish vLLM-format KV events; the official op
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny
 from routing.types import Location, Tier
 from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
+from tests.helpers.waiting import poll_until
 from tests.integration.fleet import FAST_COSTS, MODEL, with_auth
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets in precise mode
@@ -137,13 +138,7 @@ def chat(user: str, system: str = SYSTEM) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-async def until(cond: Callable[[], bool], what: str) -> None:
-    """Bounded wait for an event to reach the index (loopback: normally a few ms)."""
-    for _ in range(int(WAIT_S / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+until = partial(poll_until, timeout_s=WAIT_S, poll_s=0.01)  # an event: a few ms on loopback
 
 
 async def sim_blocks(url: str, tier: str = "hbm") -> int:
@@ -157,14 +152,19 @@ def replica_index(f: PreciseFleet, name: str) -> int:
     return [f.name(i) for i in range(len(f.replica_urls))].index(name)
 
 
+async def served_by(f: PreciseFleet, c: AsyncOpenAI, text: str, *, max_tokens: int) -> int:
+    """Sends one chat request; the index of the replica that answered it."""
+    done = await c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat(text), max_tokens=max_tokens
+    )
+    return replica_index(f, done.headers["x-cachelane-replica"])
+
+
 async def test_index_follows_stored_blocks_and_a_shared_prefix_lands_there(
     tokenizer_files: TinyTokenizerFiles,
 ) -> None:
     async with precise_fleet(tokenizer_files) as f, client(f.gateway_url) as c:
-        first = await c.chat.completions.with_raw_response.create(
-            model=MODEL, messages=chat("first question"), max_tokens=2
-        )
-        i = replica_index(f, first.headers["x-cachelane-replica"])
+        i = await served_by(f, c, "first question", max_tokens=2)
         held = await sim_blocks(f.replica_urls[i])
         assert held > 20
         await until(lambda: f.index_size(i) == held, "the index to hold the replica's blocks")
@@ -226,10 +226,7 @@ async def test_reset_prefix_cache_empties_the_replicas_entries(
     tokenizer_files: TinyTokenizerFiles,
 ) -> None:
     async with precise_fleet(tokenizer_files) as f, client(f.gateway_url) as c:
-        done = await c.chat.completions.with_raw_response.create(
-            model=MODEL, messages=chat("hello"), max_tokens=1
-        )
-        i = replica_index(f, done.headers["x-cachelane-replica"])
+        i = await served_by(f, c, "hello", max_tokens=1)
         await until(lambda: f.index_size(i) > 0, "blocks in the index")
         async with httpx.AsyncClient() as h:
             assert (await h.post(f"{f.replica_urls[i]}/reset_prefix_cache")).status_code == 200

@@ -34,8 +34,8 @@ from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from routing.types import Location, Tier
-from tests.helpers.servers import running_app
-from tests.integration.fleet import FAST_COSTS, MODEL
+from tests.helpers.servers import running_app, until_serve_ready
+from tests.integration.fleet import FAST_COSTS, MODEL, QUICK_CHECKS, default_pool
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: fleets reloaded under traffic
 
@@ -53,16 +53,8 @@ def config_data(replicas: list[str], **extra: Any) -> dict[str, Any]:
         "auth": {"mode": "keys"},
         "tenants": [{"name": "app", "api_key": TENANT_KEY}],
         "admin": {"api_key": ADMIN_KEY},
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "fail_after": 1},
-        "engine_metrics": {"enabled": False},
-        "pools": [
-            {
-                "name": "default",
-                "models": [MODEL],
-                "replicas": replicas,
-                "costs": {"prefill_tokens_per_s": FAST_COSTS.prefill_tokens_per_s},
-            }
-        ],
+        **QUICK_CHECKS,
+        "pools": [default_pool(replicas, FAST_COSTS)],
         **extra,
     }
 
@@ -245,17 +237,7 @@ async def served(path: Path) -> AsyncIterator[tuple[str, int, Any]]:
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            async with httpx.AsyncClient(timeout=1.0) as h:
-                deadline = time.monotonic() + WAIT_S
-                while True:
-                    assert proc.returncode is None, "cachelane serve exited"
-                    try:
-                        if (await h.get(f"{url}/ready")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    assert time.monotonic() < deadline, "cachelane serve never became ready"
-                    await asyncio.sleep(0.1)
+            await until_serve_ready(url, proc, WAIT_S)
             yield url, proc.pid, stderr
         finally:
             if proc.returncode is None:

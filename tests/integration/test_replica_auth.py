@@ -7,10 +7,10 @@ driven by the official openai client."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -22,6 +22,7 @@ from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app
+from tests.helpers.waiting import poll_until
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 
 REPLICA_KEY = "replica-key-" + "7" * 40
@@ -70,13 +71,7 @@ async def keyed_fleet(pool: dict[str, Any]) -> AsyncIterator[tuple[str, Recorder
         yield gateway_url, recorder, app.state.gw
 
 
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Bounded wait (a bounded count of polls) for a health check or a scrape."""
-    for _ in range(int(WAIT_S / 0.05)):
-        if condition():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting until {what}")
+until = partial(poll_until, timeout_s=WAIT_S, poll_s=0.05)  # a health check or a scrape
 
 
 async def test_the_pools_key_goes_on_every_call_and_the_clients_stays_in_the_gateway(

@@ -22,7 +22,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,7 +36,8 @@ from gateway.http.app import create_app
 from gateway.telemetry.logs import RequestIdFilter
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
-from tests.helpers.servers import running_app
+from tests.helpers.completions import streamed_usage
+from tests.helpers.servers import running_app, until_serve_ready
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 from tests.integration.test_failing_replicas import body, mixed_fleet, until
 
@@ -59,15 +59,22 @@ class HeaderCapture:
         await self.app(scope, receive, send)
 
 
+async def captured_replicas(stack: AsyncExitStack, n: int) -> tuple[list[str], list[HeaderCapture]]:
+    """`n` simulated replicas, each behind a HeaderCapture, served until `stack` closes: their
+    URLs and captures."""
+    captures, urls = [], []
+    for i in range(n):
+        spec = SimReplicaSpec(name=f"sim-{i}", port=0, costs=FAST_COSTS, itl_s=0.001)
+        capture = HeaderCapture(create_sim_app(spec))
+        captures.append(capture)
+        urls.append(await stack.enter_async_context(running_app(capture)))
+    return urls, captures
+
+
 @asynccontextmanager
 async def captured_fleet(n: int = 2) -> AsyncIterator[tuple[str, list[HeaderCapture]]]:
     async with AsyncExitStack() as stack:
-        captures, urls = [], []
-        for i in range(n):
-            spec = SimReplicaSpec(name=f"sim-{i}", port=0, costs=FAST_COSTS, itl_s=0.001)
-            capture = HeaderCapture(create_sim_app(spec))
-            captures.append(capture)
-            urls.append(await stack.enter_async_context(running_app(capture)))
+        urls, captures = await captured_replicas(stack, n)
         app = create_app(gateway_config(urls))
         url = await stack.enter_async_context(running_app(app))
         # a start-up health check that timed out on a busy loop leaves its replica out until the
@@ -170,17 +177,7 @@ async def served(replicas: list[str], *args: str) -> AsyncIterator[tuple[str, li
             *cmd, stderr=stderr, stdout=subprocess.DEVNULL, env=env
         )
         try:
-            async with httpx.AsyncClient(timeout=1.0) as h:
-                deadline = time.monotonic() + 20
-                while True:
-                    assert proc.returncode is None, "cachelane serve exited"
-                    try:
-                        if (await h.get(f"{url}/ready")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    assert time.monotonic() < deadline, "cachelane serve never became ready"
-                    await asyncio.sleep(0.1)
+            await until_serve_ready(url, proc, 20)
             yield url, lines
         finally:
             if proc.returncode is None:
@@ -198,17 +195,9 @@ async def test_serve_log_format_json_writes_one_access_line_per_request() -> Non
             urls.append(await stack.enter_async_context(running_app(create_sim_app(spec))))
         async with served(urls, "--log-format", "json", "--log-level", "debug") as (url, lines):
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            stream = await client.chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,
-                max_tokens=4,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_headers={"x-request-id": "streamed-1"},
+            usage = await streamed_usage(
+                client, MODEL, MESSAGES, extra_headers={"x-request-id": "streamed-1"}
             )
-            usage = None
-            async for chunk in stream:
-                usage = chunk.usage or usage
             assert usage is not None
             with pytest.raises(openai.NotFoundError):
                 await client.chat.completions.create(

@@ -33,6 +33,26 @@ def client(url: str, key: str = "unused") -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
 
+async def both_refused(
+    c: AsyncOpenAI, rid: str, error: type[openai.APIStatusError], status: int, code: str
+) -> list[openai.APIStatusError]:
+    """Retrieving response `rid` and continuing from it each fail with `error`, `status` and
+    `code`; returns the two errors."""
+    errors = []
+    for attempt in (
+        c.responses.retrieve(rid),
+        c.responses.create(
+            model=MODEL, input="more", previous_response_id=rid, max_output_tokens=2
+        ),
+    ):
+        with pytest.raises(error) as err:
+            await attempt
+        assert err.value.status_code == status
+        assert err.value.code == code
+        errors.append(err.value)
+    return errors
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_continuations_get_and_delete_reach_the_replica_that_stored_it(
     stream: bool,
@@ -96,17 +116,10 @@ async def test_a_replica_that_is_down_is_a_503_with_retry_after() -> None:
             if not f.gw.registry.replicas[owner].healthy:
                 break
             await asyncio.sleep(0.1)
-        for attempt in (
-            c.responses.retrieve(raw.parse().id),
-            c.responses.create(
-                model=MODEL, input="more", previous_response_id=raw.parse().id, max_output_tokens=2
-            ),
-        ):
-            with pytest.raises(openai.InternalServerError) as err:
-                await attempt
-            assert err.value.status_code == 503
-            assert err.value.code == "response_replica_unavailable"
-            assert err.value.response.headers["retry-after"] == "1"
+        errors = await both_refused(
+            c, raw.parse().id, openai.InternalServerError, 503, "response_replica_unavailable"
+        )
+        assert [e.response.headers["retry-after"] for e in errors] == ["1", "1"]
 
 
 async def test_gateways_on_one_redis_share_which_replica_stored_a_response(
@@ -160,13 +173,4 @@ async def test_a_replica_that_left_the_fleet_is_a_410(tmp_path: Path) -> None:
         owner = made.headers["x-cachelane-replica"]
         path.write_text(yaml.safe_dump(config_data([u for u in urls if name_of(u) != owner])))
         assert (await reload(url)).status_code == 200
-        for attempt in (
-            c.responses.retrieve(made.parse().id),
-            c.responses.create(
-                model=MODEL, input="more", previous_response_id=made.parse().id, max_output_tokens=2
-            ),
-        ):
-            with pytest.raises(openai.APIStatusError) as err:
-                await attempt
-            assert err.value.status_code == 410
-            assert err.value.code == "response_replica_gone"
+        await both_refused(c, made.parse().id, openai.APIStatusError, 410, "response_replica_gone")

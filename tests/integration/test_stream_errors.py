@@ -18,6 +18,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from gateway.http.app import create_app
+from tests.helpers.faulty_replica import is_http
 from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL, gateway_config
 
@@ -29,15 +30,7 @@ class BreaksMidAnswer:
     connection drops (an engine killed while it generates)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
+        if not await is_http(scope, receive, send):
             return
         if scope["method"] == "GET":
             body = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})

@@ -24,7 +24,7 @@ from loadtest.sim.server import create_sim_app
 from routing.types import TenantClass
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import running_app
-from tests.integration.fleet import MODEL, TEST_AUTH_SECRET, fleet, gateway_config
+from tests.integration.fleet import MODEL, TEST_AUTH_SECRET, Fleet, fleet, gateway_config
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: several gateways and fleets
 
@@ -88,11 +88,18 @@ async def gateways(
 # ---- authentication fails closed -------------------------------------------------------
 
 
-async def test_deleting_the_last_tenant_refuses_every_request() -> None:
+@asynccontextmanager
+async def web_fleet_with_admin() -> AsyncIterator[tuple[Fleet, httpx.AsyncClient]]:
+    """One replica behind a gateway with the tenant web and an admin key, and a client."""
     async with (
         fleet(1, tenants=[WEB], admin={"api_key": ADMIN_KEY}) as f,
         httpx.AsyncClient(timeout=30) as h,
     ):
+        yield f, h
+
+
+async def test_deleting_the_last_tenant_refuses_every_request() -> None:
+    async with web_fleet_with_admin() as (f, h):
         url = f.gateway_url
         assert await status_of(h, url, WEB_KEY) == 200
         assert await status_of(h, url, None) == 401
@@ -236,10 +243,7 @@ async def test_records_written_to_redis_without_the_secret_are_ignored(
 
 
 async def test_short_keys_are_refused_by_the_admin_api() -> None:
-    async with (
-        fleet(1, tenants=[WEB], admin={"api_key": ADMIN_KEY}) as f,
-        httpx.AsyncClient(timeout=30) as h,
-    ):
+    async with web_fleet_with_admin() as (f, h):
         short = await h.put(
             f"{f.gateway_url}/admin/tenants/weak",
             json={"api_key": "only-20-characters!!"},
@@ -254,10 +258,7 @@ async def test_short_keys_are_refused_by_the_admin_api() -> None:
 
 
 async def test_a_key_of_another_tenant_or_the_admin_gets_409() -> None:
-    async with (
-        fleet(1, tenants=[WEB], admin={"api_key": ADMIN_KEY}) as f,
-        httpx.AsyncClient(timeout=30) as h,
-    ):
+    async with web_fleet_with_admin() as (f, h):
         url = f.gateway_url
         for key in (WEB_KEY, ADMIN_KEY):
             taken = await h.put(f"{url}/admin/tenants/thief", json={"api_key": key}, headers=ADMIN)
@@ -333,10 +334,7 @@ async def test_a_delete_applies_to_every_gateway_file_tenants_included(
     ],
 )
 async def test_bad_admin_bodies_get_400(body: bytes) -> None:
-    async with (
-        fleet(1, tenants=[WEB], admin={"api_key": ADMIN_KEY}) as f,
-        httpx.AsyncClient(timeout=30) as h,
-    ):
+    async with web_fleet_with_admin() as (f, h):
         r = await h.put(f"{f.gateway_url}/admin/tenants/new", content=body, headers=ADMIN)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
@@ -374,10 +372,7 @@ LOOK_KEY = "lookalike-key-" + "k" * 32
     ids=["nul", "newline", "rlo", "zwsp", "5000", "dot-first", "space"],
 )
 async def test_the_admin_api_refuses_unsafe_tenant_names(name: str) -> None:
-    async with (
-        fleet(1, tenants=[WEB], admin={"api_key": ADMIN_KEY}) as f,
-        httpx.AsyncClient(timeout=30) as h,
-    ):
+    async with web_fleet_with_admin() as (f, h):
         url = f"{f.gateway_url}/admin/tenants/{name}"
         r = await h.put(url, json={"api_key": LOOK_KEY}, headers=ADMIN)
         assert r.status_code in (400, 404), r.text  # 404: the router's, for a path too long
@@ -391,10 +386,7 @@ async def test_the_admin_api_refuses_unsafe_tenant_names(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["WEB", "Web", "%EF%BD%97%EF%BD%85%EF%BD%82"], ids=str)
 async def test_the_admin_api_refuses_a_lookalike_of_a_live_tenant(name: str) -> None:
-    async with (
-        fleet(1, tenants=[WEB], admin={"api_key": ADMIN_KEY}) as f,
-        httpx.AsyncClient(timeout=30) as h,
-    ):
+    async with web_fleet_with_admin() as (f, h):
         url = f"{f.gateway_url}/admin/tenants/{name}"
         r = await h.put(url, json={"api_key": LOOK_KEY}, headers=ADMIN)
         assert r.status_code == 400, r.text

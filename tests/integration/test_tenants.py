@@ -12,17 +12,15 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.integration.fleet import MODEL, PoolSpec, tiered_fleet, with_auth
+from tests.integration.fleet import CLASS_KEYS, MODEL, PoolSpec, tiered_fleet, with_auth
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
 
 SYSTEM = "You are the voice assistant of a train operator; answer in one sentence. " * 30
 KEYS = {
-    "voice": "voice-key-123-0123456789abcdef0123456789",
-    "web": "web-key-1234-0123456789abcdef0123456789",
+    **CLASS_KEYS,
     "acme-a": "acme-a-key-1-0123456789abcdef0123456789",
     "acme-b": "acme-b-key-1-0123456789abcdef0123456789",
-    "bulk": "bulk-key-123-0123456789abcdef0123456789",
 }
 TENANTS = [
     {"name": "voice", "api_key": KEYS["voice"], "class": "critical"},

@@ -39,10 +39,11 @@ from starlette.routing import Route
 from gateway.http.app import create_app
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
+from tests.helpers.completions import streamed_usage
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
 from tests.integration.test_failing_replicas import until
-from tests.integration.test_request_logs import HeaderCapture
+from tests.integration.test_request_logs import HeaderCapture, captured_replicas
 
 MESSAGES: Any = [{"role": "user", "content": "You are a helpful assistant. " * 20}]
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -54,12 +55,7 @@ async def traced_fleet(
     n: int = 2, **tracing: Any
 ) -> AsyncIterator[tuple[str, list[HeaderCapture], InMemorySpanExporter]]:
     async with AsyncExitStack() as stack:
-        captures, urls = [], []
-        for i in range(n):
-            spec = SimReplicaSpec(name=f"sim-{i}", port=0, costs=FAST_COSTS, itl_s=0.001)
-            capture = HeaderCapture(create_sim_app(spec))
-            captures.append(capture)
-            urls.append(await stack.enter_async_context(running_app(capture)))
+        urls, captures = await captured_replicas(stack, n)
         exporter = InMemorySpanExporter()
         config = gateway_config(urls, tracing={"enabled": True, **tracing})
         app = create_app(config, span_exporter=exporter)
@@ -70,6 +66,16 @@ async def traced_fleet(
 async def openai_client(url: str) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
         yield client
+
+
+async def ask_with_client_traceparent(client: openai.AsyncOpenAI) -> None:
+    """A 2-token completion whose request carries the client's sampled traceparent."""
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
+    )
 
 
 def traceparents(captures: list[HeaderCapture]) -> list[str | None]:
@@ -106,16 +112,7 @@ async def test_each_request_is_a_span_with_its_route_and_outcome_and_the_replica
             whole = await client.chat.completions.with_raw_response.create(
                 model=MODEL, messages=MESSAGES, max_tokens=4
             )
-            stream = await client.chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,
-                max_tokens=4,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            usage = None
-            async for chunk in stream:
-                usage = chunk.usage or usage
+            usage = await streamed_usage(client, MODEL, MESSAGES)
             assert usage is not None and usage.prompt_tokens_details is not None
             observed_cached = usage.prompt_tokens_details.cached_tokens
             assert observed_cached is not None and observed_cached > 0  # the same prompt again
@@ -166,12 +163,7 @@ async def test_a_client_traceparent_is_continued_and_its_sampling_kept() -> None
     # sample_ratio 0: the gateway starts no sampled trace of its own, yet keeps the client's
     async with traced_fleet(1, sample_ratio=0.0) as (url, captures, exporter):
         async with openai_client(url) as client:
-            await client.chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,
-                max_tokens=2,
-                extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
-            )
+            await ask_with_client_traceparent(client)
             await until(lambda: len(exporter.get_finished_spans()) == 1)
             [span] = exporter.get_finished_spans()
             trace_id, span_id = ids(span)
@@ -272,12 +264,7 @@ async def test_tracing_is_off_by_default_and_sends_no_traceparent() -> None:
         assert not config.tracing.enabled
         url = await stack.enter_async_context(running_app(create_app(config)))
         async with openai_client(url) as client:
-            await client.chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,
-                max_tokens=2,
-                extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
-            )
+            await ask_with_client_traceparent(client)
             assert traceparents([capture]) == [None]  # neither made nor passed on
 
 

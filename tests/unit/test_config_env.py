@@ -30,6 +30,14 @@ def secrets(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.fixture
+def serve_env(secrets: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment CONFIG reads, set in the process as `cachelane serve` would find it."""
+    monkeypatch.setenv("PORT", "9000")
+    monkeypatch.setenv("SECRETS", str(secrets))
+    monkeypatch.setenv("REPLICA_HOST", "10.0.0.7")
+
+
 def write(tmp_path: Path, text: str = CONFIG) -> Path:
     path = tmp_path / "gateway.yaml"
     path.write_text(text)
@@ -68,13 +76,10 @@ def test_a_field_and_its_file_together_are_an_error(tmp_path: Path) -> None:
 
 def test_check_config_exits_0_when_valid_and_2_with_the_errors(
     tmp_path: Path,
-    secrets: Path,
+    serve_env: None,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("PORT", "9000")
-    monkeypatch.setenv("SECRETS", str(secrets))
-    monkeypatch.setenv("REPLICA_HOST", "10.0.0.7")
     good = write(tmp_path)
     assert main(["check-config", str(good)]) == 0
     assert "valid; 1 pool(s), 1 replica(s), 1 tenant(s)" in capsys.readouterr().out
@@ -90,14 +95,8 @@ def test_check_config_exits_0_when_valid_and_2_with_the_errors(
 
 
 def test_check_config_takes_config_like_serve(
-    tmp_path: Path,
-    secrets: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, serve_env: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("PORT", "9000")
-    monkeypatch.setenv("SECRETS", str(secrets))
-    monkeypatch.setenv("REPLICA_HOST", "10.0.0.7")
     good = write(tmp_path)
     assert main(["check-config", "--config", str(good)]) == 0
     assert "valid" in capsys.readouterr().out

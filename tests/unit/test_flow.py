@@ -55,6 +55,17 @@ def start(
     return asyncio.create_task(fc.admit(tenant, cls, ready))
 
 
+async def two_waiting_then_ready() -> tuple[FlowControl, asyncio.Task[float], asyncio.Task[float]]:
+    """Two standard requests that wait in turn, a's first; then the replica becomes ready (no
+    kick yet)."""
+    fc, gate = flow(), Gate(False)
+    first = start(fc, "a", S, gate)
+    second = start(fc, "b", S, gate)
+    await settle()
+    gate.is_open = True
+    return fc, first, second
+
+
 async def test_dispatches_at_once_when_ready_without_suspending() -> None:
     fc = flow()
     coro = fc.admit("a", S, Gate(True))
@@ -263,11 +274,7 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
 
 
 async def test_cancelled_before_its_task_runs_is_skipped_by_kick() -> None:
-    fc, gate = flow(), Gate(False)
-    first = start(fc, "a", S, gate)
-    second = start(fc, "b", S, gate)
-    await settle()
-    gate.is_open = True
+    fc, first, second = await two_waiting_then_ready()
     first.cancel()  # its future is cancelled, the task has not run its cleanup yet
     fc.kick()  # must skip it and hand the turn to the next waiter
     await asyncio.wait_for(second, TIMEOUT_S)
@@ -277,11 +284,7 @@ async def test_cancelled_before_its_task_runs_is_skipped_by_kick() -> None:
 
 
 async def test_cancelled_after_dispatch_passes_the_turn_on() -> None:
-    fc, gate = flow(), Gate(False)
-    first = start(fc, "a", S, gate)
-    second = start(fc, "b", S, gate)
-    await settle()
-    gate.is_open = True
+    fc, first, second = await two_waiting_then_ready()
     fc.kick()  # first is handed off; second waits for the next kick
     first.cancel()  # the client leaves before the task resumed: it never reserves
     with pytest.raises(asyncio.CancelledError):

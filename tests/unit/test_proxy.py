@@ -690,20 +690,25 @@ async def test_consecutive_5xx_eject_and_a_success_resets_the_count() -> None:
     s.assert_all_released()
 
 
+def gone_at_poll(n: int) -> Callable[[], Awaitable[bool]]:
+    """A client_gone check that finds the client still there until its `n`-th poll."""
+    polls = 0
+
+    async def gone() -> bool:
+        nonlocal polls
+        polls += 1
+        return polls >= n
+
+    return gone
+
+
 async def test_a_client_that_leaves_before_the_answer_cancels_it_and_releases() -> None:
     s = await setup()
     for name in s.registry.replicas:
         s.fleet.behaviour[name] = lambda _: Answer(200, None, never())
     plan = await s.plan(json.loads(raw_chat()))
-    calls = 0
-
-    async def gone() -> bool:
-        nonlocal calls
-        calls += 1
-        return calls >= 2
-
     with pytest.raises(ApiError) as caught:
-        await s.proxy.forward("chat", raw_chat(), plan, client_gone=gone)
+        await s.proxy.forward("chat", raw_chat(), plan, client_gone=gone_at_poll(2))
     assert caught.value.status == 499
     assert metric(s, "cachelane_client_gone_total") == 1
     s.assert_all_released()

@@ -45,6 +45,7 @@ from tests.unit.test_proxy import (
     Setup,
     delayed,
     disconnect_once,
+    gone_at_poll,
     json_answer,
     metric,
     raw_chat,
@@ -333,15 +334,8 @@ async def test_a_held_request_whose_client_leaves_reserves_nothing() -> None:
         with busy(gw):
             plan = await gw.planner.plan("chat", json.loads(raw_chat()), STANDARD)
             assert dispatch_now(gw, plan) is None  # over its budget: held
-            polls = 0
-
-            async def gone() -> bool:
-                nonlocal polls
-                polls += 1
-                return polls >= 2
-
             with pytest.raises(ApiError) as caught:
-                await _hold(gw, client(gone), plan)
+                await _hold(gw, client(gone_at_poll(2)), plan)
             assert caught.value.status == 499
             assert gw.flow is not None and gw.flow.stats()["standard"]["depth"] == 0
         assert releases.times() == [1]  # the busy load's; the held request reserved nothing
