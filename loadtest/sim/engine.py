@@ -298,7 +298,7 @@ class SimRequest:
         done = _Computed()
         located: list[_Located] = []
         fetched_blocks = [0]
-        times = {"loaded": 0.0, "started": 0.0}
+        times = {"arrived": time.monotonic(), "located": 0.0, "loaded": 0.0, "started": 0.0}
 
         def resolve() -> int:
             nonlocal done
@@ -322,6 +322,7 @@ class SimRequest:
         loop.submit(request)
         try:
             located.append(await self._locate())
+            times["located"] = time.monotonic()
             sharers, fetched_blocks[0] = await self._load(located[0])
             times["loaded"] = time.monotonic()
             loop.loaded(request)
@@ -330,8 +331,15 @@ class SimRequest:
             loop.leave(request)
             raise
         queue_wait_s = times["started"] - times["loaded"]
+        at = times["arrived"]
+        phases = (
+            times["located"] - at,
+            times["loaded"] - at,
+            times["started"] - at,
+            time.monotonic() - at,
+        )
         return self._account(
-            located[0], sharers, fetched_blocks[0], done, queue_wait_s, remote_write
+            located[0], sharers, fetched_blocks[0], done, queue_wait_s, remote_write, phases
         )
 
     async def _locate(self) -> _Located:
@@ -398,6 +406,7 @@ class SimRequest:
         done: _Computed,
         queue_wait_s: float,
         remote_write: bool,
+        phases_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
     ) -> PrefillResult:
         eng, prompt = self._engine, self.prompt
         bs = eng.spec.block_size_tokens
@@ -429,6 +438,7 @@ class SimRequest:
             computed_tokens=done.computed_tokens,
             queue_wait_s=queue_wait_s,
             swap_sharers=sharers,
+            phases_s=phases_s,
         )
 
     async def decode(self, max_tokens: int) -> AsyncIterator[int]:
