@@ -20,7 +20,7 @@ from gateway.config import GatewayConfig, PoolConfig
 from gateway.fleet import replica_auth
 from gateway.fleet.outliers import Backoff, Ejection
 from gateway.fleet.scraper import EngineLoad
-from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued, seeded
+from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
 from routing.decide import Candidate, PoolRules
 
 log = logging.getLogger("cachelane.registry")
@@ -111,27 +111,6 @@ class Replica:
         queue = tuple(Queued(j.at_s - now, j.tokens, j.priority) for j in self.joining.values())
         swapping = sum(1 for j in self.joining.values() if j.swaps and j.at_s > now)
         return Load(in_flight, pending, swapping, busy_s, queue)
-
-    def prefill_done(self, key: int, now_s: float) -> None:
-        """The request under `key` is past its prefill (first byte, or gone). With prefills
-        in shared token-budget steps (vLLM V1) the time since the head started went into every
-        request of those steps: what this one's tokens did not take, at the rate of full steps,
-        stays as progress on the rest (one prefill at a time: it took all of it)."""
-        done = self.joining.get(key)
-        if done is None:
-            return
-        loaded = min(j.at_s for j in self.joining.values())
-        busy_s = now_s - max(self.head_since_s, loaded)
-        del self.joining[key]
-        carried_s = busy_s - done.tokens * self._full_step_token_s()
-        self.head_since_s = now_s - carried_s if self.joining and carried_s > 0 else now_s
-
-    def _full_step_token_s(self) -> float:
-        """Seconds per prefill token while the engine's steps are full (routing/prefill_steps.py,
-        StepShape.token_s without decodes): the drain rate that Load.busy_s is credited at."""
-        t = self.terms if self.terms is not None else seeded(self.costs)
-        budget = self.costs.engine.max_num_batched_tokens
-        return (t.step_s + budget * t.prefill_s_per_token) / budget
 
     def hbm_capacity_tokens(self) -> int:
         """The config's figure, else what the engine reports, else the default."""
@@ -225,7 +204,9 @@ class Reservation:
         self.on_drop()
 
     def _prefill_done(self, now_s: float) -> None:
-        self.replica.prefill_done(id(self), now_s)
+        r = self.replica
+        r.joining.pop(id(self), None)
+        r.head_since_s = now_s  # a serial prefill moves on to the next request in its queue
 
 
 def replica_name(url: str) -> str:

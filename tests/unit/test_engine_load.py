@@ -115,32 +115,3 @@ def test_reservations_tell_when_they_reach_the_prefill() -> None:
     after = r.load(now_s=0.0, stale_after_s=1.0)
     assert [q.tokens for q in after.queue] == [200]
     assert after.swaps_in_flight == 0
-
-
-def test_a_first_byte_keeps_the_progress_shared_steps_made_on_the_rest() -> None:
-    """Prefills share token-budget steps: the 1 s since the head started (at the default 30k
-    tokens/s, ~0.033 ms a token in full steps) went into 3,000 tokens of the request now past its
-    first byte (~0.1 s) and ~0.9 s of progress on the one still prefilling."""
-    r = replica()
-    start = time.perf_counter() - 1.0
-    r.head_since_s = start
-    r.joining[1] = Joining(start, 3_000, False)
-    r.joining[2] = Joining(start, 60_000, False)
-    now = start + 1.0
-    r.prefill_done(1, now)
-    token_s = (r.costs.step_s + 8192 / r.costs.prefill_tokens_per_s) / 8192
-    assert now - r.head_since_s == pytest.approx(1.0 - 3_000 * token_s)
-    assert list(r.joining) == [2]
-
-
-def test_the_last_first_byte_leaves_no_progress_behind() -> None:
-    r = replica()
-    start = time.perf_counter() - 1.0
-    r.head_since_s = start
-    r.joining[1] = Joining(start, 3_000, False)
-    r.prefill_done(1, start + 1.0)
-    assert r.head_since_s == start + 1.0
-    r.joining[2] = Joining(start, 60_000, False)
-    r.joining[3] = Joining(start, 60_000, False)
-    r.prefill_done(2, start + 0.5)  # less time than its own tokens: no progress left to carry
-    assert r.head_since_s == start + 0.5
