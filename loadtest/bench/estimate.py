@@ -7,10 +7,10 @@ remote tier) whose costs are s times slower than routing/cost.py's defaults: pre
 remote network all divided by s (the remote tier's fixed cost per fetch stays). Each arm is a fresh
 gateway on that fleet with the same pool topology but no `costs` block (it starts from the
 defaults, as a user who does not know their GPU's prefill rate would) and `routing.calibration`
-set to the arm's mode; arm `true` states the sim's real costs with calibration `none` (the
-reference for routing quality). Before each arm every replica's prefix cache and the remote tier
-are emptied, and the same seeded trace (multi-turn chat and RAG questions about shared documents)
-is replayed open-loop.
+set to the arm's mode; arm `true` states the sim's real costs and step budget with calibration
+`none` (the reference for routing quality). Before each arm every replica's prefix cache and the
+remote tier are emptied, and the same seeded trace (multi-turn chat and RAG questions about shared
+documents) is replayed open-loop.
 
 Per request, from the client's side: the gateway's estimate (x-cachelane-est-ttft-ms) against the
 observed time to the first SSE chunk, as |est - obs| / obs. Reported: p50 / p90 of that error over
@@ -20,7 +20,10 @@ without its load term against the observed TTFT without the sims' own KV load ti
 vLLM V1's step loop by default, where a request's wait and its prefill spread over shared steps,
 so the queue term alone has no observed counterpart); the prefix hit rate from the usage chunks,
 client TTFT p50 / p99, the prefill utilisation the sims saw (tokens computed and each step's
-fixed cost), and how the prompt tokens split over HBM / CPU / remote / computed.
+fixed cost), and how the prompt tokens split over HBM / CPU / remote / computed. Per arm also:
+the goal figure with the observed time outside the sims' engines (client, gateway and HTTP hops:
+the TTFT less the sim's own arrival-to-first-token time) in place of the estimate's terms for
+it, which tells a miss of the engine terms from the machine's load.
 
 Prints a table, writes results/bench_estimate.json and results/bench_estimate.png (rolling p90
 of the error over the request index, one line per arm, one panel per speed). The machine's cores
@@ -60,7 +63,7 @@ from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_bod
 from loadtest.bench.tier_experiment import scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
-from loadtest.sim.steps import STEP_OVERHEAD_S
+from loadtest.sim.steps import STEP_OVERHEAD_S, default_max_num_batched_tokens
 from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
 from loadtest.workloads import traces
 from loadtest.workloads.traces import TraceRecord
@@ -214,6 +217,9 @@ def fleet_config(
     }
     if costs:
         pool["costs"] = sim_costs(speed)
+        # the sims' step budget: vLLM's default scaled to their prefill rate (loadtest/sim/steps.py)
+        rate = PREFILL_TOKENS_PER_S / speed
+        pool["engine"] = {"max_num_batched_tokens": default_max_num_batched_tokens(rate)}
     routing: dict[str, Any] = {"calibration": calibration}
     if precise is not None:
         pool |= precise.pool_keys(replicas)
@@ -527,6 +533,28 @@ def error_floor(fixed_obs: Sequence[float], share: float) -> float:
     return min(percentile([abs(c - o) / o for o in fixed_obs], q) for c in grid)
 
 
+OUTSIDE_TERMS = ("gateway", "fixed", "relay")  # x-cachelane-est-terms-ms outside the engine
+
+
+def outside_engine(samples: Sequence[Sample]) -> tuple[list[float], list[float]]:
+    """Over the goal's requests: the wall time outside the sim's engine (observed TTFT less the
+    sim's own arrival-to-first-token phase: the client, the gateway, both HTTP hops; the machine's
+    load shows here first), and each request's error with that observed time in place of the
+    estimate's own terms for it (what the error would be if the engine terms alone missed)."""
+    outside: list[float] = []
+    errors: list[float] = []
+    for s in samples:
+        first_ms = s.sim.get("first_token_ms")
+        if not s.ok or not s.obs_s or s.est_s is None or first_ms is None:
+            continue
+        obs_ms = s.obs_s * 1000
+        out_ms = obs_ms - first_ms
+        est_ms = s.est_s * 1000 - sum(s.est_terms_ms.get(t, 0.0) for t in OUTSIDE_TERMS) + out_ms
+        outside.append(out_ms)
+        errors.append(abs(est_ms - obs_ms) / obs_ms)
+    return outside, errors
+
+
 def sim_pool_costs(speed: float) -> PoolCosts:
     """The costs the sims charge at `speed` (sim_costs over routing/cost.py's defaults)."""
     c = sim_costs(speed)
@@ -584,7 +612,9 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
         for s in arm.samples[FIRST_N:]
         if s.ok and s.obs_s and s.est_s is not None and (load := sim_load_ms(s, costs)) is not None
     ]
-    goal = _errors([s for s in arm.samples[FIRST_N:] if (s.obs_s or 0.0) >= GOAL_MIN_TTFT_S])
+    goal_samples = [s for s in arm.samples[FIRST_N:] if (s.obs_s or 0.0) >= GOAL_MIN_TTFT_S]
+    goal = _errors(goal_samples)
+    outside_ms, engine_errors = outside_engine(goal_samples)
     after_ok = [s for s in arm.samples[FIRST_N:] if s.ok and s.rel_error is not None]
     fixed_obs = fixed_only(after_ok)
     fixed_share = len(fixed_obs) / len(after_ok) if after_ok else 0.0
@@ -610,6 +640,10 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
         "ttft_p99_ms": percentile(obs_ms, 99),
         "err_p90_after_goal": percentile(goal, 90),
         "n_after_goal": len(goal),
+        "outside_engine_ms_p50_p90": [percentile(outside_ms, q) for q in (50, 90)]
+        if outside_ms
+        else [],
+        "err_p90_after_goal_engine_terms": percentile(engine_errors, 90),
         "after_load_est_ms_mean": statistics.fmean([w[0] for w in waited]) if waited else math.nan,
         "after_load_obs_ms_mean": statistics.fmean([w[1] for w in waited]) if waited else math.nan,
         "after_load_err_p90_after": percentile([abs(e - w) / o for e, w, o in waited], 90),
@@ -671,7 +705,10 @@ def run_speed(
             st = result.stats
             console.print(
                 f"  speed {speed:g} {arm:<10} {st['ok']}/{st['requests']} ok, err p90 after "
-                f"{_pct(st['err_p90_after'])}, prefill util {st['prefill_utilisation']:.2f}"
+                f"{_pct(st['err_p90_after'])}, prefill util {st['prefill_utilisation']:.2f}; "
+                f"goal {_pct(st['err_p90_after_goal'])}, with the observed time outside the "
+                f"sims' engines {_pct(st['err_p90_after_goal_engine_terms'])} (that time p50 / "
+                f"p90: {' / '.join(f'{v:.0f}' for v in st['outside_engine_ms_p50_p90'])} ms)"
             )
     return out
 

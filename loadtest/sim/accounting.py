@@ -14,6 +14,9 @@ class PrefillResult:
     computed_tokens: int  # prefilled: the uncached tail plus any remote tokens recomputed
     queue_wait_s: float = 0.0  # wall time from its KV being loaded to holding the prefill slot
     swap_sharers: int = 0  # swap-ins on the PCIe link during its own (itself included), 0: none
+    # wall time from arriving at prefill() to: its tiers looked up (the remote tier's lookup is
+    # an HTTP call), its KV loaded, its first chunk scheduled, its first token
+    phases_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     @property
     def cached_tokens(self) -> int:

@@ -298,7 +298,7 @@ class SimRequest:
         done = _Computed()
         located: list[_Located] = []
         fetched_blocks = [0]
-        times = {"loaded": 0.0, "started": 0.0}
+        times = {"arrived": time.monotonic(), "located": 0.0, "loaded": 0.0, "started": 0.0}
 
         def resolve() -> int:
             nonlocal done
@@ -322,6 +322,7 @@ class SimRequest:
         loop.submit(request)
         try:
             located.append(await self._locate())
+            times["located"] = time.monotonic()
             sharers, fetched_blocks[0] = await self._load(located[0])
             times["loaded"] = time.monotonic()
             loop.loaded(request)
@@ -330,8 +331,15 @@ class SimRequest:
             loop.leave(request)
             raise
         queue_wait_s = times["started"] - times["loaded"]
+        at = times["arrived"]
+        phases = (
+            times["located"] - at,
+            times["loaded"] - at,
+            times["started"] - at,
+            time.monotonic() - at,
+        )
         return self._account(
-            located[0], sharers, fetched_blocks[0], done, queue_wait_s, remote_write
+            located[0], sharers, fetched_blocks[0], done, queue_wait_s, remote_write, phases
         )
 
     async def _locate(self) -> _Located:
@@ -341,16 +349,29 @@ class SimRequest:
         g = eng.hbm.prefix_len(reusable)
         c = eng.cpu.prefix_len(reusable, g) if eng.cpu is not None else 0
         m = 0
-        if eng.remote is not None and g + c < len(reusable):
+        rest = len(reusable) - g - c
+        if eng.remote is not None and rest > 0 and self._fetch_may_pay(prompt, g, c, rest):
             m = await eng.remote.lookup(list(reusable[g + c :]))
-        cost = estimate(
+        return _Located(reusable, g, c, m, self._load_cost(prompt, g, c, m))
+
+    def _load_cost(self, prompt: Prompt, g: int, c: int, m: int) -> Estimate:
+        bs = self._engine.spec.block_size_tokens
+        return estimate(
             Overlap(
                 prompt.prompt_tokens, hbm_tokens=g * bs, cpu_tokens=c * bs, remote_tokens=m * bs
             ),
-            Load(swaps_in_flight=eng._swaps_in_flight),
-            eng.spec.costs,
+            Load(swaps_in_flight=self._engine._swaps_in_flight),
+            self._engine.spec.costs,
         )
-        return _Located(reusable, g, c, m, cost)
+
+    def _fetch_may_pay(self, prompt: Prompt, g: int, c: int, rest: int) -> bool:
+        """Would fetching all `rest` blocks beyond HBM and the CPU tier beat recomputing them?
+        If not, no lookup result changes what the request does (it recomputes them), and the
+        lookup is skipped: in vLLM the connector's lookup runs inside the scheduler
+        (`get_num_new_matched_tokens`, vllm/v1/core/sched/scheduler.py), here it is an HTTP call
+        to another process whose latency on a shared machine no engine model has (the fixed cost
+        of a fetch, routing.cost.REMOTE_FIXED_S, covers the lookups that lead to one)."""
+        return self._load_cost(prompt, g, c, rest).remote_fetch
 
     async def _load(self, where: _Located) -> tuple[int, int]:
         """Swap the CPU blocks in and fetch the remote ones (or recompute them, when cheaper);
@@ -398,6 +419,7 @@ class SimRequest:
         done: _Computed,
         queue_wait_s: float,
         remote_write: bool,
+        phases_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
     ) -> PrefillResult:
         eng, prompt = self._engine, self.prompt
         bs = eng.spec.block_size_tokens
@@ -429,6 +451,7 @@ class SimRequest:
             computed_tokens=done.computed_tokens,
             queue_wait_s=queue_wait_s,
             swap_sharers=sharers,
+            phases_s=phases_s,
         )
 
     async def decode(self, max_tokens: int) -> AsyncIterator[int]:

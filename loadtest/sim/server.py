@@ -411,6 +411,14 @@ def _usage(result: PrefillResult, max_tokens: int) -> dict[str, Any]:
         "queue_wait_ms": round(result.queue_wait_s * 1000, 3),
         "swap_sharers": result.swap_sharers,
     }
+    located, loaded, started, first = result.phases_s
+    if first:  # the step engine's wall-clock phases, from its arrival at the prefill
+        timing |= {
+            "located_ms": round(located * 1000, 3),
+            "loaded_ms": round(loaded * 1000, 3),
+            "started_ms": round(started * 1000, 3),
+            "first_token_ms": round(first * 1000, 3),
+        }
     return protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens, timing)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import random
 
-from loadtest.bench.estimate import error_floor
+import pytest
+
+from loadtest.bench.estimate import Sample, error_floor, outside_engine
 from routing.whatif.summary import percentile
 
 
@@ -24,3 +26,16 @@ def test_no_constant_for_the_fixed_requests_beats_the_floor() -> None:
 def test_no_floor_when_the_fixed_requests_are_a_tenth_or_less() -> None:
     assert math.isnan(error_floor([0.02, 0.03], 0.1))
     assert math.isnan(error_floor([], 0.5))
+
+
+def test_outside_engine_takes_the_observed_time_outside_the_sims_engine_for_its_terms() -> None:
+    """TTFT 100 ms of which the sim's engine took 60: 40 ms outside it. The estimate (70 ms: 10
+    of them gateway, fixed and relay terms, 60 of engine terms) is 30% off, and 0% with the
+    observed 40 ms in place of its own 10."""
+    s = Sample(0, 0.0, status=200, obs_s=0.1, est_s=0.07)
+    s.est_terms_ms = {"gateway": 2.0, "fixed": 7.0, "relay": 1.0, "prefill": 60.0}
+    s.sim = {"first_token_ms": 60.0}
+    outside, errors = outside_engine([s, Sample(1, 0.0, status=200, obs_s=0.1, est_s=0.1)])
+    assert outside == [pytest.approx(40.0)]
+    assert errors == [pytest.approx(0.0)]
+    assert s.rel_error == pytest.approx(0.3)
