@@ -21,7 +21,8 @@ model and the simulator agree by construction; queueing is not modelled, it happ
 Like vLLM, the last prompt token is always computed (a full hit still prefills one token), so at
 most (prompt_tokens - 1) // block_size_tokens leading blocks are reused. When its prefill starts,
 HBM is looked at again: blocks another request prefilled meanwhile are reused (as vLLM's scheduler
-does). Blocks completed during decode are not cached.
+does), and a request that loaded nothing recomputes blocks HBM lost since it arrived. Blocks
+completed during decode are not cached.
 
 With a tokenizer (precise mode) prompts are the engine's token ids, blocks are keyed like vLLM's
 (token ids chained from a root that folds in the request's cache_salt), and with an event sink
@@ -382,10 +383,19 @@ class SimRequest:
         self.running = True
 
     def _look_again(self, where: _Located, fetched: int) -> _Computed:
-        """Blocks another request prefilled meanwhile are reused (as vLLM's scheduler does)."""
+        """Blocks another request prefilled meanwhile are reused (as vLLM's scheduler does).
+
+        With nothing loaded, the hits are what HBM holds now: vLLM looks its prefix cache up when
+        it first schedules a request (Scheduler.schedule() calls get_computed_blocks only while
+        num_computed_tokens == 0), so blocks evicted since the request arrived are computed
+        again. With a load, the HBM prefix found with it stays a hit: vLLM pins it (ref count)
+        when the load starts, by allocate_slots (vllm/v1/core/kv_cache_manager.py)."""
         eng = self._engine
         loaded = where.hbm + where.cpu + fetched
         hbm_now = eng.hbm.prefix_len(where.reusable)
+        if loaded == where.hbm:
+            bs = eng.spec.block_size_tokens
+            return _Computed(hbm_now, hbm_now, self.prompt.prompt_tokens - hbm_now * bs)
         cached = max(loaded, hbm_now)
         computed = self.prompt.prompt_tokens - cached * eng.spec.block_size_tokens
         return _Computed(where.hbm + max(0, hbm_now - loaded), cached, computed)
