@@ -10,10 +10,11 @@ One request, in order (every sleep is real and multiplied by spec.time_factor):
      and 3 run, and gets token-budget chunks (steps.py, step_loop.py); its first token comes when
      the step that computes its last prompt token ends. With "serial", one request prefills at a
      time, whole, holding the replica's one slot (prefill_queue.py);
-  5. put every prompt block in HBM, demote HBM's overflow to the CPU tier (CPU overflow is dropped),
-     and write the prompt's blocks to the remote tier unless told not to: the write runs beside
-     the first token and the decode (a write costs bytes, no modelled time), and the request is
-     not finished until it is done;
+  5. put every prompt block in HBM (with "steps" when the request is first scheduled, as vLLM
+     caches the blocks a step will compute; with "serial" after its prefill), demote HBM's
+     overflow to the CPU tier (CPU overflow is dropped), and write the prompt's blocks to the
+     remote tier unless told not to: the write runs beside the first token and the decode (a
+     write costs bytes, no modelled time), and the request is not finished until it is done;
   6. decode, one token per itl_s, concurrently with other requests.
 Steps 2 and 3 charge exactly routing.cost.estimate()'s swap and remote terms, so the gateway's cost
 model and the simulator agree by construction; queueing is not modelled, it happens at step 4.
@@ -303,7 +304,11 @@ class SimRequest:
 
         def resolve() -> int:
             nonlocal done
-            done = self._look_again(located[0], fetched_blocks[0])
+            where = located[0]
+            done = self._look_again(where, fetched_blocks[0])
+            # Cached as scheduled, as vLLM's allocate_slots caches the blocks a step will compute
+            # (and evicts for them): a request scheduled after it, in this step or later, hits them.
+            self._place_in_hbm(swapped_in=where.reusable[where.hbm : where.hbm + where.cpu])
             return done.computed_tokens
 
         def on_start() -> None:
@@ -311,8 +316,6 @@ class SimRequest:
             self._start()
 
         def on_first_token() -> None:
-            where = located[0]
-            self._place_in_hbm(swapped_in=where.reusable[where.hbm : where.hbm + where.cpu])
             if not first_token.done():
                 first_token.set_result(None)
 
