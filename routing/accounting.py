@@ -163,8 +163,10 @@ def confirmed_tokens(overlap: Overlap, remote_fetch: bool, cached_tokens: int | 
     Fewer cached than expected: the shortfall was prefilled, taken from the remote part first,
     then the CPU part, then HBM (the farther a tier, the likelier its index entry is stale: the
     same order as the cost fit's samples, gateway/accounting/calibration.py). More than expected:
-    the surplus was found in HBM (another request prefilled it in the meantime, as vLLM's scheduler
-    reuses)."""
+    first the remote-held tokens the decision expected recomputed (the engine weighs fetch against
+    recompute on its own costs, the decision on the replica's fitted terms, so a close call goes
+    either way: in the cost bench's trace every such surplus was a fetch), then HBM (another
+    request prefilled it in the meantime, as vLLM's scheduler reuses)."""
     hbm, cpu = overlap.hbm_tokens, overlap.cpu_tokens
     remote = overlap.remote_tokens if remote_fetch else 0
     n = overlap.prompt_tokens
@@ -179,7 +181,9 @@ def confirmed_tokens(overlap: Overlap, remote_fetch: bool, cached_tokens: int | 
             cpu -= for_cpu
             hbm -= missing - for_cpu
         elif missing < 0:
-            hbm -= missing
+            fetched = min(-missing, overlap.remote_tokens - remote)
+            remote += fetched
+            hbm += -missing - fetched
     return TierTokens(hbm, cpu, remote, n - hbm - cpu - remote)
 
 

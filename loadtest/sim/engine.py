@@ -10,10 +10,11 @@ One request, in order (every sleep is real and multiplied by spec.time_factor):
      and 3 run, and gets token-budget chunks (steps.py, step_loop.py); its first token comes when
      the step that computes its last prompt token ends. With "serial", one request prefills at a
      time, whole, holding the replica's one slot (prefill_queue.py);
-  5. put every prompt block in HBM, demote HBM's overflow to the CPU tier (CPU overflow is dropped),
-     and write the prompt's blocks to the remote tier unless told not to: the write runs beside
-     the first token and the decode (a write costs bytes, no modelled time), and the request is
-     not finished until it is done;
+  5. put every prompt block in HBM (with "steps" when the request is first scheduled, as vLLM
+     caches the blocks a step will compute; with "serial" after its prefill), demote HBM's
+     overflow to the CPU tier (CPU overflow is dropped), and write the prompt's blocks to the
+     remote tier unless told not to: the write runs beside the first token and the decode (a
+     write costs bytes, no modelled time), and the request is not finished until it is done;
   6. decode, one token per itl_s, concurrently with other requests.
 Steps 2 and 3 charge exactly routing.cost.estimate()'s swap and remote terms, so the gateway's cost
 model and the simulator agree by construction; queueing is not modelled, it happens at step 4.
@@ -21,7 +22,8 @@ model and the simulator agree by construction; queueing is not modelled, it happ
 Like vLLM, the last prompt token is always computed (a full hit still prefills one token), so at
 most (prompt_tokens - 1) // block_size_tokens leading blocks are reused. When its prefill starts,
 HBM is looked at again: blocks another request prefilled meanwhile are reused (as vLLM's scheduler
-does). Blocks completed during decode are not cached.
+does), and a request that loaded nothing recomputes blocks HBM lost since it arrived. Blocks
+completed during decode are not cached.
 
 With a tokenizer (precise mode) prompts are the engine's token ids, blocks are keyed like vLLM's
 (token ids chained from a root that folds in the request's cache_salt), and with an event sink
@@ -302,7 +304,11 @@ class SimRequest:
 
         def resolve() -> int:
             nonlocal done
-            done = self._look_again(located[0], fetched_blocks[0])
+            where = located[0]
+            done = self._look_again(where, fetched_blocks[0])
+            # Cached as scheduled, as vLLM's allocate_slots caches the blocks a step will compute
+            # (and evicts for them): a request scheduled after it, in this step or later, hits them.
+            self._place_in_hbm(swapped_in=where.reusable[where.hbm : where.hbm + where.cpu])
             return done.computed_tokens
 
         def on_start() -> None:
@@ -310,8 +316,6 @@ class SimRequest:
             self._start()
 
         def on_first_token() -> None:
-            where = located[0]
-            self._place_in_hbm(swapped_in=where.reusable[where.hbm : where.hbm + where.cpu])
             if not first_token.done():
                 first_token.set_result(None)
 
@@ -403,10 +407,19 @@ class SimRequest:
         self.running = True
 
     def _look_again(self, where: _Located, fetched: int) -> _Computed:
-        """Blocks another request prefilled meanwhile are reused (as vLLM's scheduler does)."""
+        """Blocks another request prefilled meanwhile are reused (as vLLM's scheduler does).
+
+        With nothing loaded, the hits are what HBM holds now: vLLM looks its prefix cache up when
+        it first schedules a request (Scheduler.schedule() calls get_computed_blocks only while
+        num_computed_tokens == 0), so blocks evicted since the request arrived are computed
+        again. With a load, the HBM prefix found with it stays a hit: vLLM pins it (ref count)
+        when the load starts, by allocate_slots (vllm/v1/core/kv_cache_manager.py)."""
         eng = self._engine
         loaded = where.hbm + where.cpu + fetched
         hbm_now = eng.hbm.prefix_len(where.reusable)
+        if loaded == where.hbm:
+            bs = eng.spec.block_size_tokens
+            return _Computed(hbm_now, hbm_now, self.prompt.prompt_tokens - hbm_now * bs)
         cached = max(loaded, hbm_now)
         computed = self.prompt.prompt_tokens - cached * eng.spec.block_size_tokens
         return _Computed(where.hbm + max(0, hbm_now - loaded), cached, computed)

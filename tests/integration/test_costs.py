@@ -113,7 +113,12 @@ async def test_accounting_matches_the_simulators_counters() -> None:
     loaded_sim = by_name["CPU-tier tokens (PCIe)"].simulator
     loaded_sim += by_name["remote-tier tokens fetched"].simulator
     assert within(loaded_gw, loaded_sim, 0.15), (loaded_gw, loaded_sim)
-    assert within(by_name["swap-ins"].gateway, by_name["swap-ins"].simulator, 0.15)
+    # Swap-ins are 6-12 a run: one request the gateway's HBM LRU and the sim's disagree on (they
+    # evict a swap's length apart: the index records a computed tail at send and loaded blocks at
+    # the first byte, the sim all of them when the request is first scheduled) is 8-17%. Measured
+    # over 12 runs of this trace (diagnosis in the commit): at most one apart, CPU tokens within 3%.
+    swaps = by_name["swap-ins"]
+    assert abs(swaps.gateway - swaps.simulator) <= max(1.0, 0.15 * swaps.simulator), swaps
     assert gw["pcie_bytes"] == gw["cpu_tokens"] * PoolCosts().kv_bytes_per_token
     # The remote ledger and the HBM index mirror LRUs the sims keep at the same capacities.
     for name in ("remote bytes written", "remote bytes evicted", "HBM blocks evicted"):

@@ -52,6 +52,17 @@ def test_remote_tokens_recomputed_are_computed() -> None:
     )
 
 
+def test_a_surplus_is_the_remote_run_the_engine_fetched_before_hbm() -> None:
+    """The decision expected the remote-held run recomputed; the engine fetched it."""
+    overlap = Overlap(4000, hbm_tokens=1000, cpu_tokens=0, remote_tokens=1600)
+    assert confirmed_tokens(overlap, remote_fetch=False, cached_tokens=2600) == TierTokens(
+        1000, 0, 1600, 1400
+    )
+    assert confirmed_tokens(overlap, remote_fetch=False, cached_tokens=3000) == TierTokens(
+        1400, 0, 1600, 1000
+    )
+
+
 ESTIMATED = Layers(fixed_s=0.003, queue_s=0.017, swap_s=0.02, fetch_s=0.01, prefill_s=0.05)
 
 
