@@ -328,13 +328,24 @@ async def test_a_first_choice_reserved_with_its_decision_is_seen_by_the_next_and
     None
 ):
     """Two requests decided in one step of the event loop (a burst read at once): the second
-    one's estimate counts the first one's prefill, reserved with its decision; forward() sends
-    the first on that reservation rather than taking a second one."""
+    one's estimate counts the first one's prefill, reserved with its decision (as queue, or as
+    the engine step the two would share: either way its TTFT there is above an idle replica's);
+    forward() sends the first on that reservation rather than taking a second one."""
     s = await setup()
-    first = await s.plan(json.loads(raw_chat(stream=True)))
+    long_body = json.loads(raw_chat(stream=True))
+    # ~1 s of prefill at the default rate: still ahead when the second is decided, however
+    # slowly this machine runs the two plans
+    long_body["messages"][1]["content"] = "word " * 30_000
+    first = await s.plan(long_body)
     reserved = s.proxy.reserve_first(first)
     second = await s.plan(json.loads(raw_chat(stream=True)))
-    assert second.decision.score(first.decision.replica).estimate.queue_s > 0
+    busy = second.decision.score(first.decision.replica).estimate
+    idle = [
+        second.decision.score(name).estimate
+        for name in second.decision.ranking
+        if name != first.decision.replica
+    ]
+    assert all(busy.ttft_s > other.ttft_s for other in idle), (busy, idle)
     assert s.replica(first.decision.replica).in_flight == 1
     response = await s.proxy.forward("chat", raw_chat(stream=True), first, reserved=reserved)
     assert s.fleet.sent[0].replica == first.decision.replica.split("//")[-1]
