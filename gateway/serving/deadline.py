@@ -19,6 +19,10 @@ from typing import Any
 from gateway.config import PoolConfig
 
 OUTPUT_LIMIT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# Above any model's context (the longest are ~10M tokens, Llama 4 Scout's model card): a request
+# asking for more is refused by the engine, so no deadline is derived from it (and a client's
+# 10**400 never reaches float arithmetic)
+MAX_OUTPUT_TOKENS = 10**7
 
 
 def output_limit_tokens(body: Mapping[str, Any], card: Mapping[str, Any] | None) -> int | None:
@@ -43,6 +47,6 @@ def first_byte_deadline_s(
     if stream or endpoint == "embeddings":  # an embedding has no decode
         return pool.first_byte_timeout_s
     limit = output_limit_tokens(body, card)
-    if limit is None:
+    if limit is None or limit > MAX_OUTPUT_TOKENS:
         return None
     return pool.first_byte_timeout_s + limit / pool.min_decode_tokens_per_s

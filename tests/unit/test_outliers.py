@@ -109,6 +109,12 @@ def test_a_whole_answer_without_a_known_bound_has_only_the_read_timeout() -> Non
     assert first_byte_deadline_s(POOL, stream=False, endpoint="chat", body={}, card=None) is None
 
 
+@pytest.mark.parametrize("tokens", [10**7 + 1, 10**400], ids=["past-any-context", "past-float"])
+def test_an_output_past_any_models_context_has_only_the_read_timeout(tokens: int) -> None:
+    body = {"max_tokens": tokens}
+    assert first_byte_deadline_s(POOL, stream=False, endpoint="chat", body=body, card=None) is None
+
+
 def test_an_embedding_has_no_decode() -> None:
     deadline = first_byte_deadline_s(POOL, stream=False, endpoint="embeddings", body={}, card=None)
     assert deadline == 3.0
