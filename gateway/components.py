@@ -39,52 +39,25 @@ class Component(Protocol):
     async def aclose(self) -> None: ...
 
 
-class Background:
-    """A part whose work runs in tasks: `prepare()` (the first round, awaited), then `spawn()`
-    starts its tasks; aclose cancels and awaits them, then runs `finish()` once."""
-
-    def __init__(
-        self, name: str, spawn: Spawn, *, prepare: Step | None = None, finish: Step | None = None
-    ) -> None:
-        self.name = name
-        self._spawn = spawn
-        self._prepare = prepare
-        self._finish = finish
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._started = False
-        self._closed = False
-
-    async def start(self) -> None:
-        self._started = True
-        if self._prepare is not None:
-            await self._prepare()
-        spawned = self._spawn()
-        self._tasks = [spawned] if isinstance(spawned, asyncio.Task) else list(spawned)
-
-    async def aclose(self) -> None:
-        if self._closed or not self._started:
-            return
-        self._closed = True
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._finish is not None:
-            await self._finish()
+async def start_all(components: Sequence[Component], stack: contextlib.AsyncExitStack) -> None:
+    """Start each component in order, its aclose pushed on `stack` first (so the stack closes
+    them in reverse, a half-started one included). A failing start is logged with the
+    component's name and raised: the caller's stack then closes those already started."""
+    for component in components:
+        stack.push_async_callback(_close_logged, component)
+        try:
+            await component.start()
+        except Exception as err:
+            log.error("component %s failed to start: %r", component.name, err)
+            raise
 
 
-def loop(
-    name: str, run: Callable[[], Awaitable[None]], *, prepare: Step | None = None
-) -> Background:
-    """A part whose work is one `run()` coroutine, looping until cancelled."""
-
-    def spawn() -> asyncio.Task[None]:
-        async def running() -> None:
-            await run()
-
-        return asyncio.create_task(running(), name=name)
-
-    return Background(name, spawn, prepare=prepare)
+async def _close_logged(component: Component) -> None:
+    """Close one component; its failure is logged and does not keep the others open."""
+    try:
+        await component.aclose()
+    except Exception:
+        log.exception("component %s failed to close", component.name)
 
 
 class Resource:
@@ -113,22 +86,43 @@ class Resource:
             await self._closed_by()
 
 
-async def start_all(components: Sequence[Component], stack: contextlib.AsyncExitStack) -> None:
-    """Start each component in order, its aclose pushed on `stack` first (so the stack closes
-    them in reverse, a half-started one included). A failing start is logged with the
-    component's name and raised: the caller's stack then closes those already started."""
-    for component in components:
-        stack.push_async_callback(_close_logged, component)
-        try:
-            await component.start()
-        except Exception as err:
-            log.error("component %s failed to start: %r", component.name, err)
-            raise
+class Background(Resource):
+    """A part whose work runs in tasks: `prepare()` (the first round, awaited), then `spawn()`
+    starts its tasks; aclose cancels and awaits them, then runs `finish()` once."""
+
+    def __init__(
+        self, name: str, spawn: Spawn, *, prepare: Step | None = None, finish: Step | None = None
+    ) -> None:
+        super().__init__(name, opened=self._open, closed=self._cancel)
+        self._spawn = spawn
+        self._prepare = prepare
+        self._finish = finish
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    async def _open(self) -> None:
+        if self._prepare is not None:
+            await self._prepare()
+        spawned = self._spawn()
+        self._tasks = [spawned] if isinstance(spawned, asyncio.Task) else list(spawned)
+
+    async def _cancel(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._finish is not None:
+            await self._finish()
 
 
-async def _close_logged(component: Component) -> None:
-    """Close one component; its failure is logged and does not keep the others open."""
-    try:
-        await component.aclose()
-    except Exception:
-        log.exception("component %s failed to close", component.name)
+def loop(
+    name: str, run: Callable[[], Awaitable[None]], *, prepare: Step | None = None
+) -> Background:
+    """A part whose work is one `run()` coroutine, looping until cancelled."""
+
+    def spawn() -> asyncio.Task[None]:
+        async def running() -> None:
+            await run()
+
+        return asyncio.create_task(running(), name=name)
+
+    return Background(name, spawn, prepare=prepare)

@@ -11,6 +11,8 @@ _ZMQ_TCP = re.compile(r"^tcp://[^:/\s]+:\d{1,5}$")
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from gateway.config.base import PositiveFloat, PositiveInt, Strict
+from gateway.config.base import NonNegativeInt, PositiveFloat, PositiveInt, Strict
 from routing.filters import Fallback
 
 
@@ -68,7 +68,7 @@ class ClassConfig(Strict):
         default=30.0,
         description="Longest a request waits in the gateway's queue; then 503 with Retry-After.",
     )
-    max_queue: Annotated[int, Field(ge=0)] = Field(
+    max_queue: NonNegativeInt = Field(
         default=1024,
         description="Requests of the class the gateway holds at most; past it, 503 at once.",
     )

@@ -4,12 +4,20 @@ knobs and remote-tier admission."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
-from gateway.config.base import _ZMQ_TCP, PositiveFloat, PositiveInt, Strict, url_key
+from gateway.config.base import (
+    _ZMQ_TCP,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Strict,
+    url_key,
+)
 from routing.cost import (
     FIXED_S,
     KV_BYTES_PER_TOKEN,
@@ -33,9 +41,9 @@ class CostsConfig(Strict):
     prefill_tokens_per_s: PositiveFloat = PREFILL_TOKENS_PER_S
     pcie_gbps: PositiveFloat = PCIE_GBPS
     remote_gbps: PositiveFloat = REMOTE_GBPS
-    remote_fixed_s: Annotated[float, Field(ge=0)] = REMOTE_FIXED_S
-    fixed_s: Annotated[float, Field(ge=0)] = FIXED_S
-    step_s: Annotated[float, Field(ge=0)] = Field(
+    remote_fixed_s: NonNegativeFloat = REMOTE_FIXED_S
+    fixed_s: NonNegativeFloat = FIXED_S
+    step_s: NonNegativeFloat = Field(
         default=STEP_S,
         description="Fixed cost of one engine step (a forward pass), seconds, whatever its "
         "tokens: 3.4 ms, the weights of an 8B BF16 model read once from H200 HBM "
@@ -59,7 +67,7 @@ class EngineConfig(Strict):
         "OpenAI server on a 70-160 GiB GPU other than an A100 (vllm/engine/arg_utils.py; CPU: "
         "2048, other GPUs: 2048, >= 160 GiB: 16384).",
     )
-    long_prefill_token_threshold: Annotated[int, Field(ge=0)] = Field(
+    long_prefill_token_threshold: NonNegativeInt = Field(
         default=LONG_PREFILL_TOKEN_THRESHOLD,
         description="vLLM --long-prefill-token-threshold: most tokens one prefill takes in a "
         "step when other requests are there. 0 (vLLM's default): no cap, so a request that "

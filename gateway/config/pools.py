@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, HttpUrl, SecretStr, field_validator, model_validator
 
-from gateway.config.base import PositiveFloat, PositiveInt, Strict
+from gateway.config.base import NonNegativeInt, PositiveFloat, PositiveInt, Strict
 from gateway.config.engines import (
     AdmissionConfig,
     CostsConfig,
@@ -178,7 +178,7 @@ class PoolConfig(Strict):
         "higher engine priority, so a long lent prefill is the next critical request's wait. "
         "Unset: no bound.",
     )
-    lend_keep_idle: Annotated[int, Field(ge=0)] = Field(
+    lend_keep_idle: NonNegativeInt = Field(
         default=0,
         description="A pinned replica is lent only while at least this many other replicas of "
         "its pool have no prefill pending, so the next critical request finds one it can start "
@@ -209,7 +209,7 @@ class PoolConfig(Strict):
         "vllm:cache_config_info (num_gpu_blocks x block_size), and until then "
         f"{HBM_CAPACITY_TOKENS} (routing/cost.py HBM_CAPACITY_TOKENS).",
     )
-    cpu_capacity_tokens: Annotated[int, Field(ge=0)] = 0  # 0: no CPU offload tier
+    cpu_capacity_tokens: NonNegativeInt = 0  # 0: no CPU offload tier
     remote_tier: str | None = None
     max_prompt_tokens: PositiveInt | None = None
     first_byte_timeout_s: PositiveFloat = Field(

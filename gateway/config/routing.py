@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from gateway.config.base import PositiveFloat, PositiveInt, Strict
+from gateway.config.base import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Strict
 from gateway.config.pools import (
     DEFAULT_EJECT_AFTER_ERRORS,
     DEFAULT_EJECTION_FACTOR,
@@ -49,14 +49,14 @@ class HealthConfig(Strict):
     interval_s: PositiveFloat = 2.0
     timeout_s: PositiveFloat = 1.0
     fail_after: PositiveInt = 2  # consecutive failed checks before a replica is ejected
-    eject_after_errors: Annotated[int, Field(ge=0)] = Field(
+    eject_after_errors: NonNegativeInt = Field(
         default=DEFAULT_EJECT_AFTER_ERRORS,
         description="Passive health: consecutive failures of a replica's own traffic (5xx "
         "answers, first-byte timeouts, broken connections, answers that are not JSON or an "
         "event stream) before it is ejected (Envoy's outlier detection, consecutive_5xx). A "
         "refused connection ejects at once. 0: off.",
     )
-    ejection_s: Annotated[float, Field(ge=0)] = Field(
+    ejection_s: NonNegativeFloat = Field(
         default=DEFAULT_EJECTION_S,
         description="A replica ejected for how its requests went (5xx, first-byte timeouts, a "
         "refused connection) stays out at least this long (Envoy's base_ejection_time), then "
@@ -67,7 +67,7 @@ class HealthConfig(Strict):
         description="Each ejection in a row (a failed probe counts one) multiplies the time out "
         "by this (exponential back-off, as Envoy's retry back-off doubles).",
     )
-    max_ejection_s: Annotated[float, Field(ge=0)] = Field(
+    max_ejection_s: NonNegativeFloat = Field(
         default=DEFAULT_MAX_EJECTION_S,
         description="The longest time out of one ejection (Envoy's max_ejection_time).",
     )

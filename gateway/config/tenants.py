@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
-from gateway.config.base import PositiveInt, Strict
+from gateway.config.base import NonNegativeInt, PositiveInt, Strict
 from gateway.tenancy.keys import MIN_API_KEY_CHARS, MIN_SECRET_CHARS
 from gateway.tenancy.tenants import name_problem
 from routing.types import TenantClass
@@ -118,7 +118,7 @@ class RateLimitsConfig(Strict):
         default_factory=dict,
         description="Limits of one tenant by name; a limit given here replaces its class's.",
     )
-    failed_auth_per_min: Annotated[int, Field(ge=0)] = Field(
+    failed_auth_per_min: NonNegativeInt = Field(
         default=DEFAULT_FAILED_AUTH_PER_MIN,
         description="Failed authentications (401) a client address, or a key, may make a "
         "minute; past it, its requests without a valid key get 429 with Retry-After until the "

@@ -58,6 +58,21 @@ class ApiError(Exception):
         return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers)
 
 
+def retry_later(
+    status: int, message: str, *, code: str, retry_after_s: int, param: str | None = None
+) -> ApiError:
+    """A failure of the gateway or its fleet, not of the request (OpenAI's server_error type),
+    that the client may retry after `retry_after_s` seconds (the Retry-After header)."""
+    return ApiError(
+        status,
+        message,
+        code=code,
+        type=SERVER_ERROR,
+        param=param,
+        headers={"retry-after": str(retry_after_s)},
+    )
+
+
 def bad_request(
     message: str, *, code: str = "invalid_request", param: str | None = None
 ) -> ApiError:
@@ -65,12 +80,11 @@ def bad_request(
 
 
 def no_replica(model: str, retry_after_s: int = 1) -> ApiError:
-    return ApiError(
+    return retry_later(
         503,
         f"no healthy replica can serve model {model!r} right now",
         code="no_healthy_replica",
-        type=SERVER_ERROR,
-        headers={"retry-after": str(retry_after_s)},
+        retry_after_s=retry_after_s,
     )
 
 
@@ -82,10 +96,9 @@ def upstream_error(replica: str, err: UpstreamError) -> ApiError:
         return ApiError(
             504, f"replica {replica} timed out", code="upstream_timeout", type=SERVER_ERROR
         )
-    return ApiError(
+    return retry_later(
         502,
         f"replica {replica} failed: {type(err).__name__}",
         code="upstream_unavailable",
-        type=SERVER_ERROR,
-        headers={"retry-after": str(UPSTREAM_RETRY_AFTER_S)},
+        retry_after_s=UPSTREAM_RETRY_AFTER_S,
     )

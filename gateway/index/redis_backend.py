@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -162,6 +162,15 @@ def _parse_holders(value: bytes) -> Holders:
     return earliest, frozenset(location for _, location in entries), tuple(entries)
 
 
+class IndexOptions(TypedDict, total=False):
+    """RedisIndex's keyword options, which from_url passes on (their defaults: __init__'s)."""
+
+    ttl_s: float
+    capacity_blocks: CapacityFn
+    spill_to: SpillFn
+    key_prefix: str
+
+
 class RedisIndex:
     """KV index in Redis or Redis Cluster; see the module docstring for the key layout."""
 
@@ -192,30 +201,21 @@ class RedisIndex:
         url: str,
         *,
         cluster: bool = False,
-        ttl_s: float = DEFAULT_TTL_S,
-        capacity_blocks: CapacityFn = no_capacity,
-        spill_to: SpillFn = no_spill,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
         socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+        **options: Unpack[IndexOptions],
     ) -> RedisIndex:
         # No retries: a failed call should reach the gateway's fallback at once, not after backoff.
-        options: dict[str, Any] = {
+        connection: dict[str, Any] = {
             "socket_timeout": socket_timeout_s,
             "socket_connect_timeout": socket_timeout_s,
             "retry": Retry(NoBackoff(), 0),
         }
         client: RedisClient
         if cluster:
-            client = RedisCluster.from_url(url, **options)
+            client = RedisCluster.from_url(url, **connection)
         else:
-            client = Redis.from_url(url, **options)
-        return cls(
-            client,
-            ttl_s=ttl_s,
-            capacity_blocks=capacity_blocks,
-            spill_to=spill_to,
-            key_prefix=key_prefix,
-        )
+            client = Redis.from_url(url, **connection)
+        return cls(client, **options)
 
     # keys
 

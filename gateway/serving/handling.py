@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from fastapi import Request
 
-from gateway.http.errors import ApiError
+from gateway.http.errors import ApiError, retry_later
 from gateway.serving.flow import FlowControl, Shed
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
@@ -89,7 +89,7 @@ async def hold(gw: Gateway, plan: Plan) -> Dispatch:
         waited_s = await flow.admit(plan.tenant.name, klass, ready)
     except Shed as err:
         gw.metrics.flow_shed.labels(klass.value, err.reason).inc()
-        raise ApiError(
+        raise retry_later(
             503,
             f"the fleet is saturated and this {klass.value} request "
             + (
@@ -99,8 +99,7 @@ async def hold(gw: Gateway, plan: Plan) -> Dispatch:
             )
             + "; retry later",
             code="overloaded",
-            type="server_error",
-            headers={"retry-after": str(err.retry_after_s)},
+            retry_after_s=err.retry_after_s,
         ) from None
     gw.metrics.flow_wait_seconds.labels(klass.value).observe(waited_s)
     note_queue_wait(waited_s)

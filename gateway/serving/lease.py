@@ -14,8 +14,6 @@ replica, a client gone, a cancelled task) releases it exactly once.
 
 from __future__ import annotations
 
-from types import TracebackType
-
 from gateway.fleet.registry import Replica, Reservation
 
 
@@ -54,10 +52,5 @@ class Lease:
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_exc_info: object) -> None:
         self.release()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config import GatewayConfig
 from gateway.fleet.registry import Registry, Replica
-from gateway.http.errors import ApiError, bad_request, no_replica
+from gateway.http.errors import ApiError, bad_request, no_replica, retry_later
 from gateway.index.reuse import ReuseCounter
 from gateway.serving import slo
 from gateway.serving.pinning import PinnedPoolWatch
@@ -320,12 +320,11 @@ class Planner:
             if routed.shed is Shed.OBJECTIVE and routed.objective_s is not None
             else "the fleet is overloaded"
         )
-        raise ApiError(
+        raise retry_later(
             503,
             f"{why}; {klass.value} traffic is shed first; retry later",
             code="overloaded",
-            type="server_error",
-            headers={"retry-after": str(retry_after_s)},
+            retry_after_s=retry_after_s,
         )
 
     def _check_length(self, model: str, prompt_tokens: int, endpoint: str) -> None:
@@ -340,12 +339,11 @@ class Planner:
 
     def _rejection(self, model: str, fallback: Fallback | None) -> ApiError:
         if fallback is Fallback.REJECT:
-            return ApiError(
+            return retry_later(
                 503,
                 f"the pinned pool for {model!r} is down or at its admission cap",
                 code="pinned_pool_unavailable",
-                type="server_error",
-                headers={"retry-after": str(self._config.critical.retry_after_s)},
+                retry_after_s=self._config.critical.retry_after_s,
             )
         return no_replica(model, self._config.critical.retry_after_s)
 

@@ -22,7 +22,7 @@ import xxhash
 from gateway.config import MAX_TTFT_SLO_MS, ConfigError, GatewayConfig
 from gateway.engines.events import precise_namespace
 from gateway.fleet.registry import Registry
-from gateway.http.errors import ApiError, bad_request
+from gateway.http.errors import ApiError, bad_request, retry_later
 from gateway.telemetry.metrics import Metrics
 from gateway.tenancy.tenants import Tenant
 from routing.hashing import PrefixHasher, token_block_hashes
@@ -123,13 +123,12 @@ def model_of(registry: Registry, config: GatewayConfig, body: dict[str, Any]) ->
         raise bad_request("'model' is required and must be a string", param="model")
     status = registry.model_status(model)
     if status == "pending":
-        raise ApiError(
+        raise retry_later(
             503,
             f"no replica serving model {model!r} has answered yet; retry shortly",
             code="model_not_ready",
-            type="server_error",
             param="model",
-            headers={"retry-after": str(max(1, round(config.health.interval_s)))},
+            retry_after_s=max(1, round(config.health.interval_s)),
         )
     if status == "unknown":
         raise ApiError(

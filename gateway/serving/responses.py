@@ -36,7 +36,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway.http.errors import ApiError
+from gateway.http.errors import ApiError, retry_later
 from gateway.index.keyvalue import MemoryKeyValue, RedisKeyValue
 from gateway.telemetry import logs
 
@@ -183,13 +183,12 @@ class ResponseOwners:
                 code="response_replica_gone",
             )
         if not replica.healthy:
-            raise ApiError(
+            raise retry_later(
                 503,
                 f"response {response_id!r} is stored on replica {name!r}, which is down; "
                 "retry later",
                 code="response_replica_unavailable",
-                type="server_error",
-                headers={"retry-after": str(RETRY_AFTER_S)},
+                retry_after_s=RETRY_AFTER_S,
             )
         return replica
 
@@ -249,12 +248,11 @@ class ResponseOwners:
         try:
             answer = await self._client.send(upstream, stream=True)
         except httpx.HTTPError as err:
-            raise ApiError(
+            raise retry_later(
                 502,
                 f"replica {name} failed: {type(err).__name__}",
                 code="upstream_unavailable",
-                type="server_error",
-                headers={"retry-after": str(RETRY_AFTER_S)},
+                retry_after_s=RETRY_AFTER_S,
             ) from err
         headers = {"x-cachelane-replica": name}
         if "content-type" in answer.headers:

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from gateway.config import ConfigError, TenantConfig
 from gateway.fleet.reload import NoConfigFile, Reloader
 from gateway.http.body import BodyError, parse_body
-from gateway.http.errors import ApiError, bad_request
+from gateway.http.errors import ApiError, bad_request, retry_later
 from gateway.tenancy.admin_auth import require_admin
 from gateway.tenancy.store import KeyInUse, NameTaken, StoreUnavailable
 from gateway.tenancy.tenants import Tenant
@@ -42,12 +42,11 @@ def _public(t: Tenant) -> dict[str, Any]:
 
 
 def _store_down(err: StoreUnavailable) -> ApiError:
-    return ApiError(
+    return retry_later(
         503,
         f"the tenant store (Redis) did not take the change; retry it: {err}",
         code="store_unavailable",
-        type="server_error",
-        headers={"retry-after": str(STORE_RETRY_AFTER_S)},
+        retry_after_s=STORE_RETRY_AFTER_S,
     )
 
 
