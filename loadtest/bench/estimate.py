@@ -60,7 +60,7 @@ from loadtest.bench.processes import (
     sim_from_config,
 )
 from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_body, sse_data
-from loadtest.bench.tier_experiment import scrape
+from loadtest.bench.tier_experiment import ReuseSetup, scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
 from loadtest.sim.steps import STEP_OVERHEAD_S, default_max_num_batched_tokens
@@ -140,16 +140,13 @@ SIM_COUNTERS = (
 
 
 @dataclass(frozen=True, slots=True)
-class Setup:
-    replicas: int = 4
-    hbm_capacity_tokens: int = 12_000
-    cpu_capacity_tokens: int = 8_000
+class Setup(ReuseSetup):
+    # tier_experiment.ReuseSetup's fleet: 4 x (12k + 8k) = 80k tokens of HBM and CPU against ~10-20
+    # live conversations of 1-7k tokens each and ~160k tokens of documents, so prefixes move
+    # HBM -> CPU -> out, and a later turn or question finds them in HBM, the CPU or the remote tier.
+    token_inflation: float = 1.0
     # Capacities are in the workload's own token counts (routing.prompt.approx_tokens); with a real
     # tokenizer (precise mode) they are scaled by how many more tokens it makes of the same text.
-    token_inflation: float = 1.0
-    # As tier_experiment.ReuseSetup: 4 x (12k + 8k) = 80k tokens of HBM and CPU in the fleet against
-    # ~10-20 live conversations of 1-7k tokens each and ~160k tokens of documents, so prefixes move
-    # HBM -> CPU -> out, and a later turn or question finds them in HBM, the CPU or the remote tier.
 
 
 @dataclass(frozen=True, slots=True)

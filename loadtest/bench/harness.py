@@ -102,6 +102,12 @@ def try_arm(
         return None
 
 
+def print_not_run(out: Console, not_run: Mapping[str, str]) -> None:
+    """After the tables: each arm that did not run, and why (try_arm's `not_run`)."""
+    for label, why in not_run.items():
+        out.print(f"[red]{label} not run: {why}")
+
+
 def peer_router_error(out: Console, kind: str) -> str | None:
     """Why the external `kind`-router cannot run (printed), or None once it is installed."""
     out.print(f"checking {kind}-router in .venv-routers/ (pip install on first use) ...")

@@ -131,7 +131,10 @@ def cpu_seconds(pid: int | None) -> float:
 
 def _body(i: int, stream: bool) -> dict[str, Any]:
     rng = random.Random(f"{SEED}-{i}")
-    text = f"Request {i}. " + traces.words_text(rng, PROMPT_TOKENS)
+    return chat_body(f"Request {i}. " + traces.words_text(rng, PROMPT_TOKENS), stream)
+
+
+def chat_body(text: str, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": SIM_MODEL,
         "messages": [{"role": "user", "content": text}],
@@ -499,8 +502,7 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
             _f(r["total_p50_ms"], 3), _f(r["total_p99_ms"], 3), _f(r.get("hash_unique_p50_ms"), 3),
         )  # fmt: skip
     console.print(t)
-    for label, why in payload["http"]["not_run"].items():
-        console.print(f"[red]{label} not run: {why}")
+    harness.print_not_run(console, payload["http"]["not_run"])
 
 
 def plot(path: Path, payload: dict[str, Any]) -> None:

@@ -39,12 +39,12 @@ from loadtest.bench.overhead import (
     Sample,
     _client,
     _one,
+    chat_body,
     closed_loop,
     cpu_seconds,
     zero_delay_fleet,
 )
 from loadtest.bench.peer_routers import RouterSpec, running_router
-from loadtest.sim.config import SIM_MODEL
 from loadtest.workloads import traces
 from routing.whatif.summary import percentile
 
@@ -64,18 +64,6 @@ WARMUP = 20  # per arm: opens connections, warms caches
 SLICE_S, QUICK_SLICE_S = 2.0, 0.3  # one arm's turn in a saturation cell
 ROUNDS, QUICK_ROUNDS = 4, 1  # turns per arm per saturation cell
 SEED = 7
-
-
-def chat_body(text: str, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": SIM_MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": MAX_TOKENS,
-        "stream": stream,
-    }
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
 
 
 def body_maker(tokens: int, stream: bool) -> Callable[[int, int], dict[str, Any]]:
@@ -239,8 +227,7 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
         )  # fmt: skip
     console.print(t)
     console.print(f"load average (1, 5, 15 min): {payload['load_average']}")
-    for label, why in payload["not_run"].items():
-        console.print(f"[red]{label} not run: {why}")
+    harness.print_not_run(console, payload["not_run"])
 
 
 def plot(path: Path, payload: dict[str, Any]) -> None:

@@ -78,7 +78,7 @@ class ReuseSetup:
     replicas: int = 4
     hbm_capacity_tokens: int = 12_000
     cpu_capacity_tokens: int = 8_000
-    # 4 x (16k + 16k) = 128k tokens of HBM and CPU in the fleet, against ~110k tokens of the 24
+    # 4 x (12k + 8k) = 80k tokens of HBM and CPU in the fleet, against ~110k tokens of the 24
     # shared 3-6k documents of the high-reuse workload plus every one-off prompt: prefixes are
     # evicted from both local tiers, and a later request finds them only in the remote tier.
 

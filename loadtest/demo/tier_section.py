@@ -16,15 +16,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.bench import tier_report
-from loadtest.bench.tier_experiment import (
-    ArmResult,
-    PinningSetup,
-    ReuseSetup,
-    reuse_fleet,
-    run_pinning,
-    run_reuse_arm,
-)
+from loadtest.bench import tier_experiment, tier_report
+from loadtest.bench.tier_experiment import ArmResult
 from loadtest.workloads import tier_traces
 from loadtest.workloads.tier_traces import REUSE_RATE_PER_S, STANDARD_RATE, VOICE_RATE_PER_S
 
@@ -99,13 +92,15 @@ def run_tiers_section(
     log_dir = out_dir / "tiers"
     log_dir.mkdir(parents=True, exist_ok=True)
     with console.status("(a) critical tenant under a standard burst: unpinned, then pinned"):
-        pinning = run_pinning(PinningSetup(), voice, standard, log_dir)
-    setup = ReuseSetup()
+        pinning = tier_experiment.run_pinning(
+            tier_experiment.PinningSetup(), voice, standard, log_dir
+        )
+    setup = tier_experiment.ReuseSetup()
     reuse: dict[str, ArmResult] = {}
-    with reuse_fleet(setup, log_dir, "reuse") as fleet:
+    with tier_experiment.reuse_fleet(setup, log_dir, "reuse") as fleet:
         for mode, label in REUSE_MODES.items():
             with console.status(f"(b) high-reuse workload: {label}"):
-                reuse[mode] = run_reuse_arm(
+                reuse[mode] = tier_experiment.run_reuse_arm(
                     setup, fleet, trace, mode, log_dir, f"reuse-{REUSE_SHAPE}-{mode}"
                 )
     console.print(tiers_table(pinning, reuse))

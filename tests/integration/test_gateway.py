@@ -9,6 +9,7 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.helpers.completions import streamed_chunks
 from tests.integration.fleet import CACHE_VISIBLE_COSTS, MODEL, fleet
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: simulated fleets
@@ -44,21 +45,10 @@ async def test_chat_non_stream_with_decision_headers() -> None:
 async def test_chat_stream_include_usage() -> None:
     async with fleet() as f:
         async with client(f.gateway_url) as c:
-            stream = await c.chat.completions.create(
-                model=MODEL,
-                messages=chat("stream please"),
-                max_tokens=6,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            text, usage = "", None
-            async for chunk in stream:
-                if chunk.choices:
-                    text += chunk.choices[0].delta.content or ""
-                if chunk.usage is not None:
-                    usage = chunk.usage
-        assert text
-        assert usage is not None and usage.completion_tokens == 6
+            chunks = await streamed_chunks(c, MODEL, chat("stream please"), max_tokens=6)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        usages = [ch.usage for ch in chunks if ch.usage is not None]
+        assert usages and usages[-1].completion_tokens == 6
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])

@@ -53,11 +53,11 @@ def _installed_copy(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
-def _cachelane_locust(
-    *args: str, env: dict[str, str], cwd: Path
+def _run(
+    command: list[str], cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway", "locust", *args],
+        command,
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -65,6 +65,13 @@ def _cachelane_locust(
         timeout=LOCUST_TIMEOUT_S,
         check=False,
     )
+
+
+def _cachelane_locust(
+    *args: str, env: dict[str, str], cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    """`cachelane locust` from the installed copy in `env` (_installed_copy)."""
+    return _run([sys.executable, "-m", "gateway", "locust", *args], cwd, env)
 
 
 def test_cachelane_locust_runs_the_installed_scenarios_and_lists_their_options(
@@ -94,13 +101,8 @@ def test_cachelane_locust_runs_the_installed_scenarios_and_lists_their_options(
 
 
 def test_locust_runs_the_checkout_locustfile() -> None:
-    listed = subprocess.run(
-        [*_locust(), "-f", str(REPO / "loadtest" / "locust" / "locustfile.py"), "--list"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=LOCUST_TIMEOUT_S,
-        check=False,
+    listed = _run(
+        [*_locust(), "-f", str(REPO / "loadtest" / "locust" / "locustfile.py"), "--list"], REPO
     )
     assert listed.returncode == 0, listed.stderr
     assert "AgentUser" in listed.stdout and "RagUser" in listed.stdout
@@ -110,8 +112,7 @@ def test_locust_runs_the_checkout_locustfile() -> None:
 def test_locust_headless_records_ttft_and_cached_tokens(tmp_path: Path) -> None:
     settings = SimFleetSettings(replicas=2, hbm_capacity_tokens=200_000, time_factor=0.02)
     with sim_fleet(settings, tmp_path) as fleet, gateway(fleet.urls, "cache_aware", tmp_path) as gw:
-        args = [
-            sys.executable, "-m", "gateway", "locust",  # from the installed copy
+        done = _cachelane_locust(
             "--headless", "-u", "6", "-r", "6", "-t", f"{RUN_S}s",
             "--stop-timeout", "5",
             "--host", gw.url,
@@ -119,16 +120,8 @@ def test_locust_headless_records_ttft_and_cached_tokens(tmp_path: Path) -> None:
             "--json-file", str(tmp_path / "locust"),
             "--only-summary",
             "--api-key", "unused-by-an-open-gateway",
-        ]  # fmt: skip
-        done = subprocess.run(
-            args,
-            cwd=tmp_path,
-            env=_installed_copy(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=LOCUST_TIMEOUT_S,
-            check=False,
-        )
+            env=_installed_copy(tmp_path), cwd=tmp_path,
+        )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     with (tmp_path / "locust_stats.csv").open() as f:

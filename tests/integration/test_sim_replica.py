@@ -24,6 +24,7 @@ from loadtest.sim.fleet import serve_fleet
 from loadtest.sim.remote import create_remote_app
 from loadtest.sim.server import create_sim_app
 from routing.prompt import approx_tokens, chat_text
+from tests.helpers.completions import streamed_chunks
 from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
 
@@ -107,14 +108,7 @@ async def test_chat_non_stream(sim: str) -> None:
 async def test_chat_stream_with_usage(sim: str) -> None:
     async with client(sim) as oai:
         whole = await oai.chat.completions.create(model=MODEL, messages=messages("a"), max_tokens=4)
-        stream = await oai.chat.completions.create(
-            model=MODEL,
-            messages=messages("b"),
-            max_tokens=4,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = [chunk async for chunk in stream]
+        chunks = await streamed_chunks(oai, MODEL, messages("b"), max_tokens=4)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -54,6 +55,22 @@ def request(rng: random.Random, terms: CostTerms, noise: float = 0.05) -> Sample
     return Sample(queued, uncached, swapped, fetched, ttft * rng.lognormvariate(0, noise))
 
 
+def fed(
+    rng: random.Random,
+    terms: CostTerms,
+    n: int,
+    fit: OnlineFit | None = None,
+    noise: float = 0.05,
+    change: Callable[[int, Sample], Sample] = lambda _, s: s,
+) -> OnlineFit:
+    """`fit` (a new one from SEED by default) updated with `n` requests of `terms`, the i-th as
+    `change(i, request)`."""
+    fit = OnlineFit(SEED) if fit is None else fit
+    for i in range(n):
+        fit.update(change(i, request(rng, terms, noise)))
+    return fit
+
+
 def rel_errors(fit: OnlineFit, rng: random.Random, terms: CostTerms, n: int = 200) -> list[float]:
     samples = [request(rng, terms, noise=0.0) for _ in range(n)]
     return sorted(abs(fit.predict_s(s) - s.observed_s) / s.observed_s for s in samples)
@@ -67,9 +84,7 @@ def p90(values: list[float]) -> float:
 def test_converges_within_50_requests(slowdown: float) -> None:
     rng = random.Random(1)
     real = truth(slowdown)
-    fit = OnlineFit(SEED)
-    for _ in range(50):
-        fit.update(request(rng, real))
+    fit = fed(rng, real, 50)
     assert p90(rel_errors(fit, rng, real)) < 0.15
     assert fit.terms().prefill_s_per_token == pytest.approx(real.prefill_s_per_token, rel=0.15)
 
@@ -84,10 +99,11 @@ def test_unexcited_terms_stay_at_their_seed() -> None:
     """A pool without CPU or remote tier never swaps nor fetches: those terms keep the seed."""
     rng = random.Random(2)
     real = truth(10.0)
-    fit = OnlineFit(SEED)
-    for _ in range(300):
-        s = request(rng, real)
-        fit.update(Sample(s.queued_tokens, s.uncached_tokens, 0.0, 0.0, s.observed_s))
+
+    def local(_: int, s: Sample) -> Sample:
+        return dataclasses.replace(s, swapped_tokens=0.0, fetched_tokens=0.0)
+
+    fit = fed(rng, real, 300, change=local)
     assert fit.terms().swap_s_per_token == pytest.approx(SEED.swap_s_per_token, rel=0.05)
     assert fit.terms().fetch_s_per_token == pytest.approx(SEED.fetch_s_per_token, rel=0.05)
     assert fit.terms().prefill_s_per_token == pytest.approx(real.prefill_s_per_token, rel=0.15)
@@ -96,25 +112,20 @@ def test_unexcited_terms_stay_at_their_seed() -> None:
 def test_follows_drift() -> None:
     """A replica that becomes 4x slower is followed within ~2 memories of the forgetting."""
     rng = random.Random(3)
-    fit = OnlineFit(SEED)
-    for _ in range(200):
-        fit.update(request(rng, truth(3.0)))
+    fit = fed(rng, truth(3.0), 200)
     slower = truth(12.0)
-    for _ in range(round(2 / (1 - FORGETTING))):
-        fit.update(request(rng, slower))
+    fed(rng, slower, round(2 / (1 - FORGETTING)), fit)
     assert p90(rel_errors(fit, rng, slower)) < 0.2
 
 
 def test_outliers_do_not_drag_the_rates() -> None:
     rng = random.Random(4)
     real = truth(5.0)
-    fit = OnlineFit(SEED)
-    for i in range(400):
-        s = request(rng, real)
-        if i > 20 and i % 10 == 0:  # 10% of requests stall for 20x their time
-            s = Sample(s.queued_tokens, s.uncached_tokens, s.swapped_tokens, s.fetched_tokens,
-                       s.observed_s * 20)  # fmt: skip
-        fit.update(s)
+
+    def stalled(i: int, s: Sample) -> Sample:  # 10% of requests stall for 20x their time
+        return dataclasses.replace(s, observed_s=s.observed_s * 20) if i > 20 and i % 10 == 0 else s
+
+    fit = fed(rng, real, 400, change=stalled)
     assert fit.terms().prefill_s_per_token == pytest.approx(real.prefill_s_per_token, rel=0.25)
     assert p90(rel_errors(fit, rng, real)) < 0.3
 
@@ -148,9 +159,7 @@ def test_terms_stay_positive_and_bounded() -> None:
 
 def test_state_round_trips_and_refuses_another_seed() -> None:
     rng = random.Random(5)
-    fit = OnlineFit(SEED)
-    for _ in range(60):
-        fit.update(request(rng, truth(7.0)))
+    fit = fed(rng, truth(7.0), 60)
     again = OnlineFit.from_dict(SEED, fit.to_dict())
     assert again.samples == 60
     assert again.terms().as_vector() == pytest.approx(fit.terms().as_vector())
@@ -180,12 +189,9 @@ def test_unforeseen_delays_on_cached_requests_do_not_drag_the_overhead() -> None
 
 def test_a_shift_forgets_the_window_before_it_and_noise_does_not() -> None:
     rng = random.Random(4)
-    fit = OnlineFit(SEED)
-    for _ in range(300):
-        fit.update(request(rng, truth(3.0), noise=0.3))  # a long-tailed but steady replica
+    fit = fed(rng, truth(3.0), 300, noise=0.3)  # a long-tailed but steady replica
     assert fit.resets == 0
-    for _ in range(30):
-        fit.update(request(rng, truth(12.0)))
+    fed(rng, truth(12.0), 30, fit)
     assert fit.resets >= 1
 
 
