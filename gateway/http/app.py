@@ -168,8 +168,9 @@ class _App(FastAPI):
     CPU. The entry is the app's ASGI `__call__`, the interface the server calls: a hot request
     goes to its endpoint through the middlewares the app was given (its public `user_middleware`:
     gateway/http/request_layer.py's one layer, or its four with tracing among them, and any added
-    later), wrapped in the order Starlette wraps them; an ApiError or HTTPException is rendered by the app's own
-    exception handlers. Everything else, the lifespan included, goes to FastAPI as usual."""
+    later), wrapped in the order Starlette wraps them; an ApiError or HTTPException is rendered by
+    the app's own exception handlers. Everything else, the lifespan included, goes to FastAPI
+    as usual."""
 
     hot: dict[str, Endpoint]
     _hot_stack: ASGIApp | None = None
