@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import __version__
 from gateway.accounting.ledger import costs_router
@@ -31,6 +31,7 @@ from gateway.http.exposure import (
     ReadDeadline,
 )
 from gateway.http.openapi import schema_of
+from gateway.http.request_layer import RequestLayer, Unexpected
 from gateway.http.responses_routes import responses_router
 from gateway.http.serve import api_router, chat_completions, completions
 from gateway.http.status_routes import status_router
@@ -78,21 +79,7 @@ def create_app(
     )
     app.openapi = schema_of(app)  # type: ignore[method-assign]
     _install_error_handlers(app)
-    app.add_middleware(
-        ReadDeadline,
-        body_timeout_s=config.listen.body_timeout_s,
-        on_timeout=lambda part: app.state.gw.metrics.read_timeouts.labels(part).inc(),
-    )
-    if config.tracing.enabled:  # inside RequestContext: the span reads its access record
-        app.add_middleware(
-            tracing.TracingMiddleware, tracer=tracing.tracer_from(config.tracing, span_exporter)
-        )
-    app.add_middleware(  # inside RequestContext: its 429s are logged
-        FailedAuthLimit,
-        failures=AuthFailures(config.rate_limits.failed_auth_per_min),
-        on_refused=lambda: _count_auth_throttled(app),
-    )
-    app.add_middleware(logs.RequestContext)  # outside _Unexpected: its 500s are logged too
+    _add_request_middleware(app, config, span_exporter)
     app.include_router(admin_router)
     app.include_router(costs_router)  # GET /debug/costs, with the admin key
     app.include_router(responses_router)  # GET, DELETE /v1/responses/{id}, and its cancel
@@ -107,6 +94,38 @@ def create_app(
     app.include_router(debug_router)  # POST /debug/route
 
     return app
+
+
+def _add_request_middleware(
+    app: FastAPI, config: GatewayConfig, span_exporter: SpanExporter | None
+) -> None:
+    """The request id and access line, the failed-auth limit, the body's deadline and the 500
+    catcher: one layer (gateway/http/request_layer.py), or, with tracing on, four with the span
+    among them, outermost added last."""
+    failures = AuthFailures(config.rate_limits.failed_auth_per_min)
+    body_timeout_s = config.listen.body_timeout_s
+
+    def on_timeout(part: str) -> None:
+        app.state.gw.metrics.read_timeouts.labels(part).inc()
+
+    if not config.tracing.enabled:
+        app.add_middleware(
+            RequestLayer,
+            body_timeout_s=body_timeout_s,
+            on_timeout=on_timeout,
+            failures=failures,
+            on_refused=lambda: _count_auth_throttled(app),
+        )
+        return
+    app.add_middleware(Unexpected)  # inside RequestContext: its 500s are logged too
+    app.add_middleware(ReadDeadline, body_timeout_s=body_timeout_s, on_timeout=on_timeout)
+    app.add_middleware(  # inside RequestContext: the span reads its access record
+        tracing.TracingMiddleware, tracer=tracing.tracer_from(config.tracing, span_exporter)
+    )
+    app.add_middleware(  # inside RequestContext: its 429s are logged
+        FailedAuthLimit, failures=failures, on_refused=lambda: _count_auth_throttled(app)
+    )
+    app.add_middleware(logs.RequestContext)
 
 
 def _count_auth_throttled(app: FastAPI) -> None:
@@ -137,8 +156,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         return await api_error(request, bad_request(str(err.errors()), code="invalid_request"))
 
-    app.add_middleware(_Unexpected)
-
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -150,9 +167,10 @@ class _App(FastAPI):
     wrappers, its exit stack, route matching, dependency solving) were ~11% of a request's gateway
     CPU. The entry is the app's ASGI `__call__`, the interface the server calls: a hot request
     goes to its endpoint through the middlewares the app was given (its public `user_middleware`:
-    request ids and the access line, tracing, the 500 catcher, and any added later), wrapped in
-    the order Starlette wraps them; an ApiError or HTTPException is rendered by the app's own
-    exception handlers. Everything else, the lifespan included, goes to FastAPI as usual."""
+    gateway/http/request_layer.py's one layer, or its four with tracing among them, and any added
+    later), wrapped in the order Starlette wraps them; an ApiError or HTTPException is rendered by
+    the app's own exception handlers. Everything else, the lifespan included, goes to FastAPI
+    as usual."""
 
     hot: dict[str, Endpoint]
     _hot_stack: ASGIApp | None = None
@@ -186,38 +204,3 @@ class _App(FastAPI):
             answer = handler(request, err)
             response = await answer if inspect.isawaitable(answer) else answer
         await response(scope, receive, send)
-
-
-class _Unexpected:
-    """Any other exception: its traceback logged once (here), and a 500 in the error envelope,
-    counted. An exception handler for Exception would run in Starlette's ServerErrorMiddleware,
-    which re-raises after it, so uvicorn logged each traceback a second time; this middleware sits
-    inside that one and does not re-raise. A response already under way cannot become a 500: it
-    is cut off (uvicorn closes the connection)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        except Exception:
-            log.exception("unexpected error on %s", scope.get("path"))
-            err = ApiError(
-                500, "internal gateway error", code="internal_error", type="server_error"
-            )
-            gw = getattr(scope["app"].state, "gw", None)
-            if gw is not None:
-                gw.metrics.errors.labels(err.code).inc()
-            if not started:
-                await err.response()(scope, receive, send)

@@ -148,25 +148,31 @@ class ReadDeadline:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout_s
-        body_done = False
+        await self.app(scope, deadline_receive(receive, self._timeout_s, self._on_timeout), send)
 
-        async def timed_receive() -> Message:
-            nonlocal body_done
-            if body_done:
-                return await receive()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                self._on_timeout("body")
-                raise BodyTimeout(self._timeout_s) from None
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                body_done = True
-            return message
 
-        await self.app(scope, timed_receive, send)
+def deadline_receive(
+    receive: Receive, timeout_s: float, on_timeout: Callable[[str], None]
+) -> Receive:
+    """`receive` whose body reads raise BodyTimeout past `timeout_s` from now (ReadDeadline's)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    body_done = False
+
+    async def timed_receive() -> Message:
+        nonlocal body_done
+        if body_done:
+            return await receive()
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            on_timeout("body")
+            raise BodyTimeout(timeout_s) from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            body_done = True
+        return message
+
+    return timed_receive
 
 
 class AuthFailures:
@@ -192,6 +198,27 @@ class AuthFailures:
         self._tat.move_to_end(party)
         while len(self._tat) > MAX_TRACKED_ADDRESSES:
             self._tat.popitem(last=False)
+
+    def held_unread_s(self, address: str, token: bytes | None) -> float:
+        """How long a request is refused unread: one without a credential from a held address."""
+        return self.held_for_s(address) if token is None else 0.0
+
+    def answered_401(self, address: str, token: bytes | None) -> float:
+        """A 401 answered: counted against the address and the credential presented; returns
+        how long the 401 is to be replaced by a 429 (0: sent as it is)."""
+        credential = None if token is None else credential_party(token)
+        held_s = self.held_for_s(address)
+        if credential is not None:
+            held_s = max(held_s, self.held_for_s(credential))
+        self.failed(address)
+        if credential is not None:
+            self.failed(credential)
+        return held_s
+
+
+def client_address(scope: Scope) -> str:
+    client = scope.get("client")
+    return client[0] if client else ""
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -237,14 +264,12 @@ class FailedAuthLimit:
         if scope["type"] != "http" or self._failures.per_min == 0:
             await self.app(scope, receive, send)
             return
-        client = scope.get("client")
-        address = client[0] if client else ""
+        address = client_address(scope)
         token = bearer_token(scope)
-        if token is None:
-            held_s = self._failures.held_for_s(address)
-            if held_s > 1e-9:
-                await self._refuse(held_s, scope, receive, send)
-                return
+        held_s = self._failures.held_unread_s(address, token)
+        if held_s > 1e-9:
+            await self._refuse(held_s, scope, receive, send)
+            return
         refused = False
 
         async def watched_send(message: Message) -> None:
@@ -252,11 +277,7 @@ class FailedAuthLimit:
             if refused:  # the rest of the 401 the 429 replaced
                 return
             if message["type"] == "http.response.start" and message["status"] == 401:
-                credential = None if token is None else credential_party(token)
-                held_s = self._held_s(address, credential)
-                self._failures.failed(address)
-                if credential is not None:
-                    self._failures.failed(credential)
+                held_s = self._failures.answered_401(address, token)
                 if held_s > 1e-9:
                     refused = True
                     await self._refuse(held_s, scope, receive, send)
@@ -265,23 +286,21 @@ class FailedAuthLimit:
 
         await self.app(scope, receive, watched_send)
 
-    def _held_s(self, address: str, credential: str | None) -> float:
-        held_s = self._failures.held_for_s(address)
-        if credential is not None:
-            held_s = max(held_s, self._failures.held_for_s(credential))
-        return held_s
-
     async def _refuse(self, held_s: float, scope: Scope, receive: Receive, send: Send) -> None:
         self._on_refused()
-        wait_s = max(1, math.ceil(held_s))
-        err = ApiError(
-            429,
-            f"too many failed authentications: retry after {wait_s} s",
-            code="too_many_failed_auth",
-            type="requests",
-            headers={"retry-after": str(wait_s)},
-        )
-        await err.response()(scope, receive, send)
+        await auth_refusal(held_s).response()(scope, receive, send)
+
+
+def auth_refusal(held_s: float) -> ApiError:
+    """The 429 a held address or credential gets instead of its 401."""
+    wait_s = max(1, math.ceil(held_s))
+    return ApiError(
+        429,
+        f"too many failed authentications: retry after {wait_s} s",
+        code="too_many_failed_auth",
+        type="requests",
+        headers={"retry-after": str(wait_s)},
+    )
 
 
 def require_monitoring(request: Request, gw: Any) -> None:

@@ -24,7 +24,7 @@ from gateway.http.request_schema import check_request
 from gateway.serving.handling import Dispatch, authenticate, dispatch_now, hold
 from gateway.serving.lease import Lease
 from gateway.serving.plan import Plan
-from gateway.serving.proxy import RelayResponse
+from gateway.serving.relay_response import RelayResponse
 from gateway.state import Gateway
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import model_label

@@ -30,13 +30,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import anyio
 import orjson
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
 from gateway.fleet.registry import Registry, Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
@@ -44,6 +42,7 @@ from gateway.http.errors import ApiError, no_replica, upstream_error
 from gateway.serving.deadline import first_byte_deadline_s
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
+from gateway.serving.relay_response import OpenStream, RelayResponse, close_shielded
 from gateway.serving.relay_time import RelayTime
 from gateway.serving.retry import TryNext, failed_try, garbled
 from gateway.serving.settlement import Settled, Settlement, whole_answer
@@ -286,7 +285,7 @@ class Proxy:
                     raise UpstreamDisconnected(why)
         except BaseException as err:
             lease.release()  # a try that will not be answered gives its slot back at once
-            await _close_shielded(resp)  # the engine aborts a request whose connection closed
+            await close_shielded(resp)  # the engine aborts a request whose connection closed
             failure = await failed_try(self._registry, self._metrics, replica, err, timeout_s)
             if failure is err:
                 raise
@@ -295,12 +294,12 @@ class Proxy:
             if chunks is None:  # a stream that began is judged when it ends (_relay)
                 await self._registry.answered(replica, resp.status)
         except BaseException:  # cancelled here (a client gone): the lease's `with` releases
-            await _close_shielded(resp)
+            await close_shielded(resp)
             raise
         if resp.status >= 500:
             reservation = lease.reservation
             lease.release()
-            await _close_shielded(resp)
+            await close_shielded(resp)
             raise self._answered_error(plan, reservation, resp, content)
         if chunks is not None:
             return await self._stream(plan, lease, resp, chunks, first)
@@ -341,12 +340,12 @@ class Proxy:
                 settled.ttft_s = reservation.first_byte()
                 await self._settlement.first_byte(plan, reservation, settled.ttft_s)
         except BaseException:
-            await _close_shielded(resp)
+            await close_shielded(resp)
             raise
-        answer = _OpenStream(lease.hand_over(), resp, settled, self._settlement)
+        answer = OpenStream(lease.hand_over(), resp, settled, self._settlement)
         return RelayResponse(
             self._relay(chunks, first, answer),
-            on_close=answer.finish,
+            stream=answer,
             status_code=resp.status,
             headers=headers,
         )
@@ -393,7 +392,7 @@ class Proxy:
         )
 
     async def _relay(
-        self, chunks: AsyncIterator[bytes], first: bytes | None, answer: _OpenStream
+        self, chunks: AsyncIterator[bytes], first: bytes | None, answer: OpenStream
     ) -> AsyncIterator[bytes]:
         """Relay the stream byte for byte, from its first chunk (read before the response was
         returned, within the first-byte timeout), its events read on the side (the usage, the
@@ -429,70 +428,6 @@ class Proxy:
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
             await answer.finish()
-
-
-class _OpenStream:
-    """A streamed answer on its way: it owns the try's lease and its upstream until `finish()`,
-    which the relay's end and the response's close both call; the first releases, settles and
-    closes, the second finds the lease gone and does nothing."""
-
-    def __init__(
-        self, lease: Lease, resp: UpstreamResponse, settled: Settled, settlement: Settlement
-    ) -> None:
-        self._lease = lease
-        self._resp = resp
-        self.settled = settled
-        self._settlement = settlement
-
-    async def finish(self) -> None:
-        if not self._lease.held:
-            return
-        self._lease.release()
-        try:
-            self._settlement.settle(self.settled)
-        finally:
-            await _close_shielded(self._resp)
-
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse that lets go of its upstream however the send ends: also when the
-    server never starts iterating the body (a client gone before the first chunk, which
-    Starlette notices and cancels the send for), where the relay's own `finally` never runs."""
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        *,
-        on_close: Callable[[], Awaitable[None]],
-        status_code: int,
-        headers: Mapping[str, str],
-    ) -> None:
-        super().__init__(content, status_code=status_code, headers=headers)
-        self._on_close = on_close
-        self._finished: list[Callable[[], None]] = []
-
-    def on_finish(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once the send has ended, however it ended."""
-        self._finished.append(callback)
-
-    async def close_upstream(self) -> None:
-        """For a response that will never be sent: release its reservation, close its upstream."""
-        await self._on_close()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close()
-            for callback in self._finished:
-                callback()
-
-
-async def _close_shielded(resp: UpstreamResponse | None) -> None:
-    if resp is not None:
-        with anyio.CancelScope(shield=True):
-            await resp.aclose()
 
 
 async def _close_abandoned(response: Response) -> None:

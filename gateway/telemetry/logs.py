@@ -162,6 +162,70 @@ def note_stream_failed(status: int, code: str) -> None:
         access.status, access.code = status, code
 
 
+class AccessWatch:
+    """One request's access record while it is answered: opened from its scope (the request id
+    taken or made, the context variable set), fed every message sent (`seen`), closed when the
+    response has ended (the access line written, the variable reset). RequestContext is it as a
+    middleware; gateway/http/request_layer.py calls it from its one layer."""
+
+    __slots__ = ("_error_body", "_stream", "_token", "access")
+
+    def __init__(self, scope: Scope) -> None:
+        given = None
+        for name, value in scope.get("headers", ()):
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+                break
+        self.access = Access(
+            clean_request_id(given), scope.get("method", ""), scope.get("path", "")
+        )
+        self._token = _current.set(self.access)
+        self._stream = False
+        self._error_body = bytearray()
+
+    def seen(self, message: Message) -> Message:
+        """The message as it is sent on (a head gets the request id), noted in the record."""
+        access = self.access
+        if message["type"] == "http.response.start":
+            access.status = message["status"]
+            headers = [(k, v) for k, v in message.get("headers", ()) if k != b"x-request-id"]
+            headers.append((b"x-request-id", access.request_id.encode()))
+            message = {**message, "headers": headers}
+            for k, v in headers:
+                if k == b"x-cachelane-replica":
+                    access.replica = v.decode("latin-1")
+                elif k == b"content-type":
+                    self._stream = v.startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body":
+            body: bytes = message.get("body", b"")
+            if body and self._stream and access.ttft_ms is None:
+                access.ttft_ms = round((time.perf_counter() - access.started_s) * 1000, 3)
+            if body and b"_tokens" in body:
+                for key, pattern in _USAGE_INT.items():
+                    found = pattern.search(body)
+                    if found is not None:  # the engine's usage
+                        setattr(access, key, int(found.group(1)))
+            error_body = self._error_body
+            if (access.status or 0) >= 400 and len(error_body) < _ERROR_BODY_LIMIT:
+                error_body.extend(body[: _ERROR_BODY_LIMIT - len(error_body)])
+        return message
+
+    def failed(self) -> None:
+        """The app raised: a response that never began is logged as a 500."""
+        if self.access.status is None:
+            self.access.status = 500
+
+    def close(self) -> None:
+        access = self.access
+        if access.code is None and self._error_body:
+            access.code = _error_code(bytes(self._error_body))
+        level = logging.DEBUG if access.path in PROBE_PATHS else logging.INFO
+        if access_log.isEnabledFor(level):  # the line is built only when it is written
+            fields = access.fields(time.perf_counter() - access.started_s)
+            access_log.log(level, key_values(fields), extra={"access": fields})
+        _current.reset(self._token)
+
+
 class RequestContext:
     """ASGI middleware: the request id (taken or made, echoed) and the access line."""
 
@@ -172,55 +236,18 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = None
-        for name, value in scope.get("headers", ()):
-            if name == b"x-request-id":
-                given = value.decode("latin-1")
-                break
-        access = Access(clean_request_id(given), scope.get("method", ""), scope.get("path", ""))
-        token = _current.set(access)
-        stream = False
-        error_body = bytearray()
+        watch = AccessWatch(scope)
 
         async def wrapped(message: Message) -> None:
-            nonlocal stream
-            if message["type"] == "http.response.start":
-                access.status = message["status"]
-                headers = [(k, v) for k, v in message.get("headers", ()) if k != b"x-request-id"]
-                headers.append((b"x-request-id", access.request_id.encode()))
-                message = {**message, "headers": headers}
-                for k, v in headers:
-                    if k == b"x-cachelane-replica":
-                        access.replica = v.decode("latin-1")
-                    elif k == b"content-type":
-                        stream = v.startswith(b"text/event-stream")
-            elif message["type"] == "http.response.body":
-                body: bytes = message.get("body", b"")
-                if body and stream and access.ttft_ms is None:
-                    access.ttft_ms = round((time.perf_counter() - access.started_s) * 1000, 3)
-                if body and b"_tokens" in body:
-                    for key, pattern in _USAGE_INT.items():
-                        found = pattern.search(body)
-                        if found is not None:  # the engine's usage
-                            setattr(access, key, int(found.group(1)))
-                if (access.status or 0) >= 400 and len(error_body) < _ERROR_BODY_LIMIT:
-                    error_body.extend(body[: _ERROR_BODY_LIMIT - len(error_body)])
-            await send(message)
+            await send(watch.seen(message))
 
         try:
             await self.app(scope, receive, wrapped)
         except BaseException:
-            if access.status is None:
-                access.status = 500
+            watch.failed()
             raise
         finally:
-            if access.code is None and error_body:
-                access.code = _error_code(bytes(error_body))
-            level = logging.DEBUG if access.path in PROBE_PATHS else logging.INFO
-            if access_log.isEnabledFor(level):  # the line is built only when it is written
-                fields = access.fields(time.perf_counter() - access.started_s)
-                access_log.log(level, key_values(fields), extra={"access": fields})
-            _current.reset(token)
+            watch.close()
 
 
 def _error_code(body: bytes) -> str | None:

@@ -2,6 +2,7 @@
 
     python -m loadtest.bench.overhead_floor            # ~4 min
     python -m loadtest.bench.overhead_floor --quick    # ~30 s: checks the machinery
+    python -m loadtest.bench.overhead_floor --arms bare,cachelane --baseline REF  # ~3 min
 
 Every arm runs at once in front of the same two zero-delay simulated replicas (only the
 simulator's own Python remains): going direct, the bare proxy (loadtest/bench/bare_proxy.py: the
@@ -9,7 +10,9 @@ smallest streaming proxy on cachelane's own server and upstream client, so its c
 stack's), cachelane (`serve --replicas`, cache_aware, one worker) and the two Rust routers when
 they install (loadtest/bench/peer_routers.py). The arms take turns, a block of requests each,
 round after round, so a neighbour's load on a shared machine falls on all of them alike; every
-figure is also printed as a ratio to the bare proxy's in the same run.
+figure is also printed as a ratio to the bare proxy's in the same run. `--baseline REF` adds
+cachelane as it was at git REF (its gateway/ and routing/) as one more arm, so before/after is
+a ratio within one run.
 
 1. Low load: sequential streamed chat requests (256-token prompts, 8 output tokens), one at a
    time over a kept-alive connection; added TTFT = an arm's percentile - direct's.
@@ -39,6 +42,7 @@ from loadtest.bench.overhead import (
     Sample,
     _client,
     _one,
+    baseline_tree,
     chat_body,
     closed_loop,
     cpu_seconds,
@@ -269,14 +273,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     harness.add_names(parser, "--arms", [a.kind for a in ARMS], "arms to run besides direct")
     parser.add_argument("--out", type=Path, default=OUT_PATH)
+    parser.add_argument(
+        "--baseline", metavar="GIT_REF", help="also run cachelane as it was at this commit"
+    )
     args = parser.parse_args(argv)
     kinds = set(args.arms.split(","))
+    chosen = [a for a in ARMS if a.kind in kinds]
+    if args.baseline:  # beside this checkout's cachelane, before the Rust routers
+        at = next((i + 1 for i, a in enumerate(chosen) if a.kind == "cachelane"), len(chosen))
+        chosen.insert(at, baseline_tree(args.baseline, harness.log_dir(args.out)))
     console = harness.console(150)
     started = time.perf_counter()
     payload: dict[str, Any] = {}
 
     def arms() -> None:
-        payload.update(run(console, [a for a in ARMS if a.kind in kinds], args.quick, args.out))
+        payload.update(run(console, chosen, args.quick, args.out))
 
     code = harness.run_arms(console, "overhead_floor", arms)
     if code:

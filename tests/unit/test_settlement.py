@@ -27,7 +27,8 @@ from gateway.http.errors import ApiError
 from gateway.http.serve import _hold
 from gateway.serving.handling import dispatch_now
 from gateway.serving.lease import Lease
-from gateway.serving.proxy import Proxy, RelayResponse
+from gateway.serving.proxy import Proxy
+from gateway.serving.relay_response import RelayResponse
 from gateway.serving.settlement import Observer, Settled, Settlement, observers
 from gateway.serving.upstream import UpstreamDisconnected
 from gateway.state import Gateway

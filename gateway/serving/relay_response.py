@@ -1,0 +1,178 @@
+"""A streamed answer's way to the client: the open stream (its lease, its upstream, its
+settlement) and the ASGI response that sends it.
+
+RelayResponse is a StreamingResponse (the body is its `body_iterator`, which /v1/responses
+wraps) with its own ASGI `__call__`: it sends http.response.start, each chunk and the end
+directly. Starlette's own `__call__` runs every response under an anyio task group whose second
+task awaits receive() for the disconnect; in the request account of
+`python -m loadtest.bench.request_account` (docs/bench/overhead.md) that machinery (the task
+group, its cancel scopes, a task per response) was part of the largest phase, the one paid by
+every streamed request however short. Here a client that leaves is noticed by:
+
+- a send that fails: under an ASGI >= 2.4 server send raises OSError once the client is gone
+  (Starlette's ClientDisconnect, as before);
+- a watcher of receive() started only for a stream still being sent WATCH_AFTER_S after it
+  began (a timer, armed for every stream and cancelled at its end, costs a heap entry; a task
+  costs a task). uvicorn (ASGI 2.3) does not raise from send once the client is gone: it drops
+  the bytes, and its send blocks while a slow client's buffer is full, so only receive() says
+  the client left. The watcher cancels the sending task, which stops the upstream read at once
+  and releases the reservation in the `finally`s, and the response ends without an error, as
+  Starlette's task group ended it. A stream that is over within WATCH_AFTER_S pays no watcher:
+  the most a client that leaves such a stream costs is the rest of it, read from the replica,
+  at most WATCH_AFTER_S of it, the same bound as a client that leaves before its first byte
+  (gateway/http/disconnect.py).
+
+Whatever ends the send (the last chunk, a client gone, a failed send, a cancellation from above),
+the open stream is finished once: the lease released, the answer settled, the upstream closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from gateway.http.disconnect import DISCONNECT_POLL_S
+from gateway.serving.lease import Lease
+from gateway.serving.settlement import Settled, Settlement
+from gateway.serving.upstream import UpstreamResponse
+
+WATCH_AFTER_S = DISCONNECT_POLL_S  # a stream still being sent this long watches receive()
+
+
+class OpenStream:
+    """A streamed answer on its way: it owns the try's lease and its upstream until `finish()`,
+    which the relay's end and the response's close both call; the first releases, settles and
+    closes, the second finds the lease gone and does nothing."""
+
+    __slots__ = ("_lease", "_resp", "_settlement", "settled")
+
+    def __init__(
+        self, lease: Lease, resp: UpstreamResponse, settled: Settled, settlement: Settlement
+    ) -> None:
+        self._lease = lease
+        self._resp = resp
+        self.settled = settled
+        self._settlement = settlement
+
+    @property
+    def open(self) -> bool:
+        return self._lease.held
+
+    async def finish(self) -> None:
+        if not self._lease.held:
+            return
+        self._lease.release()
+        try:
+            self._settlement.settle(self.settled)
+        finally:
+            await close_shielded(self._resp)
+
+
+class RelayResponse(StreamingResponse):
+    """A streamed answer's response: sent by its own `__call__` (the module docstring says how a
+    client that leaves is noticed); it lets go of its upstream however the send ends, also when
+    the body is never iterated (a client gone before the first chunk), where the relay's own
+    `finally` never runs."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        stream: OpenStream,
+        status_code: int,
+        headers: Mapping[str, str],
+    ) -> None:
+        super().__init__(content, status_code=status_code, headers=headers)
+        self._stream = stream
+        self._finished: list[Callable[[], None]] = []
+
+    def on_finish(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the send has ended, however it ended."""
+        self._finished.append(callback)
+
+    async def close_upstream(self) -> None:
+        """For a response that will never be sent: release its reservation, close its upstream."""
+        await self._stream.finish()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None  # an ASGI app runs in a task
+        watch = _ClientWatch(task, receive)
+        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
+        try:
+            await self._send_all(send)
+        except asyncio.CancelledError:
+            if not watch.left or task.uncancel() > 0:
+                raise  # not the watcher's: the server's, or from above
+        except OSError:
+            if _spec_version(scope) < (2, 4):
+                raise
+            raise ClientDisconnect() from None  # as Starlette says a failed send
+        finally:
+            watch.stop()  # before any await: the watcher cancels only the sends above
+            timer.cancel()
+            if self._stream.open:
+                with anyio.CancelScope(shield=True):
+                    await self._stream.finish()
+            for callback in self._finished:
+                callback()
+        if self.background is not None:
+            await self.background()
+
+    async def _send_all(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self.body_iterator:
+            if not isinstance(chunk, bytes | memoryview):
+                chunk = chunk.encode(self.charset)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _ClientWatch:
+    """Started by the response's timer: awaits receive() until the disconnect, then cancels the
+    task that is still sending (`left` says the cancellation was this watch's)."""
+
+    __slots__ = ("_receive", "_task", "_watcher", "left", "sending")
+
+    def __init__(self, task: asyncio.Task[object], receive: Receive) -> None:
+        self._task = task
+        self._receive = receive
+        self._watcher: asyncio.Task[None] | None = None
+        self.sending = True
+        self.left = False
+
+    def start(self) -> None:
+        if self.sending:
+            self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        try:
+            while (await self._receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a receive that fails says nothing of the client: stop watching
+            return
+        if self.sending:
+            self.left = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        self.sending = False
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+
+def _spec_version(scope: Scope) -> tuple[int, ...]:
+    return tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
+
+
+async def close_shielded(resp: UpstreamResponse | None) -> None:
+    if resp is not None:
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
