@@ -106,25 +106,25 @@ MEASURED_TERMS = ("gateway", "relay")  # measured per request, not part of the d
 # --- the commits ----------------------------------------------------------------------------
 
 
-def resolve(rev: str) -> str:
-    """The full commit id of `rev` in this repository."""
-    return subprocess.run(
-        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"],
-        cwd=REPO, check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+def git(*args: str) -> str:
+    """A git command in this repository; its failure (stderr) as a RuntimeError."""
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
 
 
 @contextlib.contextmanager
-def worktree(commit: str, into: Path) -> Iterator[Path]:
-    """`commit` checked out (detached) in a temporary git worktree, removed on exit."""
-    path = into / f"tree-{commit[:9]}"
-    git = ["git", "-C", str(REPO), "worktree"]
-    subprocess.run([*git, "add", "--detach", str(path), commit], check=True, capture_output=True)
+def worktree(label: str, rev: str, into: Path) -> Iterator[Path]:
+    """`rev` checked out (detached) in a temporary git worktree `into`/`label`, removed on exit."""
+    path = into / label
+    git("worktree", "add", "--detach", str(path), rev)
     try:
         check_tree(path)
         yield path
     finally:
-        subprocess.run([*git, "remove", "--force", str(path)], check=False, capture_output=True)
+        with contextlib.suppress(RuntimeError):
+            git("worktree", "remove", "--force", str(path))
 
 
 def check_tree(tree: Path) -> None:
@@ -277,7 +277,8 @@ def recorded_trace(args: argparse.Namespace, logs: Path) -> list[traces.TraceRec
 def run(args: argparse.Namespace, out: Console, payload: dict[str, Any]) -> None:
     logs = harness.log_dir(args.out.resolve())
     trace = recorded_trace(args, logs)
-    commits = {"before": resolve(args.before), "after": resolve(args.after)}
+    revs = {"before": args.before, "after": args.after}
+    commits = {k: git("rev-parse", "--verify", f"{rev}^{{commit}}") for k, rev in revs.items()}
     fleet = Fleet.pick()
     labels = fleet.labels()
     payload.update(commits=commits, requests=len(trace), fleet=fleet.config(deterministic=True))
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace, out: Console, payload: dict[str, Any]) -> None
     )
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="route-parity-")))
-        trees = {k: stack.enter_context(worktree(c, tmp)) for k, c in commits.items()}
+        trees = {k: stack.enter_context(worktree(k, c, tmp)) for k, c in commits.items()}
         summaries: dict[str, Summary] = {}
         decisions: dict[str, list[Decision]] = {}
         for label, tree in trees.items():
