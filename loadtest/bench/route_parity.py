@@ -73,6 +73,11 @@ OUT_PATH = Path("results/bench_route_parity.json")
 
 REQUESTS = 300  # a few hundred: dozens of conversations and documents, each seen several times
 QUICK_REQUESTS = 40
+QUICK_HELP = f"{QUICK_REQUESTS} requests and one concurrent run each: the machinery"
+DESCRIPTION = (
+    "The gateway at two commits on one recorded trace: the same decisions, request by request, "
+    "then hit rate and TTFT under concurrency as ratios."
+)
 TRACE_MIX = {"chat": 0.5, "rag": 0.5}
 TRACE_RATE_PER_S = 8.0
 # Only shapes the trace (how conversations interleave, how soon a turn follows the last): the
@@ -326,12 +331,7 @@ def run(args: argparse.Namespace, out: Console, payload: dict[str, Any]) -> None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = harness.parser(
-        "route_parity",
-        "The gateway at two commits on one recorded trace: the same decisions, request by "
-        "request, then hit rate and TTFT under concurrency as ratios.",
-        quick=f"{QUICK_REQUESTS} requests and one concurrent run each: the machinery",
-    )
+    parser = harness.parser("route_parity", DESCRIPTION, quick=QUICK_HELP)
     parser.add_argument("--before", default="56f9262", help="git rev (default: %(default)s)")
     parser.add_argument("--after", default="HEAD", help="git rev (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=None, help=f"default {REQUESTS}")
