@@ -1,7 +1,7 @@
 """Routing parity through the real gateway: one recorded trace, the gateway at two commits.
 
-    python -m loadtest.bench.route_parity --before 56f9262 --after HEAD   # ~10 min
-    python -m loadtest.bench.route_parity --quick                         # the machinery, ~2 min
+    python -m loadtest.bench.route_parity --before 56f9262 --after HEAD   # ~5 min
+    python -m loadtest.bench.route_parity --quick                         # the machinery, ~1 min
 
 Each commit is checked out in a temporary `git worktree` and its gateway runs from there (that
 tree's gateway/ and routing/, as `serve --config` of that commit reads the config); the simulated
