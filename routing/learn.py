@@ -311,7 +311,8 @@ def _dot(a: Sequence[float], b: Sequence[float]) -> float:
     # a generator frame per product: the window's residuals were most of a refit's CPU
     if len(a) != len(b):
         raise ValueError("vectors of different lengths")
-    return sum(map(operator.mul, a, b))
+    total: float = sum(map(operator.mul, a, b))
+    return total
 
 
 def _residuals(rows: Sequence[Row], targets: Sequence[float], theta: Sequence[float]) -> Vector:
