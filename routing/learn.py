@@ -41,6 +41,7 @@ robust and safe for a router:
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -306,7 +307,12 @@ def solve_window(
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    return sum(x * y for x, y in zip(a, b, strict=True))
+    # the same products summed in the same order as sum(x * y for ...), so the same float, without
+    # a generator frame per product: the window's residuals were most of a refit's CPU
+    if len(a) != len(b):
+        raise ValueError("vectors of different lengths")
+    total: float = sum(map(operator.mul, a, b))
+    return total
 
 
 def _residuals(rows: Sequence[Row], targets: Sequence[float], theta: Sequence[float]) -> Vector:

@@ -64,12 +64,9 @@ F = tuple[tuple[str, str], ...]
 HASH: F = (("routing/hashing.py", "block_hashes"), ("routing/prompt.py", "chat_text"))
 LOOKUP: F = (("gateway/serving/planner.py", "_lookup"),)
 DECIDE: F = (("gateway/serving/planner.py", "_route"),)
-SETTLE: F = (
-    ("gateway/serving/proxy.py", "_count_usage"),
-    ("gateway/accounting/ledger.py", "answered"),
-    ("gateway/accounting/capture.py", "answered"),
-)
-LEARN: F = (("gateway/serving/proxy.py", "_learn"),)
+LOADED: F = (("gateway/serving/planner.py", "record_loaded"),)
+SETTLE: F = (("gateway/serving/settlement.py", "settle"),)
+LEARN: F = (("gateway/accounting/calibration.py", "learn_queued"),)
 PHASES: tuple[tuple[str, str, F, F], ...] = (
     ("auth (key -> tenant)", "before", (("gateway/serving/handling.py", "authenticate"),), ()),
     (
@@ -119,17 +116,12 @@ PHASES: tuple[tuple[str, str, F, F], ...] = (
     ),
     ("upstream connect + send (aiohttp)", "before", (("gateway/serving/upstream.py", "post"),), ()),
     ("index write: prompt sent", "before", (("gateway/serving/planner.py", "record_sent"),), ()),
+    ("index write: prompt loaded", "before", LOADED, ()),
     (
-        "index write: prompt loaded",
+        "first-byte metrics (TTFT histograms, objective)",
         "before",
-        (("gateway/serving/planner.py", "record_loaded"),),
-        (),
-    ),
-    (
-        "first-byte metrics (TTFT histograms)",
-        "before",
-        (("gateway/serving/proxy.py", "_first_byte"),),
-        (),
+        (("gateway/serving/settlement.py", "first_byte"),),
+        LOADED,
     ),
     (
         "response headers (decision headers)",
@@ -141,10 +133,10 @@ PHASES: tuple[tuple[str, str, F, F], ...] = (
         "relay: chunk reads + usage scan",
         "per chunk",
         (("gateway/serving/proxy.py", "_relay"),),
-        SETTLE + LEARN,
+        SETTLE,
     ),
-    ("settlement: usage counters, costs, capture", "after last", SETTLE, ()),
-    ("settlement: TTFT fit update (learn)", "after last", LEARN, ()),
+    ("settlement: usage counters, costs, capture, fit queue", "after last", SETTLE, ()),
+    ("TTFT fit update (batched, off the request)", "after last", LEARN, ()),
     (
         "access log line (format + write)",
         "after last",
@@ -227,12 +219,15 @@ async def send_sequentially(url: str, requests: int, pid: int) -> dict[str, floa
 
 # Self time of the ASGI layers between uvicorn and the endpoint (the middlewares' own frames).
 MIDDLEWARE_FILES = (
+    "gateway/http/request_layer.py",
     "gateway/telemetry/logs.py",
     "gateway/http/exposure.py",
     "gateway/telemetry/tracing.py",
     "gateway/http/app.py",
 )
-MIDDLEWARE_NAMES = {"__call__", "wrapped", "tracked", "dispatch", "_serve_hot", "receive", "send"}
+MIDDLEWARE_NAMES = {
+    "__call__", "_serve", "sent", "wrapped", "tracked", "dispatch", "_serve_hot", "receive", "send"
+}  # fmt: skip
 PACKAGES = (
     ("uvicorn + httptools (server)", ("uvicorn/", "httptools")),
     ("asyncio + uvloop (event loop)", ("asyncio/", "uvloop", "{method 'run_until_complete'")),

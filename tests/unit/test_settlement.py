@@ -22,7 +22,7 @@ from fastapi import Request
 
 from gateway.config import parse_config
 from gateway.fleet.registry import Joining, Registry, Reservation
-from gateway.http.disconnect import while_client_waits
+from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError
 from gateway.http.serve import _hold
 from gateway.serving.handling import dispatch_now
@@ -407,6 +407,69 @@ async def test_work_that_finished_as_its_waiter_was_cancelled_is_let_go_of() -> 
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert len(let_go) == 1
+    assert releases.times() == [1]
+    assert_idle(s.registry)
+
+
+async def test_work_that_returned_though_its_client_left_is_let_go_of() -> None:
+    """The watcher finds the client gone and cancels the work, which holds the cancellation off
+    and returns what it reserved: that is handed to `abandoned` rather than lost, and the
+    waiter says the client left."""
+    s = await setup()
+    releases = watch(s.registry)
+    replica = next(iter(s.registry.replicas.values()))
+    let_go: list[Lease] = []
+
+    async def work() -> Lease:
+        lease = Lease(s.registry.reserve(replica, prefill_tokens=10, swaps=0))
+        try:
+            await asyncio.Event().wait()  # where the watcher's cancellation lands
+        except asyncio.CancelledError:
+            await asyncio.sleep(0)  # held off: the work goes on and returns
+        return lease
+
+    async def gone() -> bool:
+        return True
+
+    async def abandoned(lease: Lease) -> None:
+        let_go.append(lease)
+        lease.release()
+
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(while_client_waits(work(), gone, abandoned=abandoned), timeout=5)
+    assert len(let_go) == 1
+    assert releases.times() == [1]
+    assert_idle(s.registry)
+
+
+async def test_a_waiter_cancelled_from_above_while_its_client_is_asked_about_lets_go() -> None:
+    """The handler is cancelled from above (the server shutting down) while the watcher asks
+    whether its client left: the work is cancelled where it waits and releases what it holds,
+    once; the cancellation propagates (it is not taken for the client leaving); the watcher
+    stops asking."""
+    s = await setup()
+    releases = watch(s.registry)
+    replica = next(iter(s.registry.replicas.values()))
+    asking, stopped = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        with Lease(s.registry.reserve(replica, prefill_tokens=10, swaps=0)):
+            await asyncio.Event().wait()
+
+    async def gone() -> bool:
+        asking.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            stopped.set()
+        return False
+
+    waiter = asyncio.ensure_future(while_client_waits(work(), gone))
+    await asyncio.wait_for(asking.wait(), timeout=5)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.wait_for(stopped.wait(), timeout=5)
     assert releases.times() == [1]
     assert_idle(s.registry)
 
