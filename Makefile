@@ -75,11 +75,12 @@ lint: install-dev
 # The fast tier: `make test` runs these and the slow tier; CI (.ci/run) runs `make test`.
 # CHECK_WORKERS: pytest-xdist processes. The tests mostly wait on loopback servers, but each
 # process also imports and collects the whole suite (5-10 s CPU): on a 2-core machine shared with
-# other work 2 was the fastest of 2, 3 and 4 (README, "Two commands").
+# other work 2 was the fastest of 2, 3 and 4 (README, "Two commands"). worksteal: a process that
+# runs out of tests takes some of the other's (with `load` one ended ~10 s before the other).
 CHECK_WORKERS ?= 2
 
 test-fast: install-dev redis-server
-	$(PY) -m pytest -q -m 'not slow and not engine' -n $(CHECK_WORKERS)
+	$(PY) -m pytest -q -m 'not slow and not engine' -n $(CHECK_WORKERS) --dist worksteal
 
 # the inner loop: lint and types beside the fast tier's tests; each target's output is printed
 # whole when it ends, and make fails if either does. `make test` runs all, in one process.
