@@ -75,8 +75,9 @@ lint: install-dev
 # The fast tier: `make test` runs these and the slow tier; CI (.ci/run) runs `make test`.
 # CHECK_WORKERS: pytest-xdist processes. The tests mostly wait on loopback servers, but each
 # process also imports and collects the whole suite (5-10 s CPU): on a 2-core machine shared with
-# other work 2 was the fastest of 2, 3 and 4 (README, "Two commands"). worksteal: a process that
-# runs out of tests takes some of the other's (with `load` one ended ~10 s before the other).
+# other work 2 was the fastest of 2, 3 and 4 (make check, measured as the README gives it).
+# worksteal: a process that runs out of tests takes some of the other's, so neither idles at the
+# end while the other still has a queue of server tests (with `load` they could end seconds apart).
 CHECK_WORKERS ?= 2
 
 test-fast: install-dev redis-server
