@@ -11,6 +11,8 @@ import pytest
 
 from tests.integration.bench_cli import run_ok
 
+pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
+
 BENCH_TIMEOUT_S = 90  # ~20 s here: a fleet and two proxies start, 20 requests and 4 turns each
 
 
