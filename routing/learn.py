@@ -46,12 +46,19 @@ import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
 
 from routing.cost import CostTerms
+from routing.normal_equations import (
+    Row,  # one coefficient per term of TERMS
+    Vector,
+    accumulate,
+    dot,
+    regularised_solve,
+    residuals_of,
+)
 
 TERMS = ("fixed_s", "prefill_s_per_token", "swap_s_per_token", "fetch_s_per_token", "step_s")
-Vector = list[float]
-Row = tuple[float, ...]  # one coefficient per term of TERMS
 
 FORGETTING = 0.98
 # Memory of ~1 / (1 - 0.98) = 50 observations: converges within the ~50 requests the fit is asked
@@ -145,6 +152,11 @@ class OnlineFit:
         # the window, oldest first: the rows and targets of the relative equations
         self._rows: deque[Row] = deque(maxlen=WINDOW)
         self._targets: deque[float] = deque(maxlen=WINDOW)
+        # The window's normal equations weighted by age alone, kept as rows come and go (see
+        # `_slide`), so a refit does not re-sum the window: a refit follows every batch.
+        self._gram: list[Vector] = [[0.0] * len(TERMS) for _ in TERMS]  # upper triangle
+        self._rhs: Vector = [0.0] * len(TERMS)
+        self._since_exact = 0  # rows slid in since the sums were last summed from the window
         self._misses: deque[float] = deque(maxlen=SCALE_WINDOW)  # relative, before each update
         self.samples = 0
         self.rejected = 0
@@ -164,18 +176,17 @@ class OnlineFit:
         `refit=False` only adds it to the window: the terms change at the next refit (a fit
         nobody reads right now need not be solved after every observation)."""
         y = sample.observed_s
-        if not (MIN_OBSERVED_S <= y <= MAX_OBSERVED_S) or any(
-            f < 0 or math.isnan(f) for f in sample.features()
-        ):
+        features = sample.features()
+        # not (0 <= f) also holds for NaN
+        if not (MIN_OBSERVED_S <= y <= MAX_OBSERVED_S) or not all(map((0.0).__le__, features)):
             self.rejected += 1
             return False
-        raw = [f * s for f, s in zip(sample.features(), self._scale, strict=True)]
+        raw = list(map(operator.mul, features, self._scale))
         norm = math.sqrt(y * sum(raw))
-        row = tuple(r / norm for r in raw)
+        row = tuple(map(operator.truediv, raw, repeat(norm)))
         target = y / norm
-        self._misses.append(target - _dot(self._theta, row))
-        self._rows.append(row)  # the oldest leaves a full window
-        self._targets.append(target)
+        self._misses.append(target - dot(self._theta, row))
+        self._slide(row, target)
         self.samples += 1
         if self._shifted():
             self._forget_before_shift()
@@ -193,11 +204,62 @@ class OnlineFit:
         """The robust scale of the window's residuals under the current fit (relative units)."""
         if not self._rows:
             return 1.0
-        return _robust_scale(_residuals(self._rows, self._targets, self._theta))
+        return _robust_scale(residuals_of(self._rows, self._targets, self._theta))
+
+    def _slide(self, row: Row, target: float) -> None:
+        """Append a row and fold it into the age-weighted sums, O(terms^2): the sums are kept
+        relative to the last time they were summed from the window (k rows ago), the new row at
+        weight FORGETTING**-k and the one leaving a full window taken out at the weight it came
+        in with, so ageing every row is one scalar, FORGETTING**k, applied at the solve. Every
+        WINDOW rows the sums are summed again from the window: that keeps the weights within
+        1/FORGETTING**WINDOW (7.5), and drops the rounding that the rows which came and went
+        leave behind (a row much larger than the rest leaves its rounding on the smaller ones)."""
+        old = (self._rows[0], self._targets[0]) if len(self._rows) == WINDOW else None
+        self._rows.append(row)  # the oldest leaves a full window
+        self._targets.append(target)
+        self._since_exact += 1
+        k = self._since_exact
+        if k >= WINDOW:
+            self._sum_window()
+            return
+        gram, rhs, size = self._gram, self._rhs, len(row)
+        w = FORGETTING**-k
+        if old is None:
+            for i in range(size):
+                a = w * row[i]
+                if a:
+                    rhs[i] += a * target
+                    gram_i = gram[i]
+                    for j in range(i, size):
+                        gram_i[j] += a * row[j]
+            return
+        # the oldest came in WINDOW rows before this one: out at the weight it came in with
+        o_row, o_y = old
+        v = -(FORGETTING ** (WINDOW - k))
+        for i in range(size):
+            a, b = w * row[i], v * o_row[i]
+            if a or b:
+                rhs[i] += a * target + b * o_y
+                gram_i = gram[i]
+                for j in range(i, size):
+                    gram_i[j] += a * row[j] + b * o_row[j]
+
+    def _sum_window(self) -> None:
+        """The age-weighted sums summed from the window itself (see `_slide`)."""
+        self._gram, self._rhs = age_weighted_sums(self._rows, self._targets)
+        self._since_exact = 0
 
     def _refit(self) -> None:
-        self._theta = solve_window(
-            self._rows, self._targets, self._theta, self._precision, self._low, self._high
+        age = FORGETTING**self._since_exact  # every row aged this much since the sums were summed
+        self._theta = solve_sums(
+            [[age * v for v in g] for g in self._gram],
+            [age * v for v in self._rhs],
+            self._rows,
+            self._targets,
+            self._theta,
+            self._precision,
+            self._low,
+            self._high,
         )
 
     def _shifted(self) -> bool:
@@ -205,7 +267,7 @@ class OnlineFit:
         than noise. (A fit that only lags has misses of both signs.)"""
         if len(self._misses) < SCALE_WINDOW:
             return False
-        under = sum(1 for m in self._misses if m > 0)
+        under = sum(map((0.0).__lt__, self._misses))  # misses above 0
         one_sided = max(under, len(self._misses) - under) >= SHIFT_SHARE * len(self._misses)
         if not one_sided:
             return False
@@ -220,6 +282,7 @@ class OnlineFit:
         while len(self._rows) > keep:
             self._rows.popleft()
             self._targets.popleft()
+        self._sum_window()
         self._misses.clear()
         self.resets += 1
 
@@ -257,6 +320,7 @@ class OnlineFit:
         ]
         fit._rows.extend(tuple(r) for r in rows[-WINDOW:])
         fit._targets.extend(targets[-WINDOW:])
+        fit._sum_window()
         fit.samples = max(samples, 0)
         return fit
 
@@ -274,106 +338,77 @@ def solve_window(
 ) -> Vector:
     """One reweighting of the window (oldest row first): Huber weights from the residuals of the
     current fit `theta`, forgetting by age, then the weighted, ridge-regularised (towards
-    theta = 1 with these precisions), bounded least-squares solve."""
-    n = len(rows)
-    weights = _AGE_WEIGHTS[WINDOW - n :]
-    if n >= MIN_ROBUST:
-        residuals = [abs(r) for r in _residuals(rows, targets, theta)]
-        limit = K_HUBER * _robust_scale(residuals)
+    theta = 1 with these precisions), bounded least-squares solve. Summed from the window: the
+    reference `solve_sums` (what OnlineFit solves) is tested against."""
+    weights = _AGE_WEIGHTS[WINDOW - len(rows) :]
+    huber = _huber(rows, targets, theta)
+    if huber is not None:
+        residuals, limit = huber
         # Huber: full weight within the limit, limit / |residual| past it
         weights = [
             w if r <= limit else w * limit / r for w, r in zip(weights, residuals, strict=True)
         ]
-    # The normal equations: the Gram matrix is symmetric, so only its upper triangle is summed;
-    # a refit follows every observation, so this loop is the fit's cost.
     size = len(theta)
     gram = [[0.0] * size for _ in range(size)]
     rhs = [0.0] * size
-    for row, y, w in zip(rows, targets, weights, strict=True):
-        for i in range(size):
-            a = w * row[i]
-            if not a:
-                continue
-            rhs[i] += a * y
-            gram_i = gram[i]
-            for j in range(i, size):
-                gram_i[j] += a * row[j]
-    for i in range(size):
-        for j in range(i):
-            gram[i][j] = gram[j][i]
-        gram[i][i] += precision[i]
-        rhs[i] += precision[i]  # the prior's mean is theta = 1
-    return _bounded_solve(gram, rhs, low, high)
+    accumulate(gram, rhs, rows, targets, weights)
+    return regularised_solve(gram, rhs, precision, low, high)
 
 
-def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    # the same products summed in the same order as sum(x * y for ...), so the same float, without
-    # a generator frame per product: the window's residuals were most of a refit's CPU
-    if len(a) != len(b):
-        raise ValueError("vectors of different lengths")
-    total: float = sum(map(operator.mul, a, b))
-    return total
+def age_weighted_sums(rows: Sequence[Row], targets: Sequence[float]) -> tuple[list[Vector], Vector]:
+    """The window's normal equations (upper triangle of X^T W X, and X^T W y) with W the
+    forgetting by age alone."""
+    size = len(TERMS)
+    gram = [[0.0] * size for _ in range(size)]
+    rhs = [0.0] * size
+    accumulate(gram, rhs, rows, targets, _AGE_WEIGHTS[WINDOW - len(rows) :])
+    return gram, rhs
 
 
-def _residuals(rows: Sequence[Row], targets: Sequence[float], theta: Sequence[float]) -> Vector:
-    return [y - _dot(theta, row) for row, y in zip(rows, targets, strict=True)]
-
-
-def _robust_scale(residuals: Sequence[float]) -> float:
-    median = statistics.median(abs(r) for r in residuals)
-    return max(MIN_SCALE, MAD_TO_SIGMA * median)
-
-
-def _bounded_solve(
+def solve_sums(
     gram: Sequence[Sequence[float]],
     rhs: Sequence[float],
+    rows: Sequence[Row],
+    targets: Sequence[float],
+    theta: Sequence[float],
+    precision: Sequence[float],
     low: Sequence[float],
     high: Sequence[float],
 ) -> Vector:
-    """argmin of the quadratic with this Gram matrix and right-hand side within [low, high]: solve,
-    hold each term that leaves its bounds at the bound, solve the others again (an active set;
-    at most one round per term)."""
-    size = len(rhs)
-    theta = _solve(gram, rhs)
-    free = list(range(size))
-    while True:
-        out = [i for i in free if not low[i] <= theta[i] <= high[i]]
-        if not out:
-            return theta
-        theta = [min(max(t, lo), hi) for t, lo, hi in zip(theta, low, high, strict=True)]
-        free = [i for i in free if i not in out]
-        if not free:
-            return theta
-        held = [i for i in range(size) if i not in free]
-        b = [rhs[i] - sum(gram[i][j] * theta[j] for j in held) for i in free]
-        solved = _solve([[gram[i][j] for j in free] for i in free], b)
-        for i, value in zip(free, solved, strict=True):
-            theta[i] = value
+    """`solve_window`'s answer from the window's age-weighted sums (`age_weighted_sums`, kept
+    by OnlineFit as rows come and go). The Huber weights cannot be kept that way: they re-judge
+    every row against the current fit, so a row's weight changes whenever theta does. What a
+    refit still reads of every row is its residual (for the robust scale); the sums are then
+    corrected only for the rows past the Huber limit, each by the share of its age weight it
+    loses: w - w * limit / |residual|."""
+    gram_out = [list(g) for g in gram]
+    rhs_out = list(rhs)
+    huber = _huber(rows, targets, theta)
+    if huber is not None:
+        residuals, limit = huber
+        weights = _AGE_WEIGHTS[WINDOW - len(rows) :]
+        out = list(compress(range(len(residuals)), map(limit.__lt__, residuals)))
+        cuts = [weights[i] * limit / residuals[i] - weights[i] for i in out]
+        accumulate(gram_out, rhs_out, [rows[i] for i in out], [targets[i] for i in out], cuts)
+    return regularised_solve(gram_out, rhs_out, precision, low, high)
 
 
-def _solve(matrix: Sequence[Sequence[float]], rhs: Sequence[float]) -> Vector:
-    """x with matrix @ x = rhs: Gaussian elimination with partial pivoting (the method of
-    LAPACK's gesv, which numpy.linalg.solve calls; Golub & Van Loan, "Matrix Computations",
-    4th ed., alg. 3.4.1). The ridge makes the Gram matrix positive definite, so a zero pivot
-    means the inputs were not finite: raised as ArithmeticError rather than returned as NaN."""
-    size = len(rhs)
-    a = [[*map(float, matrix[i]), float(rhs[i])] for i in range(size)]  # augmented, copied
-    for col in range(size):
-        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
-        if not a[pivot][col] or not math.isfinite(a[pivot][col]):
-            raise ArithmeticError("singular matrix in the cost fit's solve")
-        a[col], a[pivot] = a[pivot], a[col]
-        head = a[col]
-        for r in range(col + 1, size):
-            factor = a[r][col] / head[col]
-            if factor:
-                row = a[r]
-                for c in range(col, size + 1):
-                    row[c] -= factor * head[c]
-    x = [0.0] * size
-    for i in range(size - 1, -1, -1):
-        x[i] = (a[i][size] - sum(a[i][j] * x[j] for j in range(i + 1, size))) / a[i][i]
-    return x
+def _huber(
+    rows: Sequence[Row], targets: Sequence[float], theta: Sequence[float]
+) -> tuple[Vector, float] | None:
+    """The window's |residuals| under `theta` and the Huber limit past which a row is
+    down-weighted; None while the window is too small to judge (MIN_ROBUST)."""
+    if len(rows) < MIN_ROBUST:
+        return None
+    residuals = list(map(abs, residuals_of(rows, targets, theta)))
+    return residuals, K_HUBER * _robust_scale(residuals)
+
+
+def _robust_scale(residuals: Sequence[float]) -> float:
+    ordered = sorted(map(abs, residuals))  # statistics.median's steps, without a generator
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return max(MIN_SCALE, MAD_TO_SIGMA * median)
 
 
 def _list(value: object) -> list[object]:

@@ -10,8 +10,9 @@ one observed TTFT in "fit" mode, warm (every replica past its own fit's first sa
 as the settlement called it, here as it calls it now (queued, learned in batches of BATCH, the
 observations of 100 ms at 100 req/s; and of 1, one request per 100 ms); the cost accounting's
 counters of one streamed answer (gateway/accounting/ledger.py `_export`, a 256-token prompt
-mostly found in HBM). Rounds alternate the two versions so both see the same machine; the
-ratio (here / REF) of the medians is the figure to read.
+mostly found in HBM); the cost fit (routing/learn.py `OnlineFit`, warm) taking one observation
+and solved every BATCH (the learner's batches). Rounds alternate the two versions so both see
+the same machine; the ratio (here / REF) of the medians is the figure to read.
 """
 
 from __future__ import annotations
@@ -108,6 +109,43 @@ def learner_arm(module: ModuleType, batch: int | None) -> Callable[[], None]:
     return queue
 
 
+def fit_arm(module: ModuleType) -> Callable[[], None]:
+    """routing/learn.py's OnlineFit, warm (a full window), taking one observation of a mixed
+    trace (queued work, swaps, fetches, steps; 10% lognormal noise) and solved every BATCH, as
+    the learner's batches do."""
+    import random
+
+    from routing.cost import CostTerms, PoolCosts
+
+    seed = CostTerms.seed(PoolCosts())
+    rng = random.Random(1)
+    samples = []
+    for _ in range(2_000):
+        queued = rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 8000)])
+        uncached = rng.uniform(50, 4000)
+        swapped = rng.choice([0.0, 0.0, rng.uniform(500, 6000)])
+        fetched = rng.choice([0.0, 0.0, rng.uniform(1000, 8000)])
+        ttft = 0.02 + 3 * (
+            seed.prefill_s_per_token * (queued + uncached)
+            + seed.swap_s_per_token * swapped
+            + seed.fetch_s_per_token * fetched
+        )
+        noisy = ttft * rng.lognormvariate(0, 0.1)
+        samples.append(module.Sample(queued, uncached, swapped, fetched, noisy, rng.randint(1, 20)))
+    fit = module.OnlineFit(seed)
+    for sample in samples[:300]:
+        fit.update(sample)
+    cycle = itertools.cycle(samples)
+    count = itertools.count(1)
+
+    def observe() -> None:
+        fit.update(next(cycle), refit=False)
+        if next(count) % BATCH == 0:
+            fit.refit()
+
+    return observe
+
+
 ANSWER = {
     "requests": 1, "timed_requests": 1, "fixed_s": 0.002, "queue_s": 0.0, "swap_s": 0.0,
     "fetch_s": 0.0, "prefill_s": 0.0004, "hbm_tokens": 240, "cpu_tokens": 0, "remote_tokens": 0,
@@ -163,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("MemoryIndex.record_now, 16 new blocks", "routing/index.py", index_arm),
             ("key_values, an access line", "gateway/telemetry/logs.py", key_values_arm),
             ("CostAccounting._export, one answer", "gateway/accounting/ledger.py", ledger_arm),
+            (f"OnlineFit, one observation, solved every {BATCH}", "routing/learn.py", fit_arm),
         ):
             here = module_at("HEAD", path, "here_" + Path(path).stem, tmp)
             then = module_at(args.baseline, path, "then_" + Path(path).stem, tmp)
