@@ -142,7 +142,8 @@ def _unqueued(
         if rate and window_s > 0.0:
             fill = rate * window_s
             room = n * e - own
-            co_tokens += fill if fill < room else room
+            fill = fill if fill < room else room
+            return 0.0, n * step_s + (uncached + co_tokens + fill) * per, 0.0, n, co_tokens, 0
         return 0.0, n * step_s + (uncached + co_tokens) * per, 0.0, n, co_tokens, 0
     done = pending - wait_s / token_s
     tail = pending % e if pending // e != done // e else 0  # the step under way holds the rest
@@ -153,11 +154,12 @@ def _unqueued(
     queue_steps = queue_s / full_s
     co_tokens = tail + n * d
     window_s = queue_s + (n - 1) * full_s  # from its join until its last step forms
+    fill = 0.0
     if rate and window_s > 0.0:
         fill = rate * window_s
         room = n * e - tail - own
-        co_tokens += fill if fill < room else room
-    prefill_s = n * step_s + (uncached + co_tokens) * per
+        fill = fill if fill < room else room
+    prefill_s = n * step_s + (uncached + co_tokens + fill) * per
     return queue_s, prefill_s, queue_steps, n, co_tokens + queue_steps * budget, 0
 
 
@@ -186,10 +188,11 @@ def own_steps(uncached: int, ahead: Ahead, shape: StepShape, arriving_per_s: flo
     queue_s = ahead.wait_s - tail * shape.token_s
     queue_s = queue_s if queue_s > 0.0 else 0.0
     window_s = queue_s + (n - 1) * shape.full_s  # from its join until its last step forms
+    known = behind if behind < room else room
     if arriving_per_s and window_s > 0.0:
         behind += arriving_per_s * window_s
     fill = behind if behind < room else room
-    return _finish(uncached, queue_s, n, tail + fill, ahead.overtakes, shape)
+    return _finish(uncached, queue_s, n, tail + fill, ahead.overtakes, shape, fill - known)
 
 
 def _capped(uncached: int, ahead: Ahead, shape: StepShape, arriving_per_s: float) -> Own:
@@ -232,14 +235,20 @@ def _capped(uncached: int, ahead: Ahead, shape: StepShape, arriving_per_s: float
 
 
 def _finish(
-    uncached: int, queue_s: float, n: int, shared: float, overtakes: int, shape: StepShape
+    uncached: int,
+    queue_s: float,
+    n: int,
+    shared: float,
+    overtakes: int,
+    shape: StepShape,
+    hidden: float = 0.0,
 ) -> Own:
     """The request's terms from its wait, its n steps and the prefill tokens sharing them."""
     queue_steps = queue_s / shape.full_s
     decodes = n * shape.decodes
     prefill_s = n * shape.step_s + (uncached + shared + decodes) * shape.per_token_s
     waited = queue_steps * (shape.budget + shape.decodes)  # the tokens of the steps waited for
-    return queue_s, prefill_s, queue_steps, n, waited + shared + decodes, overtakes
+    return queue_s, prefill_s, queue_steps, n, waited + shared + decodes - hidden, overtakes
 
 
 def queue_wait_s(
