@@ -171,9 +171,6 @@ class Load:
     # of pending_prefill_tokens (sent by other gateways, or callers that do not say) counts as
     # waiting for the prefill now.
     queue: tuple[Queued, ...] = ()
-    # uncached prefill tokens per second recently sent to it (routing/arrivals.py): requests sent
-    # after this one that join its last step before that step forms (routing/prefill_steps.py)
-    arrival_tokens_per_s: float = 0.0
 
 
 class Overlap(NamedTuple):

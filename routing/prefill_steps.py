@@ -16,15 +16,10 @@ gets its tokens when the step ends, so prefills sharing a step finish together. 
   threshold, one that joined while a seat was free has);
 - without a threshold a running prefill takes the whole budget it needs: a request behind it
   waits for all of it, and shares its first step with the tail of the work ahead and its last
-  step with the work queued behind it: the known requests it overtakes, and the requests sent
-  after it that arrive between its join and the forming of that step, expected at the replica's
-  recent rate of prefill tokens (`Load.arrival_tokens_per_s`) times that time (they wait behind
-  it and take what its step leaves). Those arriving while its KV still loads go before it
-  (it is skipped until loaded) or into steps of their own: not counted;
+  step with the work queued behind it;
 - with a threshold (< the budget) a request gets budget a step after it arrives when fewer than
   budget / threshold prefills run, and its prefill takes at least tokens / threshold steps,
-  stretched by the prefills sharing them (each taking up to the threshold per step); the requests
-  expected to arrive until its last step forms share them too, within the budget left.
+  stretched by the prefills sharing them (each taking up to the threshold per step).
 
 The replica's progress is `Load.busy_s`, the time since the head of its queue started; the step
 under way is placed by it as if every step since had been full.
@@ -109,7 +104,7 @@ def schedule(
         return _unqueued(load, joins_in_s, engine, terms, uncached)
     shape = step_shape(engine, terms, load)
     ahead = replay_ahead(load, joins_in_s, shape, priority)
-    return own_steps(uncached, ahead, shape, load.arrival_tokens_per_s)
+    return own_steps(uncached, ahead, shape)
 
 
 def _unqueued(
@@ -118,7 +113,6 @@ def _unqueued(
     """schedule() when no known request joins and no capped prefill is under way: the general
     path's arithmetic, inline (it runs per candidate per request; tuples and calls cost more
     than the arithmetic). Conditionals rather than min() / max() for the same reason."""
-    rate = load.arrival_tokens_per_s
     pending = load.pending_prefill_tokens
     budget = engine.max_num_batched_tokens
     decodes = load.in_flight - (1 if pending > 0 else 0)
@@ -126,56 +120,40 @@ def _unqueued(
     d = 0 if decodes < 0 else limit if decodes > limit else decodes
     e = budget - d
     step_s, per = terms.step_s, terms.prefill_s_per_token
-    full_s = step_s + budget * per
     own = uncached if uncached > 0 else 1  # vLLM computes the last prompt token at least
     wait_s = 0.0
     if pending > 0:
-        token_s = full_s / e
+        token_s = (step_s + budget * per) / e
         work_s = pending * token_s
         busy_s = load.busy_s
         wait_s = work_s - (busy_s if busy_s < work_s else work_s) - joins_in_s
     if wait_s <= 0.0:  # nothing ahead: alone unless decodes run (then a threshold caps it)
         cap = engine.long_prefill_token_threshold
         n = -(-own // cap) if d and 0 < cap < e else -(-own // e)
-        co_tokens = n * d
-        window_s = (n - 1) * full_s  # from its first step to its last
-        if rate and window_s > 0.0:
-            fill = rate * window_s
-            room = n * e - own
-            fill = fill if fill < room else room
-            return 0.0, n * step_s + (uncached + co_tokens + fill) * per, 0.0, n, co_tokens, 0
-        return 0.0, n * step_s + (uncached + co_tokens) * per, 0.0, n, co_tokens, 0
+        return 0.0, n * step_s + (uncached + n * d) * per, 0.0, n, n * d, 0
     done = pending - wait_s / token_s
     tail = pending % e if pending // e != done // e else 0  # the step under way holds the rest
     n = -(-(tail + own) // e)
     queue_s = wait_s - tail * token_s
     if queue_s < 0.0:
         queue_s = 0.0
-    queue_steps = queue_s / full_s
+    queue_steps = queue_s / (step_s + budget * per)
     co_tokens = tail + n * d
-    window_s = queue_s + (n - 1) * full_s  # from its join until its last step forms
-    fill = 0.0
-    if rate and window_s > 0.0:
-        fill = rate * window_s
-        room = n * e - tail - own
-        fill = fill if fill < room else room
-    prefill_s = n * step_s + (uncached + co_tokens + fill) * per
+    prefill_s = n * step_s + (uncached + co_tokens) * per
     return queue_s, prefill_s, queue_steps, n, co_tokens + queue_steps * budget, 0
 
 
-def own_steps(uncached: int, ahead: Ahead, shape: StepShape, arriving_per_s: float = 0.0) -> Own:
+def own_steps(uncached: int, ahead: Ahead, shape: StepShape) -> Own:
     """The request's steps. Without a threshold it takes the budget after the work ahead: it
     shares its first step with that work's tail (none if the work ends within the step under
     way: a step's requests are fixed when it starts) and its last with the work queued behind
-    it, known (`ahead.behind`) and expected: `arriving_per_s` prefill tokens a second arrive
-    from its join until that step forms (its wait, then its own full steps but the last). With
-    one and a seat free, see _capped; with no seat free, as without (an approximation: it waits
-    for the work ahead)."""
+    it. With one and a seat free, see _capped; with no seat free, as without (an approximation:
+    it waits for the work ahead)."""
     e, d = shape.budget, shape.decodes
     work = ahead.work_tokens
     alone = not work and not ahead.behind and not d  # vLLM lifts the cap for a lone request
     if shape.threshold and not alone and len(ahead.running) < e // shape.threshold:
-        return _capped(uncached, ahead, shape, arriving_per_s)
+        return _capped(uncached, ahead, shape)
     tail = 0.0
     if work > 0.0:
         position = ahead.done_tokens + work
@@ -184,24 +162,18 @@ def own_steps(uncached: int, ahead: Ahead, shape: StepShape, arriving_per_s: flo
     own = uncached if uncached > 0 else 1  # vLLM computes the last prompt token at least
     n = ceil((tail + own) / e)
     room = n * e - tail - own
-    behind: float = sum(ahead.behind) if ahead.behind else 0
+    behind = sum(ahead.behind) if ahead.behind else 0
+    fill = behind if behind < room else room
     queue_s = ahead.wait_s - tail * shape.token_s
     queue_s = queue_s if queue_s > 0.0 else 0.0
-    window_s = queue_s + (n - 1) * shape.full_s  # from its join until its last step forms
-    known = behind if behind < room else room
-    if arriving_per_s and window_s > 0.0:
-        behind += arriving_per_s * window_s
-    fill = behind if behind < room else room
-    return _finish(uncached, queue_s, n, tail + fill, ahead.overtakes, shape, fill - known)
+    return _finish(uncached, queue_s, n, tail + fill, ahead.overtakes, shape)
 
 
-def _capped(uncached: int, ahead: Ahead, shape: StepShape, arriving_per_s: float) -> Own:
+def _capped(uncached: int, ahead: Ahead, shape: StepShape) -> Own:
     """own_steps with a threshold T and a seat free: its first chunk goes in the step after
     the one under way; every prefill then takes up to T per
     step, so its prefill lasts n >= tokens / T steps, more while it and the prefills sharing
-    them (min(their rest, n T) each) need more than n budgets. The requests expected to arrive
-    until its last step forms (its steps counted full: an upper bound) share the budget left;
-    they do not lengthen it (their share per request is unknown)."""
+    them (min(their rest, n T) each) need more than n budgets."""
     e, d, cap = shape.budget, shape.decodes, shape.threshold
     running = ahead.running
     queue_s = 0.0
@@ -226,29 +198,20 @@ def _capped(uncached: int, ahead: Ahead, shape: StepShape, arriving_per_s: float
         n = needed
     most = n * cap
     room = n * e - own - shared
-    behind: float = sum(b if b < most else most for b in ahead.behind)
-    window_s = queue_s + (n - 1) * shape.full_s  # from its join until its last step forms
-    if arriving_per_s and window_s > 0.0:
-        behind += arriving_per_s * window_s
+    behind = sum(b if b < most else most for b in ahead.behind)
     fill = behind if behind < room else (room if room > 0 else 0)
     return _finish(uncached, queue_s, n, shared + fill, ahead.overtakes, shape)
 
 
 def _finish(
-    uncached: int,
-    queue_s: float,
-    n: int,
-    shared: float,
-    overtakes: int,
-    shape: StepShape,
-    hidden: float = 0.0,
+    uncached: int, queue_s: float, n: int, shared: float, overtakes: int, shape: StepShape
 ) -> Own:
     """The request's terms from its wait, its n steps and the prefill tokens sharing them."""
     queue_steps = queue_s / shape.full_s
     decodes = n * shape.decodes
     prefill_s = n * shape.step_s + (uncached + shared + decodes) * shape.per_token_s
     waited = queue_steps * (shape.budget + shape.decodes)  # the tokens of the steps waited for
-    return queue_s, prefill_s, queue_steps, n, waited + shared + decodes - hidden, overtakes
+    return queue_s, prefill_s, queue_steps, n, waited + shared + decodes, overtakes
 
 
 def queue_wait_s(

@@ -20,7 +20,6 @@ from gateway.config import GatewayConfig, PoolConfig
 from gateway.fleet import replica_auth
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.outliers import Backoff, Ejection
-from routing.arrivals import Arrivals
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
 from routing.decide import Candidate, PoolRules
 
@@ -68,7 +67,6 @@ class Replica:
     engine: EngineLoad | None = None  # last scrape of the engine's own metrics
     mean_prefill_tokens: float = 0.0  # moving average of uncached tokens per request sent
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
-    arrivals: Arrivals = field(default_factory=Arrivals)  # prefill tokens sent, on perf_counter
     # Requests awaiting their first byte, keyed by id() of the reservation.
     joining: dict[int, Joining] = field(default_factory=dict)
 
@@ -112,7 +110,7 @@ class Replica:
             busy_s = max(0.0, now - max(self.head_since_s, loaded))
         queue = tuple(Queued(j.at_s - now, j.tokens, j.priority) for j in self.joining.values())
         swapping = sum(1 for j in self.joining.values() if j.swaps and j.at_s > now)
-        return Load(in_flight, pending, swapping, busy_s, queue, self.arrivals.per_s(now))
+        return Load(in_flight, pending, swapping, busy_s, queue)
 
     def hbm_capacity_tokens(self) -> int:
         """The config's figure, else what the engine reports, else the default."""
@@ -304,7 +302,6 @@ class Registry:
         if not replica.awaiting_first_byte:
             replica.head_since_s = now
         replica.in_flight += 1
-        replica.arrivals.sent(now, prefill_tokens)
         replica.mean_prefill_tokens += PREFILL_EWMA_WEIGHT * (
             prefill_tokens - replica.mean_prefill_tokens
         )

@@ -266,11 +266,9 @@ class Siblings:
             replica = self._registry.replicas.get(name)
             if replica is None:
                 return
-            now = time.perf_counter()
             if not replica.awaiting_first_byte:
-                replica.head_since_s = now
+                replica.head_since_s = time.perf_counter()
             replica.in_flight += 1
-            replica.arrivals.sent(now, tokens)
             replica.joining[self._key(pid, rid)] = Joining(at_s, tokens, bool(swaps), priority)
             self._shadows[(pid, rid)] = (name, True)
             self._registry.on_load_change()

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from routing.admission import ReuseWindow, family_key
-from routing.arrivals import Arrivals
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, Queued, estimate
 from routing.decide import Candidate, PoolRules
 from routing.index import MemoryIndex
@@ -138,7 +137,6 @@ class _Replica:
     in_flight: int = 0
     joining: dict[int, tuple[float, int, bool, int | None]] = field(default_factory=dict)
     head_since_s: float = 0.0
-    arrivals: Arrivals = field(default_factory=Arrivals)
 
     @property
     def costs(self) -> PoolCosts:
@@ -152,7 +150,7 @@ class _Replica:
             busy_s = max(0.0, now_s - max(self.head_since_s, loaded))
         queue = tuple(Queued(at - now_s, tokens, p) for at, tokens, _, p in self.joining.values())
         swapping = sum(1 for at, _, swaps, _ in self.joining.values() if swaps and at > now_s)
-        return Load(self.in_flight, pending, swapping, busy_s, queue, self.arrivals.per_s(now_s))
+        return Load(self.in_flight, pending, swapping, busy_s, queue)
 
     def candidate(self, now_s: float) -> Candidate:
         return Candidate(
@@ -357,7 +355,6 @@ class Fleet:
             r.head_since_s = self.now
         r.in_flight += 1
         prefill = score.overlap.prompt_tokens - score.expected_cached_tokens
-        r.arrivals.sent(self.now, prefill)
         job_key = next(self._order)
         r.joining[job_key] = (
             self.now + score.estimate.load_s,
