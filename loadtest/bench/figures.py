@@ -23,7 +23,7 @@ def save_figure(fig: Any, path: Path, *, title: str = "", dpi: int = 110) -> Non
     import matplotlib.pyplot as plt
 
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, wrap=True)  # a long title wraps to the figure's width, not clipped
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
