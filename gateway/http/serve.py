@@ -29,6 +29,7 @@ from gateway.state import Gateway
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import model_label
 from gateway.tenancy.rate_limits import Budget
+from gateway.tenancy.tenants import Tenant
 
 log = logging.getLogger("cachelane.app")
 
@@ -138,16 +139,35 @@ async def serve(request: Request, endpoint: str) -> Response:
         if reserved is not None:
             reserved.release()  # an error, or a client gone, before the proxy took it over
         label = model_label(model, gw.registry.known_models())
-        gw.metrics.requests.labels(endpoint, label, str(status)).inc()
-        e2e = gw.metrics.e2e_seconds.labels(endpoint, label)
+        counted = _Counted(gw, endpoint, label, tenant, started)
         if relay is None:
-            e2e.observe(time.perf_counter() - started)
-        else:  # a stream ends when its last byte is sent, after this returns
-            relay.on_finish(lambda: e2e.observe(time.perf_counter() - started))
-        if tenant is not None:
-            gw.metrics.tenant_requests.labels(
-                tenant.name, tenant.tenant_class.value, str(status)
-            ).inc()
+            counted(status)
+        else:  # a stream ends when its last byte is sent, after this returns, maybe broken
+            relay.on_finish(lambda: counted(relay.final_status))
+
+
+class _Counted:
+    """A request's counts, made once its answer has ended: the requests by final status (a
+    stream that broke after its 200 head counts with its error's status, as its access line
+    says), its end-to-end time, the tenant's requests."""
+
+    __slots__ = ("_endpoint", "_gw", "_label", "_started", "_tenant")
+
+    def __init__(
+        self, gw: Gateway, endpoint: str, label: str, tenant: Tenant | None, started: float
+    ) -> None:
+        self._gw, self._endpoint, self._label = gw, endpoint, label
+        self._tenant, self._started = tenant, started
+
+    def __call__(self, status: int) -> None:
+        m = self._gw.metrics
+        m.requests.labels(self._endpoint, self._label, str(status)).inc()
+        m.e2e_seconds.labels(self._endpoint, self._label).observe(
+            time.perf_counter() - self._started
+        )
+        if self._tenant is not None:
+            t = self._tenant
+            m.tenant_requests.labels(t.name, t.tenant_class.value, str(status)).inc()
 
 
 async def _hold(gw: Gateway, request: Request, plan: Plan) -> Dispatch:

@@ -423,6 +423,7 @@ class Proxy:
             self._metrics.errors.labels(api_error.code).inc()
             self._metrics.streams_broken.labels(name).inc()
             await self._registry.errored(settled.replica, repr(err), reason="disconnect")
+            answer.failed_status = api_error.status
             logs.note_stream_failed(api_error.status, api_error.code)
             log.warning("stream from %s broke: %r", name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()

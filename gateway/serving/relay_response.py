@@ -49,7 +49,7 @@ class OpenStream:
     which the relay's end and the response's close both call; the first releases, settles and
     closes, the second finds the lease gone and does nothing."""
 
-    __slots__ = ("_lease", "_resp", "_settlement", "settled")
+    __slots__ = ("_lease", "_resp", "_settlement", "failed_status", "settled")
 
     def __init__(
         self, lease: Lease, resp: UpstreamResponse, settled: Settled, settlement: Settlement
@@ -58,6 +58,7 @@ class OpenStream:
         self._resp = resp
         self.settled = settled
         self._settlement = settlement
+        self.failed_status: int | None = None  # the error a stream that broke mid-way ended with
 
     @property
     def open(self) -> bool:
@@ -90,6 +91,13 @@ class RelayResponse(StreamingResponse):
         super().__init__(content, status_code=status_code, headers=headers)
         self._stream = stream
         self._finished: list[Callable[[], None]] = []
+
+    @property
+    def final_status(self) -> int:
+        """The status the answer really ended with: the head's, or the error's of a stream that
+        broke after its head went out."""
+        failed = self._stream.failed_status
+        return failed if failed is not None else self.status_code
 
     def on_finish(self, callback: Callable[[], None]) -> None:
         """Call `callback` once the send has ended, however it ended."""

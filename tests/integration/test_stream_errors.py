@@ -59,7 +59,7 @@ async def _answer(send: Send, content_type: str, body: bytes, *, more: bool) -> 
 
 
 @asynccontextmanager
-async def breaking_fleet() -> AsyncIterator[str]:
+async def breaking_fleet() -> AsyncIterator[tuple[str, Any]]:
     async with running_app(BreaksMidAnswer()) as replica_url:
         app = create_app(gateway_config([replica_url]))
         async with running_app(app) as gateway_url:
@@ -69,7 +69,7 @@ async def breaking_fleet() -> AsyncIterator[str]:
                     break
                 await asyncio.sleep(0.02)
             assert replica.healthy
-            yield gateway_url
+            yield gateway_url, app
 
 
 def chat(stream: bool) -> dict[str, Any]:
@@ -85,7 +85,7 @@ async def test_a_stream_broken_mid_way_ends_with_a_server_error_logged_as_502(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="cachelane.access")
-    async with breaking_fleet() as url, httpx.AsyncClient(base_url=url, timeout=10) as h:
+    async with breaking_fleet() as (url, app), httpx.AsyncClient(base_url=url, timeout=10) as h:
         async with h.stream("POST", "/v1/chat/completions", json=chat(True)) as resp:
             assert resp.status_code == 200  # the head went out with the first chunk
             body = b"".join([chunk async for chunk in resp.aiter_bytes()])
@@ -96,10 +96,19 @@ async def test_a_stream_broken_mid_way_ends_with_a_server_error_logged_as_502(
     lines = [r.access for r in caplog.records if r.name == "cachelane.access"]  # type: ignore[attr-defined]
     chats = [a for a in lines if a["path"] == "/v1/chat/completions"]
     assert [(a["status"], a["code"]) for a in chats] == [(502, "upstream_unavailable")]
+    # and the requests counter says the same as the access line, not the 200 of the head
+    registry = app.state.gw.metrics.registry
+    counted = {
+        status: registry.get_sample_value(
+            "cachelane_requests_total", {"endpoint": "chat", "model": MODEL, "status": status}
+        )
+        for status in ("200", "502")
+    }
+    assert counted == {"200": None, "502": 1.0}
 
 
 async def test_a_whole_answer_broken_mid_way_is_a_502_with_retry_after() -> None:
-    async with breaking_fleet() as url:
+    async with breaking_fleet() as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=10) as h:
             r = await h.post("/v1/chat/completions", json=chat(False))
         assert r.status_code == 502
