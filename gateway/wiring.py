@@ -175,7 +175,11 @@ def _parts(config: GatewayConfig, client: httpx.AsyncClient, upstream: Upstream)
         limits=limits if limits.enabled else None,  # tokens/min: usage corrects
     )
     health = HealthChecker(
-        r.registry, client, interval_s=config.health.interval_s, timeout_s=config.health.timeout_s
+        r.registry,
+        client,
+        interval_s=config.health.interval_s,
+        timeout_s=config.health.timeout_s,
+        on_probe=lambda replica, passed: metrics.count_probe(replica.name, passed),
     )
     fleet = Fleet(
         config.pools,

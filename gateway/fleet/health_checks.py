@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
@@ -69,11 +69,13 @@ class HealthChecker:
         *,
         interval_s: float,
         timeout_s: float,
+        on_probe: Callable[[Replica, bool], None] | None = None,
     ) -> None:
         self._registry = registry
         self._client = client
         self._interval_s = interval_s
         self._timeout_s = timeout_s
+        self._on_probe = on_probe  # told each probe's outcome (passed or not): a metric
         self._probes: asyncio.TaskGroup | None = None  # run()'s: probes end with it
         self._probing: set[str] = set()
 
@@ -130,6 +132,8 @@ class HealthChecker:
             error = repr(err)
         finally:
             self._probing.discard(replica.name)
+        if self._on_probe is not None:
+            self._on_probe(replica, error is None)
         try:
             await self._registry.probed(replica, error)
         except Exception:  # the health checks go on; the replica is probed again

@@ -153,6 +153,12 @@ class Metrics:
         "generation (gateway/fleet/outliers.py)",
         "replica reason",
     )
+    probes = counter(
+        "cachelane_replica_probes",
+        "Probe generations (max_tokens 1) sent to an ejected replica after its back-off, by "
+        "replica and outcome: passed (it is taken back) or failed (out for a longer back-off)",
+        "replica outcome",
+    )
     streams_broken = counter(
         "cachelane_upstream_streams_broken",
         "Streamed answers that broke after their first byte (the client got an error "
@@ -408,6 +414,9 @@ class Metrics:
         "replica model",
         buckets=_TPOT_BUCKETS_S,
     )
+
+    def count_probe(self, replica: str, passed: bool) -> None:
+        self.probes.labels(replica, "passed" if passed else "failed").inc()
 
     def set_cost_fit(self, replica: str, term: str, value: float) -> None:
         """Export one cost term (routing.learn.TERMS) in the gauge of its unit."""

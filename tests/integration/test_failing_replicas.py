@@ -234,6 +234,8 @@ async def test_an_ejected_replica_comes_back_only_after_its_backoff_and_a_passin
         assert (probe["path"], probe["max_tokens"]) == ("/v1/completions", 1)
         readmissions = "cachelane_replica_readmissions_total"
         assert m.metric(readmissions, replica=m.faulty_name, reason="5xx") == 0
+        probes = "cachelane_replica_probes_total"
+        assert m.metric(probes, replica=m.faulty_name, outcome="failed") == 1
         ready = (await h.get("/ready")).json()["replicas"][m.faulty_name]
         assert ready["ejected"]["ejections_in_a_row"] == 2
         # it recovers: the next probe passes and full traffic returns
@@ -242,6 +244,7 @@ async def test_an_ejected_replica_comes_back_only_after_its_backoff_and_a_passin
         assert time.monotonic() - ejected_at >= 0.5 + 1.0  # both back-offs sat out
         assert m.faulty.bodies[-1]["max_tokens"] == 1  # a probe let it in, not a request
         assert m.metric(readmissions, replica=m.faulty_name, reason="5xx") == 1
+        assert m.metric(probes, replica=m.faulty_name, outcome="passed") == 1
         ready = (await h.get("/ready")).json()["replicas"][m.faulty_name]
         assert ready["healthy"] and ready["ejected"] is None
 
