@@ -3,7 +3,7 @@
     python -m loadtest.bench.overhead_floor            # ~4 min
     python -m loadtest.bench.overhead_floor --quick    # ~30 s: checks the machinery
     python -m loadtest.bench.overhead_floor --arms bare,cachelane --baseline REF  # ~3 min
-    python -m loadtest.bench.overhead_floor --workers 2   # ~5 min: and `serve --workers 2`
+    python -m loadtest.bench.overhead_floor --workers 2   # ~4 min: and `serve --workers 2`
 
 Every arm runs at once in front of the same two zero-delay simulated replicas (only the
 simulator's own Python remains): going direct, the bare proxy (loadtest/bench/bare_proxy.py: the
