@@ -3,12 +3,14 @@
     python -m loadtest.bench.overhead_floor            # ~4 min
     python -m loadtest.bench.overhead_floor --quick    # ~30 s: checks the machinery
     python -m loadtest.bench.overhead_floor --arms bare,cachelane --baseline REF  # ~3 min
+    python -m loadtest.bench.overhead_floor --workers 2   # ~4 min: and `serve --workers 2`
 
 Every arm runs at once in front of the same two zero-delay simulated replicas (only the
 simulator's own Python remains): going direct, the bare proxy (loadtest/bench/bare_proxy.py: the
 smallest streaming proxy on cachelane's own server and upstream client, so its cost is the
-stack's), cachelane (`serve --replicas`, cache_aware, one worker) and the two Rust routers when
-they install (loadtest/bench/peer_routers.py). The arms take turns, a block of requests each,
+stack's), cachelane (`serve --replicas`, cache_aware, one worker; `--workers N` adds
+`serve --workers N` as one more arm) and the two Rust routers when they install
+(loadtest/bench/peer_routers.py). The arms take turns, a block of requests each,
 round after round, so a neighbour's load on a shared machine falls on all of them alike; every
 figure is also printed as a ratio to the bare proxy's in the same run. `--baseline REF` adds
 cachelane as it was at git REF (its gateway/ and routing/) as one more arm, so before/after is
@@ -17,7 +19,9 @@ a ratio within one run.
 1. Low load: sequential streamed chat requests (256-token prompts, 8 output tokens), one at a
    time over a kept-alive connection; added TTFT = an arm's percentile - direct's.
 2. Saturation: a closed loop with CONCURRENCY requests in flight, streamed and not, 256- and
-   8k-token prompts; requests per CPU-second of the router's process tree (from /proc).
+   8k-token prompts; requests per CPU-second of the router's process tree (from /proc), and
+   the CPU of this process, the load generator, during each arm's turns (its children, the
+   routers and replicas, not counted), so a router's share of a shared machine can be read.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from loadtest.bench.overhead import (
     cpu_seconds,
     zero_delay_fleet,
 )
-from loadtest.bench.peer_routers import RouterSpec, running_router
+from loadtest.bench.peer_routers import RouterSpec, running_router, with_workers
 from loadtest.workloads import traces
 from routing.whatif.summary import percentile
 
@@ -68,6 +72,12 @@ WARMUP = 20  # per arm: opens connections, warms caches
 SLICE_S, QUICK_SLICE_S = 2.0, 0.3  # one arm's turn in a saturation cell
 ROUNDS, QUICK_ROUNDS = 4, 1  # turns per arm per saturation cell
 SEED = 7
+# The overhead goals (docs/bench/overhead.md), for streamed 256-token prompts: cachelane's added
+# TTFT p50 within GOAL_P50_MARGIN_MS of the floor's and at most vllm-router's, its p99 at most
+# GOAL_P99_TIMES the floor's; requests per CPU-second at least GOAL_PER_CPU_SHARE of the floor's
+# and at least vllm-router's.
+GOAL_P50_MARGIN_MS, GOAL_P99_TIMES, GOAL_PER_CPU_SHARE = 0.3, 2.0, 0.7
+VLLM = "vllm:cache_aware"
 
 
 def body_maker(tokens: int, stream: bool) -> Callable[[int, int], dict[str, Any]]:
@@ -127,19 +137,22 @@ def saturation(
     for tokens in (SHORT_TOKENS, LONG_TOKENS):
         for stream in (True, False):
             make = body_maker(tokens, stream)
-            totals = {label: [0.0, 0.0, 0.0, 0.0] for label in urls}  # ok, err, cpu s, wall s
+            # per arm: ok, errors, router CPU s, wall s, client CPU s
+            totals = {label: [0.0] * 5 for label in urls}
             for _ in range(rounds):
                 for label, url in urls.items():
-                    before = cpu_seconds(pids[label])
+                    before, client_before = cpu_seconds(pids[label]), time.process_time()
                     ok, err, wall = asyncio.run(closed_loop(url, slice_s, body=make))
                     t = totals[label]
                     t[0], t[1] = t[0] + ok, t[1] + err
                     t[2], t[3] = t[2] + cpu_seconds(pids[label]) - before, t[3] + wall
-            for label, (done, failed, cpu_s, wall_s) in totals.items():
+                    t[4] += time.process_time() - client_before
+            for label, (done, failed, cpu_s, wall_s, client_s) in totals.items():
                 rows.append(
                     {
                         "router": label, "prompt_tokens": tokens, "stream": stream,
                         "ok": int(done), "errors": int(failed), "requests_per_s": done / wall_s,
+                        "wall_s": wall_s, "client_cpu_s": client_s,
                         "router_cpu_s": cpu_s if pids[label] else None,
                         "requests_per_cpu_s": done / cpu_s if pids[label] and cpu_s else None,
                     }
@@ -152,6 +165,45 @@ def saturation(
         )  # fmt: skip
         ours, theirs = r["requests_per_cpu_s"], floor and floor["requests_per_cpu_s"]
         r["per_cpu_s_vs_floor"] = ours / theirs if ours and theirs else None
+    return rows
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def goals(low: list[dict[str, Any]], sat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cachelane arm against the overhead goals (GOAL_*), as ratios that meet them at <= 1
+    (latency) and >= 1 (requests per CPU-second); None where the floor or vllm-router did not
+    run."""
+    added = {r["router"]: r for r in low}
+    per_cpu = {
+        r["router"]: r["requests_per_cpu_s"]
+        for r in sat
+        if r["stream"] and r["prompt_tokens"] == SHORT_TOKENS
+    }
+    floor, vllm = added.get(FLOOR, {}), added.get(VLLM, {})
+    rows: list[dict[str, Any]] = []
+    for label, r in added.items():
+        if not label.startswith("cachelane"):
+            continue
+        p50, p99 = r["added_ttft_p50_ms"], r["added_ttft_p99_ms"]
+        floor_p50, floor_p99 = floor.get("added_ttft_p50_ms"), floor.get("added_ttft_p99_ms")
+        floor_cpu, ours_cpu = per_cpu.get(FLOOR), per_cpu.get(label)
+        rows.append(
+            {
+                "router": label,
+                "p50_minus_floor_plus_margin_ms": (
+                    p50 - (floor_p50 + GOAL_P50_MARGIN_MS) if floor_p50 is not None else None
+                ),
+                "p50_vs_vllm": _ratio(p50, vllm.get("added_ttft_p50_ms")),
+                "p99_vs_floor_times": _ratio(p99, floor_p99 and GOAL_P99_TIMES * floor_p99),
+                "per_cpu_s_vs_floor_share": _ratio(
+                    ours_cpu, floor_cpu and GOAL_PER_CPU_SHARE * floor_cpu
+                ),
+                "per_cpu_s_vs_vllm": _ratio(ours_cpu, per_cpu.get(VLLM)),
+            }
+        )
     return rows
 
 
@@ -186,7 +238,8 @@ def run(console: Console, arms: Sequence[RouterSpec], quick: bool, out: Path) ->
             "concurrency": CONCURRENCY, "max_tokens": MAX_TOKENS, "cpus": os.cpu_count(),
             "sequential_per_arm": per_arm, "block": BLOCK, "slice_s": slice_s, "rounds": rounds,
         },
-        "load_average": load, "low_load": low, "saturation": sat, "not_run": not_run,
+        "load_average": load, "low_load": low, "saturation": sat, "goals": goals(low, sat),
+        "not_run": not_run,
     }  # fmt: skip
 
 
@@ -218,6 +271,7 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
         "mode",
         "req/s",
         "router CPU s",
+        "client CPU s",
         "req per CPU-s",
         "/ floor's",
         "err",
@@ -226,8 +280,24 @@ def print_tables(console: Console, payload: dict[str, Any]) -> None:
     for r in payload["saturation"]:
         t.add_row(
             r["router"], str(r["prompt_tokens"]), "stream" if r["stream"] else "plain",
-            _f(r["requests_per_s"], 0), _f(r["router_cpu_s"]), _f(r["requests_per_cpu_s"], 0),
-            _f(r["per_cpu_s_vs_floor"]), str(r["errors"]),
+            _f(r["requests_per_s"], 0), _f(r["router_cpu_s"]), _f(r["client_cpu_s"]),
+            _f(r["requests_per_cpu_s"], 0), _f(r["per_cpu_s_vs_floor"]), str(r["errors"]),
+        )  # fmt: skip
+    console.print(t)
+    t = Table(
+        title=f"goals, streamed {SHORT_TOKENS}-token prompts: p50 - (floor's + "
+        f"{GOAL_P50_MARGIN_MS}) <= 0, the ratios <= 1 (TTFT) and >= 1 (req per CPU-s)"
+    )
+    cols = (
+        "router", "p50 - (floor + margin)", "p50 / vllm's", f"p99 / {GOAL_P99_TIMES:g}x floor's",
+        f"req/CPU-s / {GOAL_PER_CPU_SHARE:g}x floor's", "req/CPU-s / vllm's",
+    )  # fmt: skip
+    report.add_columns(t, cols, left=("router",))
+    for g in payload["goals"]:
+        t.add_row(
+            g["router"], _f(g["p50_minus_floor_plus_margin_ms"]), _f(g["p50_vs_vllm"]),
+            _f(g["p99_vs_floor_times"]), _f(g["per_cpu_s_vs_floor_share"]),
+            _f(g["per_cpu_s_vs_vllm"]),
         )  # fmt: skip
     console.print(t)
     console.print(f"load average (1, 5, 15 min): {payload['load_average']}")
@@ -276,9 +346,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--baseline", metavar="GIT_REF", help="also run cachelane as it was at this commit"
     )
+    parser.add_argument(
+        "--workers", type=int, default=1,
+        help="also run cachelane with `serve --workers N` (N > 1) beside the one-worker arm",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     kinds = set(args.arms.split(","))
     chosen = [a for a in ARMS if a.kind in kinds]
+    if args.workers > 1 and "cachelane" in kinds:  # right after the one-worker arm
+        at = next(i + 1 for i, a in enumerate(chosen) if a.kind == "cachelane")
+        chosen.insert(at, with_workers(ARMS[1], args.workers))
     if args.baseline:  # beside this checkout's cachelane, before the Rust routers
         at = next((i + 1 for i, a in enumerate(chosen) if a.kind == "cachelane"), len(chosen))
         chosen.insert(at, baseline_tree(args.baseline, harness.log_dir(args.out)))
