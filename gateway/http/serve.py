@@ -139,35 +139,25 @@ async def serve(request: Request, endpoint: str) -> Response:
         if reserved is not None:
             reserved.release()  # an error, or a client gone, before the proxy took it over
         label = model_label(model, gw.registry.known_models())
-        counted = _Counted(gw, endpoint, label, tenant, started)
         if relay is None:
-            counted(status)
+            _count(gw, endpoint, label, tenant, started, status)
         else:  # a stream ends when its last byte is sent, after this returns, maybe broken
-            relay.on_finish(lambda: counted(relay.final_status))
+            relay.on_finish(
+                lambda: _count(gw, endpoint, label, tenant, started, relay.final_status)
+            )
 
 
-class _Counted:
-    """A request's counts, made once its answer has ended: the requests by final status (a
-    stream that broke after its 200 head counts with its error's status, as its access line
-    says), its end-to-end time, the tenant's requests."""
-
-    __slots__ = ("_endpoint", "_gw", "_label", "_started", "_tenant")
-
-    def __init__(
-        self, gw: Gateway, endpoint: str, label: str, tenant: Tenant | None, started: float
-    ) -> None:
-        self._gw, self._endpoint, self._label = gw, endpoint, label
-        self._tenant, self._started = tenant, started
-
-    def __call__(self, status: int) -> None:
-        m = self._gw.metrics
-        m.requests.labels(self._endpoint, self._label, str(status)).inc()
-        m.e2e_seconds.labels(self._endpoint, self._label).observe(
-            time.perf_counter() - self._started
-        )
-        if self._tenant is not None:
-            t = self._tenant
-            m.tenant_requests.labels(t.name, t.tenant_class.value, str(status)).inc()
+def _count(
+    gw: Gateway, endpoint: str, label: str, tenant: Tenant | None, started: float, status: int
+) -> None:
+    """A request's counts, once its answer has ended: the requests by final status (a stream
+    that broke after its 200 head counts with its error's status, as its access line says), its
+    end-to-end time, the tenant's requests."""
+    m = gw.metrics
+    m.requests.labels(endpoint, label, str(status)).inc()
+    m.e2e_seconds.labels(endpoint, label).observe(time.perf_counter() - started)
+    if tenant is not None:
+        m.tenant_requests.labels(tenant.name, tenant.tenant_class.value, str(status)).inc()
 
 
 async def _hold(gw: Gateway, request: Request, plan: Plan) -> Dispatch:
