@@ -17,15 +17,14 @@ critical  the pinned pools first (HBM-only, provisioned up front), and only repl
           built there is found nowhere else), and the admission cap is judged by the estimate,
           which holds the queue, instead of by a fixed token count.
 standard  the shared pools; a pinned replica too while its pool lends (the replica is below
-batch     `lend_below` of its admission cap, 1.0 by default, and no cap means always; at least
-          `keep_idle` other replicas of its pool have no prefill pending, 0 by default) and the
+batch     `lend_below` of its admission cap, 1.0 by default, and no cap means always) and the
           caller says lending is on (off after a critical request found no pinned replica free,
           for as long as routing/pipeline.py Routed.reclaim_s says).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -64,7 +63,6 @@ def eligible(
     pinned_pool_exists: bool,
     lend: bool = True,
     cost_placement: bool = False,
-    keep_idle: Mapping[str, int] | None = None,
 ) -> Eligibility:
     """`candidates` are the healthy replicas serving the model; `pinned_pool_exists` says whether
     the config has a pinned pool for it at all (down is not the same as absent)."""
@@ -84,32 +82,9 @@ def eligible(
     lent = [
         c
         for c in pinned
-        if lend
-        and c.pool.lend_below is not None
-        and admitted(c, c.pool.lend_below)
-        and _others_idle(c, pinned) >= (keep_idle or {}).get(c.pool.name, 0)
+        if lend and c.pool.lend_below is not None and admitted(c, c.pool.lend_below)
     ]
     return Eligibility(tuple(shared + lent))
-
-
-def _others_idle(c: Candidate, pinned: Sequence[Candidate]) -> int:
-    """Replicas of c's pool other than c with no prefill pending (decodes do not count): what a
-    critical request arriving next could start on at once."""
-    return sum(
-        1
-        for o in pinned
-        if o.name != c.name and o.pool.name == c.pool.name and o.load.pending_prefill_tokens == 0
-    )
-
-
-def lendable(c: Candidate, uncached_tokens: int, lend_max_prefill_tokens: int | None) -> bool:
-    """May a non-critical request with `uncached_tokens` to prefill borrow pinned replica `c`?
-    A prefill that has started is not interrupted, even by a higher engine priority (vLLM's
-    scheduler serves its running requests before its waiting ones), so a long lent prefill is a
-    critical request's wait: a lent request prefills at most `lend_max_prefill_tokens`."""
-    if not c.pool.pinned or lend_max_prefill_tokens is None:
-        return True
-    return uncached_tokens <= lend_max_prefill_tokens
 
 
 def should_shed(decision: Decision, tenant_class: TenantClass, max_queue_s: float) -> bool:

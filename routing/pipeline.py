@@ -9,9 +9,8 @@ gateway's routing on the same inputs.
 route(), in order:
 
   1. eligibility by tenant class (routing/filters.py `eligible`): the pinned pools, their
-     admission caps, lending (`FleetView.lend`: off while the pinned pool is reclaimed) and its
-     idle reserve (`keep_idle`); nothing left is a rejection (`Routed.decision` is None, the
-     fallback says which);
+     admission caps and lending (`FleetView.lend`: off while the pinned pool is reclaimed);
+     nothing left is a rejection (`Routed.decision` is None, the fallback says which);
   2. decide() with the policy (routing/decide.py), the request carrying its class's engine
      priority (routing/types.py ENGINE_PRIORITY) where a pool schedules by it;
   3. critical, `pinned_first`: when even the best pinned replica's estimate is over the class's
@@ -23,10 +22,9 @@ route(), in order:
      if the best does); a
      shared choice is a spill, and `pressed` says whether the pinned pool lacked headroom (no
      pinned replica under its cap with nothing to prefill), which is what reclaims lent
-     replicas; standard and batch: bounded lending (`lend_max_prefill_tokens` per pool, and
-     with `clear_while_loading` no replica where the request would start its prefill ahead of
-     a critical one still loading its KV): decided again without the replicas it may not use,
-     before step 4;
+     replicas; standard and batch, with `clear_while_loading`: no replica where the request
+     would start its prefill ahead of a critical one still loading its KV (decided again
+     without those), before step 4;
   6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
      within its objective without delaying another request (Shed.OBJECTIVE), or when its best
      replica's prefill queue is longer than `batch_max_queue_s` (Shed.QUEUE, routing/filters.py
@@ -47,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from routing.decide import Candidate, Decision, Policy, RouteRequest, Score, decide
-from routing.filters import Eligibility, Fallback, admitted, eligible, lendable, should_shed
+from routing.filters import Eligibility, Fallback, admitted, eligible, should_shed
 from routing.objectives import meet, objective_s, shed_retry_after_s
 from routing.pipeline_writes import IndexWrites, Write, admit, index_writes
 from routing.policies.cache_aware import NEAR_TIE_S, cost_s
@@ -101,8 +99,6 @@ class PipelineSettings:
     cost_placement: bool = True  # critical.placement: cost (the default)
     clear_while_loading: bool = False  # critical.clear_while_loading
     batch_max_queue_s: float = BATCH_MAX_QUEUE_S  # overload.batch_max_queue_s
-    keep_idle: Mapping[str, int] = field(default_factory=dict)  # pool -> lend_keep_idle
-    lend_max_prefill_tokens: Mapping[str, int] = field(default_factory=dict)  # pool -> bound
     remote_write: Mapping[str, str] = field(default_factory=dict)  # pool -> reuse/always/never
     precise: bool = False  # routing.mode: precise (the engines' KV events are the index's truth)
     slo_ms: Mapping[TenantClass, float] = field(default_factory=dict)  # classes.*.ttft_slo_ms
@@ -180,7 +176,6 @@ def route(
         pinned_pool_exists=fleet.pinned_pool_exists,
         lend=fleet.lend,
         cost_placement=settings.cost_placement,
-        keep_idle=settings.keep_idle,
     )
     if not allowed.candidates:
         return Routed(allowed)
@@ -203,7 +198,7 @@ def route(
             decision, allowed, pressed, reclaim = _cost_placed(decision, allowed, objective)
         allowed = _critical_fallback(decision, allowed, fleet.pinned_pool_exists)
     else:
-        decision = _bounded_lending(route_request, decision, allowed, fleet, settings, state)
+        decision = _clear_of_loading(route_request, decision, allowed, fleet, state)
         if objective is not None:
             decision, meets = meet(decision, objective, klass)
             retry_after = shed_retry_after_s(decision, klass, meets)
@@ -309,29 +304,23 @@ def _critical_fallback(
     return allowed
 
 
-def _bounded_lending(
+def _clear_of_loading(
     request: RouteRequest,
     decision: Decision,
     allowed: Eligibility,
     fleet: FleetView,
-    settings: PipelineSettings,
     state: PipelineState,
 ) -> Decision:
-    """A non-critical request lent a pinned replica prefills at most the pool's
-    `lend_max_prefill_tokens` there (routing/filters.py lendable); with
-    critical.clear_while_loading it does not go where it would join the prefill queue
-    before a critical request still loading its KV (and so prefill ahead of it). Otherwise
-    it is decided again without the replicas it may not use; if none is left, as decided."""
+    """critical.clear_while_loading: a non-critical request does not go where it would join the
+    prefill queue before a critical request still loading its KV (and so prefill ahead of it,
+    as a started prefill is not interrupted). It is decided again without those replicas; if
+    none is left, as decided. The joins are recorded only with clear_while_loading on."""
     now_s, joins = fleet.now_s, state.critical_joins
     for name in [r for r, t in joins.items() if t <= now_s]:
         del joins[name]
 
     def ok(c: Candidate) -> bool:
-        score = decision.score(c.name)
-        limit = settings.lend_max_prefill_tokens.get(c.pool.name)
-        if not lendable(c, score.overlap.uncached_tokens, limit):
-            return False
-        return joins.get(c.name, 0.0) <= now_s + score.estimate.load_s
+        return joins.get(c.name, 0.0) <= now_s + decision.score(c.name).estimate.load_s
 
     chosen = next(c for c in allowed.candidates if c.name == decision.replica)
     if ok(chosen):

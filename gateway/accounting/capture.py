@@ -64,8 +64,6 @@ def header(config: GatewayConfig, registry: Registry) -> dict[str, Any]:
                 "hbm_only": p.hbm_only,
                 "admission": p.admission.model_dump(),
                 "lend_below": p.lend_below,
-                "lend_max_prefill_tokens": p.lend_max_prefill_tokens,
-                "lend_keep_idle": p.lend_keep_idle,
                 "engine_priority": p.engine_priority,
                 "costs": p.costs.model_dump(),
             }

@@ -153,6 +153,11 @@ def nameserver_address(server: str) -> tuple[str, int]:
     return host, int(port)
 
 
+REMOVED_POOL_KEYS = ("lend_keep_idle", "lend_max_prefill_tokens")
+# Removed pinned-pool knobs: measured, they did not help on the token-budget engine
+# (docs/critical.md, "A pinned pool"). A config that still sets one fails naming it and why.
+
+
 class PoolConfig(Strict):
     name: str
     replicas: list[HttpUrl] = Field(default_factory=list)  # or discovery
@@ -170,19 +175,6 @@ class PoolConfig(Strict):
         "request found no pinned replica free: for as long as the pool is estimated to stay "
         "busy (critical.placement: cost) or 5 s (pinned_first; routing/pipeline.py). null: "
         "never lent.",
-    )
-    lend_max_prefill_tokens: PositiveInt | None = Field(
-        default=None,
-        description="A pinned pool lends a replica only to a request with at most this many "
-        "uncached tokens to prefill. A started prefill is not interrupted, even by a "
-        "higher engine priority, so a long lent prefill is the next critical request's wait. "
-        "Unset: no bound.",
-    )
-    lend_keep_idle: NonNegativeInt = Field(
-        default=0,
-        description="A pinned replica is lent only while at least this many other replicas of "
-        "its pool have no prefill pending, so the next critical request finds one it can start "
-        "on at once. 0: no such reserve.",
     )
     cache_salt: bool = Field(
         default=True,
@@ -267,6 +259,18 @@ class PoolConfig(Strict):
     @classmethod
     def _forwardable(cls, names: list[str]) -> list[str]:
         return [forwardable(name) for name in names]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: object) -> object:
+        """A removed key says why it went, not just "extra inputs are not permitted"."""
+        if isinstance(data, dict) and (given := [k for k in REMOVED_POOL_KEYS if k in data]):
+            raise ValueError(
+                f"pool {data.get('name', '?')!r}: {', '.join(given)}: removed, measured no help "
+                'on the token-budget engine (docs/critical.md, section "A pinned pool"); delete '
+                "from the config"
+            )
+        return data
 
     @model_validator(mode="before")
     @classmethod

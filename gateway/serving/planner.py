@@ -104,12 +104,6 @@ def pipeline_settings(config: GatewayConfig) -> PipelineSettings:
 
 def _pool_settings(config: GatewayConfig) -> dict[str, Any]:
     return {
-        "keep_idle": {p.name: p.lend_keep_idle for p in config.pools if p.lend_keep_idle},
-        "lend_max_prefill_tokens": {
-            p.name: p.lend_max_prefill_tokens
-            for p in config.pools
-            if p.lend_max_prefill_tokens is not None
-        },
         "remote_write": {p.name: p.remote_write for p in config.pools},
     }
 
@@ -141,8 +135,8 @@ class Planner:
         return self._settings.policy
 
     def set_pools(self, config: GatewayConfig, tokenizers: dict[str, PromptTokenizer]) -> None:
-        """A reload changed the pools: their lending bounds and remote writes, and (precise
-        mode) their tokenizers (load_tokenizers, before anything changed)."""
+        """A reload changed the pools: their remote writes, and (precise mode) their tokenizers
+        (load_tokenizers, before anything changed)."""
         self._hasher.tokenizers = tokenizers
         self._settings = replace(self._settings, **_pool_settings(config))
 

@@ -93,8 +93,6 @@ class PoolSetup:
     max_prefill_tokens: int | None = None
     lend_below: float | None = None
     costs: PoolCosts = field(default_factory=PoolCosts)
-    lend_max_prefill_tokens: int | None = None  # gateway/config/pools.py: unset, no bound
-    lend_keep_idle: int = 0  # gateway/config/pools.py PoolConfig: no idle reserve
     engine_priority: bool = False  # gateway/config/pools.py PoolConfig: engines schedule first come
     replica_names: tuple[str, ...] = ()  # as captured; a scenario's own are synthetic
 
@@ -185,6 +183,8 @@ def parse_capture(objects: Iterable[Mapping[str, Any]]) -> Capture:
 
 
 def _header(obj: Mapping[str, Any]) -> Header:
+    """Keys it does not read are ignored: a pool's `lend_keep_idle` and `lend_max_prefill_tokens`
+    in a capture written before their removal (docs/critical.md, "A pinned pool")."""
     if obj.get("version") != VERSION:
         raise CaptureError(f"version {obj.get('version')!r}; this planner reads {VERSION}")
     pools = []
@@ -205,8 +205,6 @@ def _header(obj: Mapping[str, Any]) -> Header:
                 max_prefill_tokens=admission.get("max_prefill_tokens"),
                 lend_below=p.get("lend_below"),
                 costs=PoolCosts(**p["costs"]),
-                lend_max_prefill_tokens=p.get("lend_max_prefill_tokens"),
-                lend_keep_idle=int(p.get("lend_keep_idle", 0)),
                 engine_priority=bool(p.get("engine_priority", False)),
             )
         )

@@ -3,7 +3,7 @@ a seed (the only randomness is routing's tie-break generator).
 
 Each captured request arrives at its captured time and is routed by the gateway's own routing
 pipeline (routing/pipeline.py: class filters and lending, decide() with the configured policy,
-the critical spill or cost placement, bounded lending and clear_while_loading, batch shedding,
+the critical spill or cost placement, clear_while_loading, batch shedding,
 engine priority, remote admission on the family's reuse count, the index-write plan). This
 module only gives it its inputs: the candidates' loads as the gateway's registry keeps them
 (requests sent and not past their first token, each with its estimated join time and engine

@@ -80,12 +80,6 @@ class Setup:
             cost_placement=self.critical_placement == "cost",
             clear_while_loading=self.clear_while_loading,
             batch_max_queue_s=self.batch_max_queue_s,
-            keep_idle={p.name: p.lend_keep_idle for p in self.pools if p.lend_keep_idle},
-            lend_max_prefill_tokens={
-                p.name: p.lend_max_prefill_tokens
-                for p in self.pools
-                if p.lend_max_prefill_tokens is not None
-            },
             remote_write={p.name: p.remote_write for p in self.pools},
             precise=self.mode == "precise",
             slo_ms={TenantClass(k): v for k, v in self.class_slo_ms.items()},

@@ -118,3 +118,13 @@ def test_check_config_says_when_no_request_can_be_served(
     opened = text if not admin else text.split("admin:")[0]
     assert main(["check-config", str(write(tmp_path, opened + "auth: {mode: open}\n"))]) == 0
     assert "no request can be served" not in capsys.readouterr().err
+
+
+def test_check_config_says_why_a_removed_key_went(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = "pools: [{name: p, pinned: true, replicas: ['http://127.0.0.1:1'], lend_keep_idle: 1}]\n"
+    assert main(["check-config", str(write(tmp_path, text))]) == 2
+    err = capsys.readouterr().err
+    assert "pools.0: Value error, pool 'p': lend_keep_idle: removed" in err
+    assert "measured no help on the token-budget engine (docs/critical.md" in err

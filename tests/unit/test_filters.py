@@ -4,7 +4,7 @@ import pytest
 
 from routing.cost import Load
 from routing.decide import Candidate, Policy, PoolRules, RouteRequest, decide
-from routing.filters import Eligibility, Fallback, eligible, lendable, should_shed
+from routing.filters import Eligibility, Fallback, eligible, should_shed
 from routing.types import Location, TenantClass, Tier
 
 PINNED = PoolRules("pinned", pinned=True, hbm_only=True, max_in_flight=2, lend_below=0.5)
@@ -173,34 +173,11 @@ def test_cost_placement_needs_a_pinned_replica_up() -> None:
     assert (names(e), e.fallback) == (["s"], Fallback.SPILL)
 
 
-@pytest.mark.parametrize(
-    ("pool", "uncached", "limit", "ok"),
-    [
-        (PINNED, 1_000, 1_000, True),
-        (PINNED, 1_001, 1_000, False),
-        (PINNED, 50_000, None, True),
-        (SHARED, 50_000, 1_000, True),
-    ],
-    ids=["at-limit", "over-limit", "no-limit", "shared-unbounded"],
-)
-def test_lendable(pool: PoolRules, uncached: int, limit: int | None, ok: bool) -> None:
-    assert lendable(cand("r", pool), uncached, limit) is ok
-
-
-def test_lending_keeps_a_pinned_replica_idle() -> None:
-    """keep_idle: a pinned replica is lent only while another of its pool has no prefill
-    pending, so the next critical request can start on one at once."""
+def test_a_pinned_replica_is_lent_by_its_own_load_alone() -> None:
+    """Lending looks at the replica itself (below lend_below of its cap), not at whether the
+    others of its pool are busy: each pinned replica is lent or not on its own."""
     idle = Candidate("p1", Load(0, 0), pool=PINNED)
-    other_idle = Candidate("p2", Load(1, 0), pool=PINNED)  # decoding only: free for a prefill
-    other_busy = Candidate("p2", Load(1, 400), pool=PINNED)
-    shared = cand("s", SHARED)
-    keep = {"pinned": 1}
-    lent = eligible([idle, other_idle, shared], TenantClass.STANDARD, Fallback.SPILL,
-                    pinned_pool_exists=True, keep_idle=keep)  # fmt: skip
-    assert names(lent) == ["s", "p1"]  # p2 is at half its in-flight cap: not lent itself
-    kept = eligible([idle, other_busy, shared], TenantClass.STANDARD, Fallback.SPILL,
-                    pinned_pool_exists=True, keep_idle=keep)  # fmt: skip
-    assert names(kept) == ["s"]
-    alone = eligible([idle, shared], TenantClass.STANDARD, Fallback.SPILL,
-                     pinned_pool_exists=True, keep_idle=keep)  # fmt: skip
-    assert names(alone) == ["s"]
+    busy = Candidate("p2", Load(1, 400), pool=PINNED)  # at half its in-flight cap: not lent
+    lent = eligible([idle, busy, cand("s", SHARED)], TenantClass.STANDARD, Fallback.SPILL,
+                    pinned_pool_exists=True)  # fmt: skip
+    assert names(lent) == ["s", "p1"]

@@ -133,22 +133,6 @@ def test_cost_placement_prefers_the_pinned_pool_when_its_estimate_is_close(
     assert out.fallback is (None if where == "pinned-0" else Fallback.SPILL)
 
 
-@pytest.mark.parametrize(
-    ("limit", "tokens", "where"),
-    [(None, TOKENS, "pinned-0"), (2000, TOKENS, "pinned-0"), (200, TOKENS, "shared-0")],
-    ids=["unbounded", "under-bound", "over-bound"],
-)
-def test_a_lent_pinned_replica_takes_only_short_prefills(
-    limit: int | None, tokens: int, where: str
-) -> None:
-    # the pinned replica is idle, the shared one busy: lending is what a cost model would pick
-    candidates = [replica("pinned-0", PINNED), replica("shared-0", pending=4000)]
-    bounds = {} if limit is None else {"pinned": limit}
-    settings = replace(SETTINGS, lend_max_prefill_tokens=bounds)
-    out = routed(S, candidates, settings=settings, tokens=tokens)
-    assert out.decision is not None and out.decision.replica == where
-
-
 @pytest.mark.parametrize("lend", [True, False], ids=["lent", "reclaimed"])
 def test_no_lending_while_the_pinned_pool_is_reclaimed(lend: bool) -> None:
     candidates = [replica("pinned-0", PINNED), replica("shared-0", pending=4000)]

@@ -130,23 +130,18 @@ CASES = {
     ),
     "lending": Case(
         (
-            pinned(
-                lend_below=1.0,
-                lend_max_prefill_tokens=400,
-                admission={"max_in_flight": 4},
-            ),
+            pinned(lend_below=1.0, admission={"max_in_flight": 4}),
             pool("shared", SHARED[:1]),
         ),
         ((S, prompt("a")), (S, "short"), (B, "tiny"), (S, prompt("b")), (S, "brief")),
         expect=frozenset({"standard@pinned", "batch@pinned", "standard@replica"}),
     ),
-    "lending-keep-idle-reclaimed": Case(
-        (
-            pinned(lend_below=1.0, lend_keep_idle=1),
-            pool("shared", SHARED[:1]),
-        ),
+    "lending-reclaimed": Case(
+        (pinned(lend_below=1.0), pool("shared", SHARED[:1])),
         ((C, prompt("a")), (C, prompt("b")), (C, prompt("c")), (S, "short"), (B, "tiny")),
-        expect=frozenset({"spill", "critical@pinned"}),
+        # the third critical request spills (both pinned replicas at their cap), which reclaims
+        # the pinned pool: both sides keep the standard and batch requests on the shared one
+        expect=frozenset({"spill", "critical@pinned", "standard@replica", "batch@replica"}),
     ),
     "clear-while-loading": Case(
         (

@@ -4,6 +4,7 @@ determinism and queueing, the scenarios and the replica search. Pure: no servers
 from __future__ import annotations
 
 import ast
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -170,6 +171,17 @@ def test_parse_capture_round_trip() -> None:
     assert cap.header.pools[0].costs.prefill_tokens_per_s == 10_000.0
     assert cap.pool_terms()["p"].prefill_s_per_token == 2e-4
     assert Setup.from_capture(cap).terms["p"].samples == 60
+
+
+def test_a_capture_with_the_removed_lending_knobs_is_still_read() -> None:
+    """Captures written while pools had lend_keep_idle and lend_max_prefill_tokens (removed:
+    docs/critical.md, "A pinned pool") carry them in the header; they are read and ignored."""
+    old = {"pinned": True, "lend_below": 1.0, "lend_keep_idle": 1, "lend_max_prefill_tokens": 1092}
+    line = json.dumps(_header_obj(**old))
+    cap = parse_capture([json.loads(line), _request_obj(1.0, [7])])
+    pool = cap.header.pools[0]
+    assert (pool.pinned, pool.lend_below) == (True, 1.0)
+    assert len(replay(cap.requests, Setup.from_capture(cap)).requests) == 1
 
 
 @pytest.mark.parametrize(
