@@ -23,7 +23,10 @@ client TTFT p50 / p99, the prefill utilisation the sims saw (tokens computed and
 fixed cost), and how the prompt tokens split over HBM / CPU / remote / computed. Per arm also:
 the goal figure with the observed time outside the sims' engines (client, gateway and HTTP hops:
 the TTFT less the sim's own arrival-to-first-token time) in place of the estimate's terms for
-it, which tells a miss of the engine terms from the machine's load.
+it, which tells a miss of the engine terms from the machine's load; and the goal figure with
+the sims' own KV load time, their time from the load to the first token (the queue and the
+prefill's steps), or both, in place of the estimate's terms for them, which says which term's
+misses the goal figure is made of.
 
 Prints a table, writes results/bench_estimate.json and results/bench_estimate.png (rolling p90
 of the error over the request index, one line per arm, one panel per speed). The machine's cores
@@ -552,6 +555,33 @@ def outside_engine(samples: Sequence[Sample]) -> tuple[list[float], list[float]]
     return outside, errors
 
 
+SIM_PHASES = {
+    # what the sim reports a phase took (ms from its own timestamps), for the estimate's terms
+    "load": (("load",), "located_ms", "loaded_ms"),  # swap-in and fetch
+    "wait": (("queue", "prefill"), "loaded_ms", "first_token_ms"),  # steps to its first token
+}
+
+
+def with_sim_phases(samples: Sequence[Sample], phases: Sequence[str]) -> list[float]:
+    """Each request's |est - obs| / obs with the sim's own time for each of `phases` (SIM_PHASES)
+    in place of the estimate's terms for it: how far the estimate would be off if only the
+    other terms missed, which attributes the misses to the terms. Requests without the sim's
+    report are left out."""
+    errors: list[float] = []
+    for s in samples:
+        if not s.ok or not s.obs_s or s.est_s is None:
+            continue
+        est_ms = s.est_s * 1000
+        for phase in phases:
+            terms, start, end = SIM_PHASES[phase]
+            if start not in s.sim or end not in s.sim:
+                break
+            est_ms += s.sim[end] - s.sim[start] - sum(s.est_terms_ms.get(t, 0.0) for t in terms)
+        else:
+            errors.append(abs(est_ms - s.obs_s * 1000) / (s.obs_s * 1000))
+    return errors
+
+
 def sim_pool_costs(speed: float) -> PoolCosts:
     """The costs the sims charge at `speed` (sim_costs over routing/cost.py's defaults)."""
     c = sim_costs(speed)
@@ -641,6 +671,14 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
         if outside_ms
         else [],
         "err_p90_after_goal_engine_terms": percentile(engine_errors, 90),
+        # the goal with the sims' own load time, steps to the first token, or both, in place of
+        # the estimate's terms for them: which term's misses the goal figure is made of
+        **{
+            f"err_p90_after_goal_sim_{'_'.join(p)}": percentile(
+                with_sim_phases(goal_samples, p), 90
+            )
+            for p in (("load",), ("wait",), ("load", "wait"))
+        },
         "after_load_est_ms_mean": statistics.fmean([w[0] for w in waited]) if waited else math.nan,
         "after_load_obs_ms_mean": statistics.fmean([w[1] for w in waited]) if waited else math.nan,
         "after_load_err_p90_after": percentile([abs(e - w) / o for e, w, o in waited], 90),
@@ -705,7 +743,10 @@ def run_speed(
                 f"{_pct(st['err_p90_after'])}, prefill util {st['prefill_utilisation']:.2f}; "
                 f"goal {_pct(st['err_p90_after_goal'])}, with the observed time outside the "
                 f"sims' engines {_pct(st['err_p90_after_goal_engine_terms'])} (that time p50 / "
-                f"p90: {' / '.join(f'{v:.0f}' for v in st['outside_engine_ms_p50_p90'])} ms)"
+                f"p90: {' / '.join(f'{v:.0f}' for v in st['outside_engine_ms_p50_p90'])} ms); "
+                f"with the sims' load / wait / both {_pct(st['err_p90_after_goal_sim_load'])} / "
+                f"{_pct(st['err_p90_after_goal_sim_wait'])} / "
+                f"{_pct(st['err_p90_after_goal_sim_load_wait'])}"
             )
     return out
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadtest.bench.estimate import Sample, error_floor, outside_engine
+from loadtest.bench.estimate import Sample, error_floor, outside_engine, with_sim_phases
 from routing.whatif.summary import percentile
 
 
@@ -39,3 +39,18 @@ def test_outside_engine_takes_the_observed_time_outside_the_sims_engine_for_its_
     assert outside == [pytest.approx(40.0)]
     assert errors == [pytest.approx(0.0)]
     assert s.rel_error == pytest.approx(0.3)
+
+
+def test_the_sims_phases_take_the_place_of_the_estimates_terms_for_them() -> None:
+    """TTFT 100 ms: the sim loaded the KV for 30 ms (the estimate said 10) and took 60 from the
+    load to the first token (the estimate's queue and prefill: 40). The estimate (60 ms) is 40%
+    off; with the sim's load 20% off, with its wait 20% off, with both exact. A request the sim
+    did not report on is left out."""
+    s = Sample(0, 0.0, status=200, obs_s=0.1, est_s=0.06)
+    s.est_terms_ms = {"fixed": 10.0, "load": 10.0, "queue": 15.0, "prefill": 25.0}
+    s.sim = {"located_ms": 2.0, "loaded_ms": 32.0, "first_token_ms": 92.0}
+    bare = Sample(1, 0.0, status=200, obs_s=0.1, est_s=0.1)
+    assert s.rel_error == pytest.approx(0.4)
+    assert with_sim_phases([s, bare], ["load"]) == [pytest.approx(0.2)]
+    assert with_sim_phases([s, bare], ["wait"]) == [pytest.approx(0.2)]
+    assert with_sim_phases([s, bare], ["load", "wait"]) == [pytest.approx(0.0)]
