@@ -66,6 +66,8 @@ class OpenStream:
         return self._lease.held
 
     async def finish(self) -> None:
+        """Lets go of the stream; safe from a task being cancelled: the close, its one wait, is
+        shielded (callers rely on it: keep every wait here shielded)."""
         if not self._lease.held:
             return
         self._lease.release()
@@ -123,9 +125,8 @@ class RelayResponse(StreamingResponse):
             raise ClientDisconnect() from None  # as Starlette says a failed send
         finally:
             watch.stop()  # before any await: the watcher cancels only the sends above
-            if self._stream.open:
-                with anyio.CancelScope(shield=True):
-                    await self._stream.finish()
+            if self._stream.open:  # its one wait, the upstream's close, is shielded within
+                await self._stream.finish()
             for callback in self._finished:
                 callback()
         if self.background is not None:
