@@ -88,11 +88,15 @@ class Gateway:
     reloader: Reloader = field(init=False)  # it reads the gateway: set once the gateway is built
     components: list[Component] = field(default_factory=list)
 
-    def loads(self) -> dict[str, dict[str, int]]:
+    def loads(self) -> dict[str, dict[str, Any]]:
         """Each replica's load as routing sees it now: own counts, raised to a fresh scrape of the
         engine's metrics (which include what other gateways sent)."""
         now_s, stale_s = time.monotonic(), self.config.engine_metrics.stale_after_s
-        return {name: asdict(r.load(now_s, stale_s)) for name, r in self.registry.replicas.items()}
+        out = {}
+        for name, r in self.registry.replicas.items():
+            load = r.load(now_s, stale_s)
+            out[name] = asdict(load) | {"queue": [q._asdict() for q in load.queue]}
+        return out
 
     def exposition(self) -> bytes:
         """This process's /metrics text."""

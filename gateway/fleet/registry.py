@@ -94,7 +94,12 @@ class Replica:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
         requests other gateways sent show up only there. Their prompt sizes are unknown, so
         each is charged this gateway's mean uncached prompt."""
-        in_flight, pending = self.in_flight, self.pending_prefill_tokens
+        # list comprehensions, not generators: every decision asks every candidate's load
+        now = time.perf_counter()
+        joining = self.joining.values()
+        queue = tuple([Queued(j.at_s - now, j.tokens, j.priority) for j in joining])
+        own_pending = sum([j.tokens for j in joining])
+        in_flight, pending = self.in_flight, own_pending
         e = self.engine
         if e is not None and now_s - e.scraped_at_s <= stale_after_s:
             in_flight = max(in_flight, round(e.running + e.waiting))
@@ -102,14 +107,13 @@ class Replica:
             # now (a request of ours that has finished since would count as someone else's)
             foreign_waiting = max(0.0, e.waiting - max(e.own_waiting, self.awaiting_first_byte))
             pending += round(foreign_waiting * self.mean_prefill_tokens)
-        now = time.perf_counter()
         busy_s = 0.0
-        if self.awaiting_first_byte:
+        swapping = 0
+        if queue:
             # the head started when the previous one finished, or when it was loaded, if later
-            loaded = min((j.at_s for j in self.joining.values()), default=self.head_since_s)
+            loaded = min([j.at_s for j in joining])
             busy_s = max(0.0, now - max(self.head_since_s, loaded))
-        queue = tuple(Queued(j.at_s - now, j.tokens, j.priority) for j in self.joining.values())
-        swapping = sum(1 for j in self.joining.values() if j.swaps and j.at_s > now)
+            swapping = sum([1 for j in joining if j.swaps and j.at_s > now])
         return Load(in_flight, pending, swapping, busy_s, queue)
 
     def hbm_capacity_tokens(self) -> int:

@@ -23,15 +23,9 @@ from gateway.components import start_all
 from gateway.config import GatewayConfig
 from gateway.http.debug_routes import debug_router
 from gateway.http.errors import ApiError, bad_request
-from gateway.http.exposure import (
-    POLICY_STATE_KEY,
-    AuthFailures,
-    ConnectionPolicy,
-    FailedAuthLimit,
-    ReadDeadline,
-)
+from gateway.http.exposure import POLICY_STATE_KEY, AuthFailures, ConnectionPolicy
 from gateway.http.openapi import schema_of
-from gateway.http.request_layer import RequestLayer, Unexpected
+from gateway.http.request_layer import RequestLayer
 from gateway.http.responses_routes import responses_router
 from gateway.http.serve import api_router, chat_completions, completions
 from gateway.http.status_routes import status_router
@@ -99,33 +93,23 @@ def create_app(
 def _add_request_middleware(
     app: FastAPI, config: GatewayConfig, span_exporter: SpanExporter | None
 ) -> None:
-    """The request id and access line, the failed-auth limit, the body's deadline and the 500
-    catcher: one layer (gateway/http/request_layer.py), or, with tracing on, four with the span
-    among them, outermost added last."""
-    failures = AuthFailures(config.rate_limits.failed_auth_per_min)
-    body_timeout_s = config.listen.body_timeout_s
+    """The request id and access line, the failed-auth limit, the span (with tracing on), the
+    body's deadline and the 500 catcher: one layer (gateway/http/request_layer.py)."""
 
     def on_timeout(part: str) -> None:
         app.state.gw.metrics.read_timeouts.labels(part).inc()
 
-    if not config.tracing.enabled:
-        app.add_middleware(
-            RequestLayer,
-            body_timeout_s=body_timeout_s,
-            on_timeout=on_timeout,
-            failures=failures,
-            on_refused=lambda: _count_auth_throttled(app),
-        )
-        return
-    app.add_middleware(Unexpected)  # inside RequestContext: its 500s are logged too
-    app.add_middleware(ReadDeadline, body_timeout_s=body_timeout_s, on_timeout=on_timeout)
-    app.add_middleware(  # inside RequestContext: the span reads its access record
-        tracing.TracingMiddleware, tracer=tracing.tracer_from(config.tracing, span_exporter)
+    span = None
+    if config.tracing.enabled:
+        span = tracing.RequestSpan(tracing.tracer_from(config.tracing, span_exporter))
+    app.add_middleware(
+        RequestLayer,
+        body_timeout_s=config.listen.body_timeout_s,
+        on_timeout=on_timeout,
+        failures=AuthFailures(config.rate_limits.failed_auth_per_min),
+        on_refused=lambda: _count_auth_throttled(app),
+        span=span,
     )
-    app.add_middleware(  # inside RequestContext: its 429s are logged
-        FailedAuthLimit, failures=failures, on_refused=lambda: _count_auth_throttled(app)
-    )
-    app.add_middleware(logs.RequestContext)
 
 
 def _count_auth_throttled(app: FastAPI) -> None:
@@ -164,13 +148,12 @@ class _App(FastAPI):
     """FastAPI, with an ASGI entry ahead of it for POST /v1/chat/completions and /v1/completions
     (`hot`): in a CPU profile of the overhead benchmark's closed loop (docs/performance.md)
     Starlette's and FastAPI's layers (error middlewares, FastAPI's body-limit and telemetry
-    wrappers, its exit stack, route matching, dependency solving) were ~11% of a request's gateway
-    CPU. The entry is the app's ASGI `__call__`, the interface the server calls: a hot request
-    goes to its endpoint through the middlewares the app was given (its public `user_middleware`:
-    gateway/http/request_layer.py's one layer, or its four with tracing among them, and any added
-    later), wrapped in the order Starlette wraps them; an ApiError or HTTPException is rendered by
-    the app's own exception handlers. Everything else, the lifespan included, goes to FastAPI
-    as usual."""
+    wrappers, its exit stack, route matching, dependency solving) were ~11% of a request's
+    gateway CPU. The entry is the app's ASGI `__call__`, the interface the server calls: a hot
+    request goes to its endpoint through the middlewares the app was given (its public
+    `user_middleware`: gateway/http/request_layer.py's one layer, and any added later), wrapped
+    in the order Starlette wraps them; an ApiError or HTTPException is rendered by the app's own
+    exception handlers. Everything else, the lifespan included, goes to FastAPI as usual."""
 
     hot: dict[str, Endpoint]
     _hot_stack: ASGIApp | None = None

@@ -6,7 +6,8 @@ engine's work. `while_client_waits` runs the work in the caller's own task and, 
 taken DISCONNECT_POLL_S, asks `client_gone` (Starlette's `Request.is_disconnected`) every
 DISCONNECT_POLL_S until the work is done.
 
-The asking is done by a watcher task started by a timer: work done within DISCONNECT_POLL_S (a
+The asking is done by a watcher task started by a timer (`TaskWatch`, which
+gateway/serving/relay_response.py's stream uses too): work done within DISCONNECT_POLL_S (a
 request not held, whose replica begins its answer that fast) pays a timer, not a task and a wait
 per poll; a client that leaves is noticed as fast as before, at the first poll after
 DISCONNECT_POLL_S. A watcher that finds the client gone cancels the caller's task, so the work is
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -43,8 +45,7 @@ async def while_client_waits(
     off. Work that finished as the waiter was cancelled from above is let go of too."""
     task = asyncio.current_task()
     assert task is not None  # a request is handled in a task
-    watch = _Watch(task, client_gone)
-    timer = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, watch.start)
+    watch = TaskWatch(task, partial(_poll, client_gone), DISCONNECT_POLL_S)
     try:
         result = await work
     except BaseException:
@@ -52,8 +53,6 @@ async def while_client_waits(
         if watch.left and task.uncancel() == 0:  # the watcher's cancellation, and only it
             raise ClientGone from None
         raise
-    finally:
-        timer.cancel()
     try:
         gone = await watch.finish()
     except BaseException:  # cancelled from above while the last question was answered
@@ -67,42 +66,55 @@ async def while_client_waits(
     return result
 
 
+async def _poll(client_gone: Callable[[], Awaitable[bool]], watch: TaskWatch) -> bool:
+    """Asks `client_gone` every DISCONNECT_POLL_S while the work is under way."""
+    while True:
+        watch.asking = True
+        gone = await client_gone()
+        watch.asking = False
+        if gone or not watch.waiting:
+            return gone
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
 async def _let_go(result: T, abandoned: Callable[[T], Awaitable[None]] | None) -> None:
     if abandoned is not None:
         with anyio.CancelScope(shield=True):
             await abandoned(result)
 
 
-class _Watch:
-    """Started by the timer: asks `client_gone` every DISCONNECT_POLL_S, and cancels the task
-    still doing the work once the client has left (`left`: the cancellation was this watch's;
-    `gone`: the client left, found before or just after the work returned)."""
+class TaskWatch:
+    """A watcher of a client, for a task doing work on its behalf: a timer armed now starts it
+    after `after_s` (work over by then pays the timer, not a task); it runs `find_gone(watch)`,
+    which returns whether the client left (True) or that it stopped looking (False), and cancels
+    the task if the client left while the work was still under way. `left`: the cancellation was
+    this watch's; `gone`: the client left, found before or just after the work ended; `asking`:
+    `find_gone` is waiting on an answer that decides (`finish` waits for it). A `find_gone` that
+    raises says nothing of the client: the watch stops looking."""
 
-    __slots__ = ("_client_gone", "_task", "_watcher", "asking", "gone", "left", "waiting")
+    __slots__ = ("_find_gone", "_task", "_timer", "_watcher", "asking", "gone", "left", "waiting")
 
     def __init__(
-        self, task: asyncio.Task[object], client_gone: Callable[[], Awaitable[bool]]
+        self,
+        task: asyncio.Task[object],
+        find_gone: Callable[[TaskWatch], Awaitable[bool]],
+        after_s: float,
     ) -> None:
         self._task = task
-        self._client_gone = client_gone
+        self._find_gone = find_gone
         self._watcher: asyncio.Task[None] | None = None
         self.waiting = True
         self.asking = self.gone = self.left = False
+        self._timer = asyncio.get_running_loop().call_later(after_s, self._start)
 
-    def start(self) -> None:
+    def _start(self) -> None:
         if self.waiting:
             self._watcher = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
         try:
-            while True:
-                self.asking = True
-                gone = await self._client_gone()
-                self.asking = False
-                if gone or not self.waiting:
-                    break
-                await asyncio.sleep(DISCONNECT_POLL_S)
-        except Exception:  # asking failed: that says nothing of the client, stop asking
+            gone = await self._find_gone(self)
+        except Exception:  # looking failed: that says nothing of the client, stop looking
             self.asking = False
             return
         self.gone = gone
@@ -111,7 +123,9 @@ class _Watch:
             self._task.cancel()
 
     def stop(self) -> None:
+        """The work is over: no watcher starts, a running one is cancelled."""
         self.waiting = False
+        self._timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
 
@@ -119,6 +133,7 @@ class _Watch:
         """Stop watching once the work returned: whether the client left. A question under way
         is answered first (its answer decides, as when the waiter asked itself)."""
         self.waiting = False
+        self._timer.cancel()
         watcher = self._watcher
         if watcher is not None and self.asking:
             await watcher

@@ -11,15 +11,17 @@ open after 60 s, under h11 and httptools alike. Two deadlines close that:
   with one timer, armed when a connection opens and after each answer (unless a pipelined request
   is already parsed), disarmed when a request's headers are complete; when it fires the
   connection is closed. `cachelane serve` runs uvicorn with it (HTTP_PROTOCOL).
-- body (`listen.body_timeout_s`): ReadDeadline, an ASGI middleware that gives each request's
-  body reads one deadline from when its headers were complete; past it the read raises
+- body (`listen.body_timeout_s`): `deadline_receive`, applied by the request layer
+  (gateway/http/request_layer.py), gives each request's body reads one deadline from when its
+  headers were complete; past it the read raises
   BodyTimeout, answered 408 `request_timeout` with `connection: close` (uvicorn then closes the
   connection).
 
-Failed authentication: FailedAuthLimit counts 401 answers per client address and per credential
-presented (routing/ratelimit.py's GCRA, `rate_limits.failed_auth_per_min` a minute); once one has
-used its budget, its failures are answered 429 with Retry-After (a request without a key from a
-held address unread) until one more failure would fit. A valid key is never refused by it.
+Failed authentication: AuthFailures, applied by the request layer, counts 401 answers per client
+address and per credential presented (routing/ratelimit.py's GCRA, `rate_limits.failed_auth_per_min`
+a minute); once one has used its budget, its failures are answered 429 with Retry-After (a request
+without a key from a held address unread) until one more failure would fit. A valid key is never
+refused by it.
 
 Monitoring endpoints: `exposure.metrics_auth` / `ready_auth` put /metrics and /ready behind the
 monitoring key (`exposure.api_key`) or the admin key (require_monitoring).
@@ -43,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope
 
 from gateway.http.errors import ApiError
 from routing.ratelimit import charge
@@ -133,28 +135,11 @@ class BodyTimeout(ApiError):
         )
 
 
-class ReadDeadline:
-    """The body of a request must arrive within `body_timeout_s` of its headers. Receives after
-    the body (a disconnect poll) pass through untouched."""
-
-    def __init__(
-        self, app: ASGIApp, *, body_timeout_s: float, on_timeout: Callable[[str], None]
-    ) -> None:
-        self.app = app
-        self._timeout_s = body_timeout_s
-        self._on_timeout = on_timeout
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        await self.app(scope, deadline_receive(receive, self._timeout_s, self._on_timeout), send)
-
-
 def deadline_receive(
     receive: Receive, timeout_s: float, on_timeout: Callable[[str], None]
 ) -> Receive:
-    """`receive` whose body reads raise BodyTimeout past `timeout_s` from now (ReadDeadline's)."""
+    """`receive` whose body reads raise BodyTimeout past `timeout_s` from now; receives after the
+    body (a disconnect poll) pass through untouched."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     body_done = False
 
@@ -234,61 +219,6 @@ def bearer_token(scope: Scope) -> bytes | None:
 def credential_party(token: bytes) -> str:
     """A credential as the failures know it: its SHA-256, never the token."""
     return "key:" + hashlib.sha256(token).hexdigest()
-
-
-class FailedAuthLimit:
-    """Limits failed authentications (401 answers, whatever the endpoint) without ever refusing
-    a valid key. The state is an argument: the app builds this middleware twice (its hot path
-    and the usual stack).
-
-    - Every 401 counts against the client address and, when the request presented one, against
-      its credential (a hash of it).
-    - A request without a credential from an address that failed more than `failures.per_min`
-      times a minute gets 429 with Retry-After, unread.
-    - A request with a credential always reaches authentication, so a valid key is served
-      whatever its address or other keys did (behind a proxy every client may share one
-      address); an invalid one from a held address, or one itself held, gets the 429 instead
-      of its 401.
-
-    The client address is the peer's, or the one a trusted proxy names in X-Forwarded-For:
-    uvicorn rewrites it for peers in `listen.forwarded_allow_ips` only (none by default)."""
-
-    def __init__(
-        self, app: ASGIApp, *, failures: AuthFailures, on_refused: Callable[[], None]
-    ) -> None:
-        self.app = app
-        self._failures = failures
-        self._on_refused = on_refused
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._failures.per_min == 0:
-            await self.app(scope, receive, send)
-            return
-        address = client_address(scope)
-        token = bearer_token(scope)
-        held_s = self._failures.held_unread_s(address, token)
-        if held_s > 1e-9:
-            await self._refuse(held_s, scope, receive, send)
-            return
-        refused = False
-
-        async def watched_send(message: Message) -> None:
-            nonlocal refused
-            if refused:  # the rest of the 401 the 429 replaced
-                return
-            if message["type"] == "http.response.start" and message["status"] == 401:
-                held_s = self._failures.answered_401(address, token)
-                if held_s > 1e-9:
-                    refused = True
-                    await self._refuse(held_s, scope, receive, send)
-                    return
-            await send(message)
-
-        await self.app(scope, receive, watched_send)
-
-    async def _refuse(self, held_s: float, scope: Scope, receive: Receive, send: Send) -> None:
-        self._on_refused()
-        await auth_refusal(held_s).response()(scope, receive, send)
 
 
 def auth_refusal(held_s: float) -> ApiError:

@@ -1,19 +1,19 @@
 """The middleware on every request, as one ASGI layer.
 
-The app's request path runs four middlewares, from the outside in: the request id and the access
-line (gateway/telemetry/logs.py RequestContext), the failed-authentication limit
-(gateway/http/exposure.py FailedAuthLimit), the body's read deadline (ReadDeadline) and the 500
-catcher (Unexpected, below). As four layers each request pays four frames and every message sent
-(a stream's head, each chunk, its end) three wrappers of send; RequestLayer does what the four do,
-in the same order, in one frame and one wrapper of send. With tracing on, the span sits between
-the failed-auth limit and the read deadline (it reads the access record and sees the 500s the
-catcher answers), so the app runs the four as layers with tracing among them (gateway/http/app.py).
+From the outside in: the request id and the access line (gateway/telemetry/logs.py
+AccessWatch), the failed-authentication limit (gateway/http/exposure.py AuthFailures), with
+tracing on the request's span (gateway/telemetry/tracing.py RequestSpan: it reads the access
+record and sees the 500s the catcher answers), the body's read deadline (`deadline_receive`) and
+the 500 catcher (`unexpected`). As separate middlewares each request would pay a frame for each
+and every message sent (a stream's head, each chunk, its end) a wrapper of send for each; here
+it is one frame and one wrapper of send, and a second frame and wrapper only for a traced request.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -26,6 +26,7 @@ from gateway.http.exposure import (
     deadline_receive,
 )
 from gateway.telemetry.logs import AccessWatch
+from gateway.telemetry.tracing import RequestSpan
 
 log = logging.getLogger("cachelane.app")
 
@@ -40,38 +41,25 @@ def unexpected(scope: Scope, err: Exception) -> ApiError:
     return answer
 
 
-class Unexpected:
-    """Any other exception: its traceback logged once (here), and a 500 in the error envelope,
-    counted. An exception handler for Exception would run in Starlette's ServerErrorMiddleware,
-    which re-raises after it, so uvicorn logged each traceback a second time; this middleware sits
-    inside that one and does not re-raise. A response already under way cannot become a 500: it
-    is cut off (uvicorn closes the connection)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        except Exception as err:
-            answer = unexpected(scope, err)
-            if not started:
-                await answer.response()(scope, receive, send)
-
-
 class RequestLayer:
-    """RequestContext, FailedAuthLimit, ReadDeadline and Unexpected in one layer (the module
-    docstring says why); each keeps its own contract."""
+    """The request id and access line, the failed-auth limit, the optional span, the body's
+    deadline and the 500 catcher (the module docstring says in what order).
+
+    - Failed authentication: every 401 counts against the client address and, when the request
+      presented one, its credential (a hash of it). A request without a credential from an
+      address that failed more than `failures.per_min` times a minute gets 429 with
+      Retry-After, unread; one with a credential always reaches authentication, so a valid key
+      is served whatever its address or other keys did (behind a proxy every client may share
+      one address); an invalid one from a held address, or one itself held, gets the 429
+      instead of its 401. The client address is the peer's, or the one a trusted proxy names in
+      X-Forwarded-For: uvicorn rewrites it for peers in `listen.forwarded_allow_ips` only.
+    - The body must arrive within `body_timeout_s` of the headers; receives after the body (a
+      disconnect poll) pass through untouched.
+    - Any other exception: its traceback logged once (here), and a 500 in the error envelope,
+      counted. An exception handler for Exception would run in Starlette's
+      ServerErrorMiddleware, which re-raises after it, so uvicorn logged each traceback a second
+      time; this layer sits inside that one and does not re-raise. A response already under way
+      cannot become a 500: it is cut off (uvicorn closes the connection)."""
 
     def __init__(
         self,
@@ -81,15 +69,19 @@ class RequestLayer:
         on_timeout: Callable[[str], None],
         failures: AuthFailures,
         on_refused: Callable[[], None],
+        span: RequestSpan | None = None,
     ) -> None:
         self.app = app
         self._body_timeout_s = body_timeout_s
         self._on_timeout = on_timeout
         self._failures = failures
         self._on_refused = on_refused
+        self._span = span
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            if scope["type"] == "lifespan" and self._span is not None:
+                send = partial(self._span.lifespan_sent, send)
             await self.app(scope, receive, send)
             return
         watch = AccessWatch(scope)
@@ -109,29 +101,37 @@ class RequestLayer:
             if held_s > 1e-9:
                 await self._refuse(held_s, scope, receive, send, watch)
                 return
-        started = refused = False
+        refused = False
 
         async def sent(message: Message) -> None:
-            nonlocal started, refused
-            if message["type"] == "http.response.start":
-                started = True
-                if limited and message["status"] == 401:
-                    held_s = self._failures.answered_401(address, token)
-                    if held_s > 1e-9:
-                        refused = True
-                        await self._refuse(held_s, scope, receive, send, watch)
-                        return
+            nonlocal refused
+            if limited and message["type"] == "http.response.start" and message["status"] == 401:
+                held_s = self._failures.answered_401(address, token)
+                if held_s > 1e-9:
+                    refused = True
+                    await self._refuse(held_s, scope, receive, send, watch)
+                    return
             if refused:  # the rest of the 401 the 429 replaced
                 return
             await send(watch.seen(message))
 
         timed = deadline_receive(receive, self._body_timeout_s, self._on_timeout)
+        span = self._span
+        if span is not None and span.traces(scope):
+            await span.run(scope, sent, partial(self._answer, scope, timed, watch=watch))
+        else:
+            await self._answer(scope, timed, sent, watch=watch)
+
+    async def _answer(
+        self, scope: Scope, receive: Receive, send: Send, *, watch: AccessWatch
+    ) -> None:
+        """The app, and the 500 catcher's answer for what it raised."""
         try:
-            await self.app(scope, timed, sent)
+            await self.app(scope, receive, send)
         except Exception as err:
             answer = unexpected(scope, err)
-            if not started:
-                await answer.response()(scope, timed, sent)
+            if not watch.began:
+                await answer.response()(scope, receive, send)
 
     async def _refuse(
         self, held_s: float, scope: Scope, receive: Receive, send: Send, watch: AccessWatch

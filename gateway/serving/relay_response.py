@@ -11,16 +11,16 @@ every streamed request however short. Here a client that leaves is noticed by:
 
 - a send that fails: under an ASGI >= 2.4 server send raises OSError once the client is gone
   (Starlette's ClientDisconnect, as before);
-- a watcher of receive() started only for a stream still being sent WATCH_AFTER_S after it
-  began (a timer, armed for every stream and cancelled at its end, costs a heap entry; a task
-  costs a task). uvicorn (ASGI 2.3) does not raise from send once the client is gone: it drops
-  the bytes, and its send blocks while a slow client's buffer is full, so only receive() says
-  the client left. The watcher cancels the sending task, which stops the upstream read at once
-  and releases the reservation in the `finally`s, and the response ends without an error, as
-  Starlette's task group ended it. A stream that is over within WATCH_AFTER_S pays no watcher:
-  the most a client that leaves such a stream costs is the rest of it, read from the replica,
-  at most WATCH_AFTER_S of it, the same bound as a client that leaves before its first byte
-  (gateway/http/disconnect.py).
+- a watcher of receive() (gateway/http/disconnect.py's TaskWatch) started only for a stream still
+  being sent WATCH_AFTER_S after it began (a timer, armed for every stream and cancelled at its end,
+  costs a heap entry; a task costs a task). uvicorn (ASGI 2.3) does not raise from send once the
+  client is gone: it drops the bytes, and its send blocks while a slow client's buffer is full, so
+  only receive() says the client left. The watcher cancels the sending task, which stops the
+  upstream read at once and releases the reservation in the `finally`s, and the response ends
+  without an error, as Starlette's task group ended it. A stream that is over within WATCH_AFTER_S
+  pays no watcher: the most a client that leaves such a stream costs is the rest of it, read from
+  the replica, at most WATCH_AFTER_S of it, the same bound as a client that leaves before its first
+  byte (gateway/http/disconnect.py).
 
 Whatever ends the send (the last chunk, a client gone, a failed send, a cancellation from above),
 the open stream is finished once: the lease released, the answer settled, the upstream closed.
@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
+from functools import partial
 
 import anyio
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from gateway.http.disconnect import DISCONNECT_POLL_S
+from gateway.http.disconnect import DISCONNECT_POLL_S, TaskWatch
 from gateway.serving.lease import Lease
 from gateway.serving.settlement import Settled, Settlement
 from gateway.serving.upstream import UpstreamResponse
@@ -65,6 +66,8 @@ class OpenStream:
         return self._lease.held
 
     async def finish(self) -> None:
+        """Lets go of the stream; safe from a task being cancelled: the close, its one wait, is
+        shielded (callers rely on it: keep every wait here shielded)."""
         if not self._lease.held:
             return
         self._lease.release()
@@ -110,8 +113,7 @@ class RelayResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None  # an ASGI app runs in a task
-        watch = _ClientWatch(task, receive)
-        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
+        watch = TaskWatch(task, partial(_disconnect, receive), WATCH_AFTER_S)
         try:
             await self._send_all(send)
         except asyncio.CancelledError:
@@ -123,10 +125,8 @@ class RelayResponse(StreamingResponse):
             raise ClientDisconnect() from None  # as Starlette says a failed send
         finally:
             watch.stop()  # before any await: the watcher cancels only the sends above
-            timer.cancel()
-            if self._stream.open:
-                with anyio.CancelScope(shield=True):
-                    await self._stream.finish()
+            if self._stream.open:  # its one wait, the upstream's close, is shielded within
+                await self._stream.finish()
             for callback in self._finished:
                 callback()
         if self.background is not None:
@@ -143,37 +143,11 @@ class RelayResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-class _ClientWatch:
-    """Started by the response's timer: awaits receive() until the disconnect, then cancels the
-    task that is still sending (`left` says the cancellation was this watch's)."""
-
-    __slots__ = ("_receive", "_task", "_watcher", "left", "sending")
-
-    def __init__(self, task: asyncio.Task[object], receive: Receive) -> None:
-        self._task = task
-        self._receive = receive
-        self._watcher: asyncio.Task[None] | None = None
-        self.sending = True
-        self.left = False
-
-    def start(self) -> None:
-        if self.sending:
-            self._watcher = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        try:
-            while (await self._receive())["type"] != "http.disconnect":
-                pass
-        except Exception:  # a receive that fails says nothing of the client: stop watching
-            return
-        if self.sending:
-            self.left = True
-            self._task.cancel()
-
-    def stop(self) -> None:
-        self.sending = False
-        if self._watcher is not None:
-            self._watcher.cancel()
+async def _disconnect(receive: Receive, _watch: TaskWatch) -> bool:
+    """Awaits receive() until the client's disconnect (the stream's TaskWatch)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    return True
 
 
 def _spec_version(scope: Scope) -> tuple[int, ...]:

@@ -162,8 +162,11 @@ class Settlement:
         try:
             return await anext(chunks, None)
         finally:
-            with anyio.CancelScope(shield=True):
-                await accepted
+            if accepted.done():  # mostly, by the first chunk: its outcome without a cancel scope
+                accepted.result()
+            else:
+                with anyio.CancelScope(shield=True):
+                    await accepted
 
     async def first_byte(self, plan: Plan, reservation: Reservation, ttft_s: float) -> None:
         for hook in self._first_byte:

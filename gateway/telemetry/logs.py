@@ -3,7 +3,7 @@
 - `x-request-id`: taken from the client when it is 1..128 safe characters (letters, digits,
   `.`, `_`, `-`, `:`), otherwise a new one is generated; it is echoed on the response, forwarded
   to the replica (`upstream_headers`), and put on every log record written while the request is
-  handled (`RequestIdFilter`, from a context variable set by `RequestContext`).
+  handled (`RequestIdFilter`, from a context variable set by `AccessWatch`).
 - One access line per request (logger `cachelane.access`), written when the response has ended
   (for a stream, when the stream ends), errors included: request id, method, path, status and
   error code (a stream that broke after its 200 head: the error it ended with), tenant, class,
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Scope
 
 if TYPE_CHECKING:
     from gateway.serving.plan import Plan
@@ -165,8 +165,8 @@ def note_stream_failed(status: int, code: str) -> None:
 class AccessWatch:
     """One request's access record while it is answered: opened from its scope (the request id
     taken or made, the context variable set), fed every message sent (`seen`), closed when the
-    response has ended (the access line written, the variable reset). RequestContext is it as a
-    middleware; gateway/http/request_layer.py calls it from its one layer."""
+    response has ended (the access line written, the variable reset); gateway/http/request_layer.py
+    calls it from its one layer."""
 
     __slots__ = ("_error_body", "_stream", "_token", "access")
 
@@ -210,6 +210,11 @@ class AccessWatch:
                 error_body.extend(body[: _ERROR_BODY_LIMIT - len(error_body)])
         return message
 
+    @property
+    def began(self) -> bool:
+        """Whether a response began: its head was sent."""
+        return self.access.status is not None
+
     def failed(self) -> None:
         """The app raised: a response that never began is logged as a 500."""
         if self.access.status is None:
@@ -224,30 +229,6 @@ class AccessWatch:
             fields = access.fields(time.perf_counter() - access.started_s)
             access_log.log(level, key_values(fields), extra={"access": fields})
         _current.reset(self._token)
-
-
-class RequestContext:
-    """ASGI middleware: the request id (taken or made, echoed) and the access line."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        watch = AccessWatch(scope)
-
-        async def wrapped(message: Message) -> None:
-            await send(watch.seen(message))
-
-        try:
-            await self.app(scope, receive, wrapped)
-        except BaseException:
-            watch.failed()
-            raise
-        finally:
-            watch.close()
 
 
 def _error_code(body: bytes) -> str | None:

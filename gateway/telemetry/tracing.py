@@ -10,8 +10,8 @@
   access line's record (gateway/telemetry/logs.py `Access`), filled in as the response goes out.
 - Spans are exported over OTLP/HTTP (protobuf) in batches; `sample_ratio` samples new traces
   (a trace the client sampled stays sampled: ParentBased, as the OpenTelemetry SDK's default).
-- Off (the default) costs nothing: the SDK is never imported, no middleware is installed, and
-  the hooks (`inject`, `note_plan`, `note_queue_wait`) return on one test of a module global.
+- Off (the default) costs nothing: the SDK is never imported, the request layer opens no span,
+  and the hooks (`inject`, `note_plan`, `note_queue_wait`) return on one test of a module global.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Scope, Send
 
 from gateway import __version__
 from gateway.extras import OTEL_MODULES, missing_message, missing_modules
@@ -120,28 +120,28 @@ def tracer_from(config: TracingConfig, exporter: SpanExporter | None = None) -> 
     return Tracing(provider.get_tracer("cachelane.gateway", __version__), provider)
 
 
-class TracingMiddleware:
-    """ASGI middleware, inside logs.RequestContext (whose access record it reads when the
-    response has ended): one SERVER span per request, probes (/health, /ready, /metrics)
-    excepted. At the app's shutdown, the spans not yet exported are sent before the server is
-    told the shutdown is complete."""
+class RequestSpan:
+    """One SERVER span per request, probes (/health, /ready, /metrics) excepted, opened by
+    gateway/http/request_layer.py around the app and its 500 catcher: inside the access record
+    (which it reads when the response has ended) and the failed-auth limit (a request refused
+    unread gets no span; a 401 the limit turns into a 429 is seen as the 401 the app sent). At the
+    app's shutdown, the spans not yet exported are sent before the server is told the shutdown is
+    complete (`lifespan_sent`)."""
 
-    def __init__(self, app: ASGIApp, tracer: Tracing) -> None:
+    def __init__(self, tracer: Tracing) -> None:
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        self.app = app
         self._tracer = tracer.tracer
         self._provider = tracer.provider
         self._server = SpanKind.SERVER
         self._error = Status(StatusCode.ERROR)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self.app(scope, receive, partial(self._lifespan_sent, send))
-            return
-        if scope["type"] != "http" or scope.get("path") in logs.PROBE_PATHS:
-            await self.app(scope, receive, send)
-            return
+    @staticmethod
+    def traces(scope: Scope) -> bool:
+        return scope.get("path") not in logs.PROBE_PATHS
+
+    async def run(self, scope: Scope, send: Send, inner: Callable[[Send], Awaitable[None]]) -> None:
+        """`inner(send)` (the app, answering through `send`) under the request's span."""
         carrier = {
             k.decode("latin-1"): v.decode("latin-1")
             for k, v in scope.get("headers", ())
@@ -170,7 +170,7 @@ class TracingMiddleware:
                 attributes={"http.request.method": method, "url.path": path},
             ) as span:
                 try:
-                    await self.app(scope, receive, sent)
+                    await inner(sent)
                 finally:
                     if span.is_recording():
                         span.set_attributes(_attributes(status, logs.current_access(), notes))
@@ -181,7 +181,7 @@ class TracingMiddleware:
         finally:
             _notes.reset(token)
 
-    async def _lifespan_sent(self, send: Send, message: Message) -> None:
+    async def lifespan_sent(self, send: Send, message: Message) -> None:
         if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
             await asyncio.to_thread(self._provider.shutdown)  # the exporter blocks: a thread
         await send(message)

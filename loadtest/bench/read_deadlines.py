@@ -3,11 +3,11 @@
     .venv/bin/python -m loadtest.bench.read_deadlines [--wait-s 60]
 
 Serves a trivial ASGI app with uvicorn's h11 and httptools protocols as they come, and with
-cachelane's (gateway/http/exposure.py: DeadlineHttpToolsProtocol and the ReadDeadline middleware,
-header and body deadlines of 5 s here), on loopback; opens three raw sockets against each: one
-that sends nothing, one that sends a request line and a header but never the blank line, and one
-that sends whole headers promising 100 body bytes and sends 10. Prints how long each stayed open
-(at most --wait-s).
+cachelane's (gateway/http/exposure.py: DeadlineHttpToolsProtocol and `deadline_receive`, as the
+request layer applies it, header and body deadlines of 5 s here), on loopback; opens three raw
+sockets against each: one that sends nothing, one that sends a request line and a header but never
+the blank line, and one that sends whole headers promising 100 body bytes and sends 10. Prints how
+long each stayed open (at most --wait-s).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gateway.http.exposure import (
     POLICY_STATE_KEY,
     BodyTimeout,
     ConnectionPolicy,
-    ReadDeadline,
+    deadline_receive,
 )
 from loadtest.sim.fleet import QuietServer, bind_socket, serve_app
 
@@ -87,14 +87,14 @@ async def open_for(port: int, payload: bytes, wait_s: float) -> str:
 
 
 async def main(wait_s: float) -> None:
-    deadline = ReadDeadline(echo, body_timeout_s=DEADLINE_S, on_timeout=lambda _part: None)
 
     async def cachelane_app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             await echo(scope, receive, send)
             return
         try:
-            await deadline(scope, receive, send)
+            timed = deadline_receive(receive, DEADLINE_S, lambda _part: None)
+            await echo(scope, timed, send)
         except BodyTimeout as err:  # as the gateway's ApiError handler answers it
             await err.response()(scope, receive, send)
 

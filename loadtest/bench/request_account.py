@@ -108,11 +108,11 @@ PHASES: tuple[tuple[str, str, F, F], ...] = (
         ),
         (),
     ),
-    (
-        "client-gone watch (task + asyncio.wait)",
+    (  # the work it waits on runs in the request's own task, inside it: not the watch's
+        "client-gone watch (a timer; a watcher past DISCONNECT_POLL_S)",
         "before",
         (("gateway/http/disconnect.py", "while_client_waits"),),
-        (),
+        (("gateway/serving/proxy.py", "_forward"), ("gateway/serving/handling.py", "hold")),
     ),
     ("upstream connect + send (aiohttp)", "before", (("gateway/serving/upstream.py", "post"),), ()),
     ("index write: prompt sent", "before", (("gateway/serving/planner.py", "record_sent"),), ()),
@@ -226,7 +226,8 @@ MIDDLEWARE_FILES = (
     "gateway/http/app.py",
 )
 MIDDLEWARE_NAMES = {
-    "__call__", "_serve", "sent", "wrapped", "tracked", "dispatch", "_serve_hot", "receive", "send"
+    "__call__", "_serve", "_answer", "sent", "timed_receive", "dispatch", "_serve_hot", "receive",
+    "send",
 }  # fmt: skip
 PACKAGES = (
     ("uvicorn + httptools (server)", ("uvicorn/", "httptools")),

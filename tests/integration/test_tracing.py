@@ -15,6 +15,7 @@ InMemorySpanExporter, the official openai client.
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -23,6 +24,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -30,7 +32,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -42,6 +44,7 @@ from loadtest.sim.server import create_sim_app
 from tests.helpers.completions import streamed_usage
 from tests.helpers.servers import running_app
 from tests.integration.fleet import FAST_COSTS, MODEL, gateway_config
+from tests.integration.test_exposure import BAD, CHAT, GOOD, TENANTS
 from tests.integration.test_failing_replicas import until
 from tests.integration.test_request_logs import HeaderCapture, captured_replicas
 
@@ -253,6 +256,56 @@ async def test_errors_are_spans_and_probes_are_not() -> None:
         assert statuses == [400, 404]
         assert all(codes)
         assert captures[0].seen == []
+
+
+async def test_a_500_and_the_401s_of_the_failed_auth_limit_are_spans_a_refusal_is_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With tracing on the request layer runs the span inside the access record and the
+    failed-auth limit, around the 500 catcher: the catcher's 500 is the span's status, a 401
+    that the limit turns into a 429 is seen as the 401 it was, and a request refused unread
+    has no span; the access line logs every one of them."""
+    async with AsyncExitStack() as stack:
+        urls, _ = await captured_replicas(stack, 1)
+        exporter = InMemorySpanExporter()
+        config = gateway_config(
+            urls, tracing={"enabled": True}, tenants=TENANTS,
+            rate_limits={"failed_auth_per_min": 1},
+        )  # fmt: skip
+        app = create_app(config, span_exporter=exporter)
+        url = await stack.enter_async_context(running_app(app))
+
+        async def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("planted")
+
+        app.state.gw.planner.plan = broken
+        caplog.set_level(logging.INFO, logger="cachelane.access")
+        async with httpx.AsyncClient(base_url=url, timeout=10.0) as h:
+            failed = await h.post("/v1/chat/completions", json=CHAT, headers=GOOD)
+            bad = [
+                (await h.post("/v1/chat/completions", json=CHAT, headers=BAD)).status_code
+                for _ in range(2)
+            ]
+            unread = await h.post("/v1/chat/completions", json=CHAT)
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal_error"
+        assert bad == [401, 429] and unread.status_code == 429
+        await until(lambda: len(exporter.get_finished_spans()) >= 3)
+        spans = exporter.get_finished_spans()
+        seen = [
+            (
+                (s.attributes or {}).get("http.response.status_code"),
+                (s.attributes or {}).get("cachelane.error_code"),
+                s.status.status_code,
+            )
+            for s in spans
+        ]
+        assert seen == [
+            (500, "internal_error", StatusCode.ERROR),
+            (401, "invalid_api_key", StatusCode.UNSET),
+            (401, "invalid_api_key", StatusCode.UNSET),
+        ]
+        lines = [r.__dict__["access"] for r in caplog.records if r.name == "cachelane.access"]
+        assert [line["status"] for line in lines] == [500, 401, 429, 429]
 
 
 async def test_tracing_is_off_by_default_and_sends_no_traceparent() -> None:
