@@ -17,14 +17,13 @@ route(), in order:
      TTFT budget, decided again over the shared pools too, a shared choice being a spill;
   4. a request with a TTFT objective (its own, or its class's: routing/objectives.py) goes where
      its estimate meets it with the least harm to others;
-  5. critical, cost placement (the default): the best pinned replica is preferred when its
-     cost is within PINNED_CLOSE of the best (under its admission cap, and meeting the objective
-     if the best does); a
-     shared choice is a spill, and `pressed` says whether the pinned pool lacked headroom (no
-     pinned replica under its cap with nothing to prefill), which is what reclaims lent
-     replicas; standard and batch, with `clear_while_loading`: no replica where the request
-     would start its prefill ahead of a critical one still loading its KV (decided again
-     without those), before step 4;
+  5. critical, cost placement (the default): the best pinned replica with headroom (under its
+     admission cap, no prefill pending) is preferred when its cost is within PINNED_CLOSE of
+     the best (and it meets the objective if the best does); a shared choice is a spill, and
+     `pressed` says whether the pinned pool lacked headroom (no pinned replica had it), which
+     is what reclaims lent replicas; standard and batch, with `clear_while_loading`: no
+     replica where the request would start its prefill ahead of a critical one still loading
+     its KV (decided again without those), before step 4;
   6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
      within its objective without delaying another request (Shed.OBJECTIVE), or when its best
      replica's prefill queue is longer than `batch_max_queue_s` (Shed.QUEUE, routing/filters.py
@@ -75,10 +74,14 @@ LEND_COOLDOWN_S = 5.0
 # knows better: it reclaims for as long as the pinned pool is estimated to stay without a free
 # replica (Routed.reclaim_s).
 PINNED_CLOSE = 0.25
-# Cost placement keeps a critical request on the pinned pool while the best pinned replica's cost
-# is within 25% (at least NEAR_TIE_S) of the best one's: the estimate's own accuracy goal is a p90
+# Cost placement keeps a critical request on a pinned replica with headroom while its cost is
+# within 25% (at least NEAR_TIE_S) of the best one's: the estimate's own accuracy goal is a p90
 # error of 25% (issue 25, "Done means"), so a closer shared estimate is not reliably faster, and
-# the pinned pool (HBM-only, under the critical class's own control) is the more predictable.
+# an idle pinned replica (HBM-only, under the critical class's own control) is the more
+# predictable. A pinned replica with prefill pending is not: there the preference would queue
+# critical requests behind each other at up to 1.25x the best cost, each raising the next one's
+# (python -m loadtest.bench.critical, `pinned` arm, docs/critical.md), so it takes a critical
+# request only when it is the best.
 
 
 class Shed(StrEnum):
@@ -248,8 +251,8 @@ def _cost_placed(
     decision: Decision, allowed: Eligibility, objective: float | None
 ) -> tuple[Decision, Eligibility, bool, float]:
     """critical.placement: cost. The cost model chose among pinned and shared replicas; the
-    best pinned replica still wins when its cost is close (PINNED_CLOSE) and it meets the
-    request's objective as well as the chosen one does. A shared choice is a
+    best pinned replica with headroom still wins when its cost is close (PINNED_CLOSE) and it
+    meets the request's objective as well as the chosen one does. A shared choice is a
     spill (counted as one). It says the pinned pool lacks headroom, and so stops lending, only
     when no pinned replica could start the request's prefill at once (each over its admission
     cap or with prefill pending): a follow-up that goes where its context is while a pinned
@@ -262,13 +265,13 @@ def _cost_placed(
     pinned = [c for c in allowed.candidates if c.pool.pinned]
     if not pinned:
         return decision, replace(allowed, fallback=Fallback.SPILL), True, LEND_COOLDOWN_S
-    close = _closest_pinned(decision, {c.name for c in pinned if admitted(c)})
+    close = _closest_pinned(decision, {c.name for c in pinned if _has_headroom(c)})
     if objective is not None and close is not None and decision.est_ttft_s <= objective:
         close = close if close.estimate.ttft_s <= objective else None
     if close is not None:
         ranking = (close.replica, *(n for n in decision.ranking if n != close.replica))
         return replace(decision, replica=close.replica, ranking=ranking), allowed, False, 0.0
-    pressed = not any(admitted(c) and c.load.pending_prefill_tokens == 0 for c in pinned)
+    pressed = not any(_has_headroom(c) for c in pinned)
     # When a pinned replica is free again: once a request of this size, sent there now, would
     # have passed its prefill (its queue and the steps it shares with the work already there;
     # the queue term alone is 0 when the request would share a step with that work).
@@ -279,9 +282,15 @@ def _cost_placed(
     return decision, replace(allowed, fallback=Fallback.SPILL), pressed, free_in_s
 
 
+def _has_headroom(c: Candidate) -> bool:
+    """Could the replica start a request's prefill at once: under its admission cap (the
+    operator's word) with no prefill pending?"""
+    return admitted(c) and c.load.pending_prefill_tokens == 0
+
+
 def _closest_pinned(decision: Decision, pinned: set[str]) -> Score | None:
-    """The pinned replica of least cost among `pinned` (those under their admission cap: a cap
-    is the operator's word), if within PINNED_CLOSE of the chosen one's."""
+    """The replica of least cost among `pinned` (the pinned ones with headroom), if within
+    PINNED_CLOSE of the chosen one's."""
     if not pinned:
         return None
     best = min((s for s in decision.scores if s.replica in pinned), key=cost_s)

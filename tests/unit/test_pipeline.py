@@ -46,6 +46,11 @@ def held(where: Location, blocks: int = len(HASHES)) -> BlockHits:
     return [frozenset({where})] * blocks
 
 
+def shared_hbm(blocks: int) -> BlockHits:
+    """The prompt's first `blocks` blocks in shared-0's HBM, the rest nowhere."""
+    return held(Location("shared-0", Tier.HBM), blocks) + [frozenset()] * (len(HASHES) - blocks)
+
+
 def routed(
     klass: TenantClass,
     candidates: list[Candidate],
@@ -117,17 +122,18 @@ def test_cost_placement_presses_the_pinned_pool_only_when_it_has_no_headroom(
 
 
 @pytest.mark.parametrize(
-    ("pinned_pending", "where"),
-    [(0, "pinned-0"), (200, "pinned-0"), (3000, "shared-0")],
-    ids=["idle", "close", "short"],
+    ("shared_holds", "pinned_pending", "where"),
+    [(0, 0, "pinned-0"), (8, 0, "pinned-0"), (0, 200, "shared-0"), (32, 0, "shared-0")],
+    ids=["idle-tie", "idle-close", "busy-close", "idle-far"],
 )
-def test_cost_placement_prefers_the_pinned_pool_when_its_estimate_is_close(
-    pinned_pending: int, where: str
+def test_cost_placement_prefers_a_pinned_replica_with_headroom_when_its_estimate_is_close(
+    shared_holds: int, pinned_pending: int, where: str
 ) -> None:
-    # both cold; the pinned replica has `pinned_pending` tokens queued (20 ms: within 25% of
-    # the 100 ms prefill; 300 ms: not)
+    # the shared replica holds `shared_holds` of the 63 blocks (8: ~13% cheaper, within 25%;
+    # 32: half, not); the pinned one is cold with `pinned_pending` tokens queued (20 ms: close,
+    # but a replica with prefill pending has no headroom, so only the best cost takes it)
     pinned = replica("pinned-0", PINNED, pending=pinned_pending)
-    out = routed(C, [replica("shared-0"), pinned])
+    out = routed(C, [replica("shared-0"), pinned], shared_hbm(shared_holds))
     assert out.decision is not None and out.decision.replica == where
     assert out.decision.ranking[0] == where
     assert out.fallback is (None if where == "pinned-0" else Fallback.SPILL)
@@ -339,15 +345,17 @@ def test_batch_is_shed_rather_than_delay_a_request_joining_the_queue() -> None:
 
 
 @pytest.mark.parametrize(
-    ("slo_ms", "where"), [(None, "pinned-0"), (110.0, "shared-0")], ids=["none", "met-by-shared"]
+    ("slo_ms", "where"), [(None, "pinned-0"), (100.0, "shared-0")], ids=["none", "met-by-shared"]
 )
 def test_the_pinned_preference_yields_to_a_critical_objective(
     slo_ms: float | None, where: str
 ) -> None:
-    # the pinned replica (~123 ms) is within 25% of the idle shared one (~104 ms): preferred,
-    # unless only the shared one meets the request's objective
-    pinned = replica("pinned-0", PINNED, pending=200)
-    fleet = FleetView([pinned, replica("shared-0")], [], 100.0, pinned_pool_exists=True)
+    # the idle pinned replica (cold) is within 25% of the shared one, which holds 8 of the 63
+    # blocks (~107 ms against ~94 ms): preferred, unless only the shared one meets the
+    # request's objective (100 ms)
+    pinned = replica("pinned-0", PINNED)
+    hits = shared_hbm(8)
+    fleet = FleetView([pinned, replica("shared-0")], hits, 100.0, pinned_pool_exists=True)
     request = PipelineRequest(HASHES, TOKENS, C, ttft_slo_ms=slo_ms)
     out = route(request, fleet, SETTINGS, PipelineState(random.Random(0)), commit=False)
     assert out.decision is not None and out.decision.replica == where
