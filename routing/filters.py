@@ -10,7 +10,7 @@ critical  the pinned pools first (HBM-only, provisioned up front), and only repl
           tenant: wherever a critical request goes, CPU and remote hits count as they would for
           anyone.
           With `cost_placement` (config `critical.placement: cost`, the default with `spill`)
-          the pinned pool is a preference, not a wall (routing/pipeline.py PINNED_CLOSE):
+          the pinned pool is a preference, not a wall (routing/pipeline.py CLOSE_COST):
           every pinned replica, whatever its queue, and every shared one are candidates, and
           the cost model picks the lowest estimated TTFT. A follow-up then
           goes where its context is, in whichever pool (the pinned pool is HBM-only: a context

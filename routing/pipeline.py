@@ -17,14 +17,15 @@ route(), in order:
      TTFT budget, decided again over the shared pools too, a shared choice being a spill;
   4. a request with a TTFT objective (its own, or its class's: routing/objectives.py) goes where
      its estimate meets it with the least harm to others;
-  5. critical, cost placement (the default): the best pinned replica is preferred when its
-     cost is within PINNED_CLOSE of the best (under its admission cap, and meeting the objective
-     if the best does); a
-     shared choice is a spill, and `pressed` says whether the pinned pool lacked headroom (no
-     pinned replica under its cap with nothing to prefill), which is what reclaims lent
-     replicas; standard and batch, with `clear_while_loading`: no replica where the request
-     would start its prefill ahead of a critical one still loading its KV (decided again
-     without those), before step 4;
+  5. critical, cost placement (the default): at a cost within CLOSE_COST of the best (and
+     meeting the objective if the best does), a replica with a tier below HBM is preferred to
+     an HBM-only one, where a context is found nowhere else once evicted, and a pinned one of
+     those with headroom (under its admission cap, no prefill pending) to a shared one; a
+     shared choice is a spill, and
+     `pressed` says whether the pinned pool lacked headroom (no pinned replica had it), which
+     is what reclaims lent replicas; standard and batch, with `clear_while_loading`: no
+     replica where the request would start its prefill ahead of a critical one still loading
+     its KV (decided again without those), before step 4;
   6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
      within its objective without delaying another request (Shed.OBJECTIVE), or when its best
      replica's prefill queue is longer than `batch_max_queue_s` (Shed.QUEUE, routing/filters.py
@@ -44,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from routing.decide import Candidate, Decision, Policy, RouteRequest, Score, decide
+from routing.decide import Candidate, Decision, Policy, RouteRequest, decide
 from routing.filters import Eligibility, Fallback, admitted, eligible, should_shed
 from routing.objectives import meet, objective_s, shed_retry_after_s
 from routing.pipeline_writes import IndexWrites, Write, admit, index_writes
@@ -74,11 +75,20 @@ LEND_COOLDOWN_S = 5.0
 # budget, gateway/config/classes.py ClassesConfig), so it does not flap per request. Cost placement
 # knows better: it reclaims for as long as the pinned pool is estimated to stay without a free
 # replica (Routed.reclaim_s).
-PINNED_CLOSE = 0.25
-# Cost placement keeps a critical request on the pinned pool while the best pinned replica's cost
-# is within 25% (at least NEAR_TIE_S) of the best one's: the estimate's own accuracy goal is a p90
-# error of 25% (issue 25, "Done means"), so a closer shared estimate is not reliably faster, and
-# the pinned pool (HBM-only, under the critical class's own control) is the more predictable.
+CLOSE_COST = 0.25
+# Two preferences of critical cost placement hold while the preferred replica's cost is within 25%
+# (at least NEAR_TIE_S) of the best one's: the estimate's own accuracy goal is a p90 error of 25%
+# (issue 25, "Done means"), so a closer estimate is not reliably faster.
+# 1. Where the context survives: a replica with no tier below HBM (hbm_only) keeps a critical
+#    session's context only in its own HBM, found nowhere else once evicted, so its follow-ups are
+#    bound to that one replica's queue; a replica with a CPU tier keeps it longer and writes it to
+#    a remote tier every replica of its pool can fetch from. On the benchmark's tiered fleet a
+#    pinned HBM-only pool that critical requests preferred took 46-67% of them (8-19% without a
+#    pinned pool) and their agent follow-ups recomputed more there (python -m
+#    loadtest.bench.critical, `pinned` arm, docs/critical.md).
+# 2. Predictability: a pinned replica with a tier below HBM and headroom (it could start the
+#    request at once) is preferred to a shared one; a busy one is not, or critical requests queue
+#    behind each other at up to 1.25x the best cost, each raising the next one's.
 
 
 class Shed(StrEnum):
@@ -247,28 +257,29 @@ def _spill_over_budget(
 def _cost_placed(
     decision: Decision, allowed: Eligibility, objective: float | None
 ) -> tuple[Decision, Eligibility, bool, float]:
-    """critical.placement: cost. The cost model chose among pinned and shared replicas; the
-    best pinned replica still wins when its cost is close (PINNED_CLOSE) and it meets the
-    request's objective as well as the chosen one does. A shared choice is a
-    spill (counted as one). It says the pinned pool lacks headroom, and so stops lending, only
-    when no pinned replica could start the request's prefill at once (each over its admission
-    cap or with prefill pending): a follow-up that goes where its context is while a pinned
-    replica is idle does not. Lending then stops until a pinned replica is estimated to be
-    free again (the least among them of this request's estimate there, less the fixed
-    overhead), so it follows the critical load."""
-    chosen = next(c for c in allowed.candidates if c.name == decision.replica)
-    if chosen.pool.pinned:
+    """critical.placement: cost. The cost model chose among pinned and shared replicas; then, at
+    a close cost (CLOSE_COST) and meeting the request's objective as well as the chosen one
+    does, a replica with a tier below HBM wins over an HBM-only one, and a pinned replica
+    with such a tier and headroom over a shared one. A shared choice is a spill (counted as
+    one). It says the pinned pool lacks headroom, and so stops lending, only when no pinned
+    replica could start the request's prefill at once (each over its admission cap or with
+    prefill pending): a follow-up that goes where its context is while a pinned replica is
+    idle does not. Lending then stops until a pinned replica is estimated to be free again
+    (the least among them of this request's estimate there, less the fixed overhead), so it
+    follows the critical load."""
+    candidates = allowed.candidates
+    if _chosen(decision, candidates).pool.hbm_only:
+        decision = _close(decision, {c.name for c in candidates if not c.pool.hbm_only}, objective)
+    if _chosen(decision, candidates).pool.pinned:
         return decision, allowed, False, 0.0
-    pinned = [c for c in allowed.candidates if c.pool.pinned]
+    pinned = [c for c in candidates if c.pool.pinned]
     if not pinned:
         return decision, replace(allowed, fallback=Fallback.SPILL), True, LEND_COOLDOWN_S
-    close = _closest_pinned(decision, {c.name for c in pinned if admitted(c)})
-    if objective is not None and close is not None and decision.est_ttft_s <= objective:
-        close = close if close.estimate.ttft_s <= objective else None
-    if close is not None:
-        ranking = (close.replica, *(n for n in decision.ranking if n != close.replica))
-        return replace(decision, replica=close.replica, ranking=ranking), allowed, False, 0.0
-    pressed = not any(admitted(c) and c.load.pending_prefill_tokens == 0 for c in pinned)
+    tiered = {c.name for c in pinned if not c.pool.hbm_only and _has_headroom(c)}
+    placed = _close(decision, tiered, objective)
+    if placed is not decision:
+        return placed, allowed, False, 0.0
+    pressed = not any(_has_headroom(c) for c in pinned)
     # When a pinned replica is free again: once a request of this size, sent there now, would
     # have passed its prefill (its queue and the steps it shares with the work already there;
     # the queue term alone is 0 when the request would share a step with that work).
@@ -279,16 +290,30 @@ def _cost_placed(
     return decision, replace(allowed, fallback=Fallback.SPILL), pressed, free_in_s
 
 
-def _closest_pinned(decision: Decision, pinned: set[str]) -> Score | None:
-    """The pinned replica of least cost among `pinned` (those under their admission cap: a cap
-    is the operator's word), if within PINNED_CLOSE of the chosen one's."""
-    if not pinned:
-        return None
-    best = min((s for s in decision.scores if s.replica in pinned), key=cost_s)
+def _chosen(decision: Decision, candidates: Sequence[Candidate]) -> Candidate:
+    return next(c for c in candidates if c.name == decision.replica)
+
+
+def _has_headroom(c: Candidate) -> bool:
+    """Could the replica start a request's prefill at once: under its admission cap (the
+    operator's word) with no prefill pending?"""
+    return admitted(c) and c.load.pending_prefill_tokens == 0
+
+
+def _close(decision: Decision, names: set[str], objective: float | None) -> Decision:
+    """The decision moved to the replica of least cost among `names` when that cost is within
+    CLOSE_COST of the chosen one's and, if the chosen one meets the objective, it does too;
+    else the decision as it was."""
+    if not names or decision.replica in names:
+        return decision
+    best = min((s for s in decision.scores if s.replica in names), key=cost_s)
     chosen_s = cost_s(decision.score())
-    if cost_s(best) <= chosen_s + max(NEAR_TIE_S, PINNED_CLOSE * chosen_s):
-        return best
-    return None
+    if cost_s(best) > chosen_s + max(NEAR_TIE_S, CLOSE_COST * chosen_s):
+        return decision
+    if objective is not None and decision.est_ttft_s <= objective < best.estimate.ttft_s:
+        return decision
+    ranking = (best.replica, *(n for n in decision.ranking if n != best.replica))
+    return replace(decision, replica=best.replica, ranking=ranking)
 
 
 def _critical_fallback(

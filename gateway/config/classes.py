@@ -17,8 +17,9 @@ class CriticalConfig(Strict):
     placement: Literal["pinned_first", "cost"] = Field(
         default="cost",
         description="`cost` (the default with `fallback: spill`): every pinned and shared "
-        "replica is a candidate and the cost model picks, preferring the best pinned replica "
-        "while its cost is within 25% of the best (routing/pipeline.py PINNED_CLOSE), so a "
+        "replica is a candidate and the cost model picks; within 25% of the best cost "
+        "(routing/pipeline.py CLOSE_COST) a replica with a tier below HBM is preferred to an "
+        "HBM-only one, and a pinned one of those with headroom to a shared one, so a "
         "follow-up goes where its context is, in whichever pool; the admission cap then only "
         "governs lending. `pinned_first` (the default with `fallback: reject`): critical "
         "requests use the pinned replicas under their admission cap, and the shared pools only "

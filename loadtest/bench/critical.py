@@ -1,6 +1,6 @@
 """Latency-critical tenants on a busy heterogeneous fleet, against each request's own floor.
 
-    python -m loadtest.bench.critical [--quick] [--arms no-tenants,priority,pinned,sglang,vllm]
+    python -m loadtest.bench.critical [--quick] [--arms no-tenants,priority,pinned,control,...]
         [--engine default|threshold|serial | --engines [LIST]] [--seeds 1,2,3]
         [--duration-s N] [--warmup-s N]
 
@@ -17,6 +17,8 @@ every replica's prefix cache and the remote tier were emptied, through a fresh r
               priority, flow control at its defaults, critical.clear_while_loading.
   pinned      cachelane, tenants with classes, the HBM-only replicas a pinned pool with default
               knobs: nothing but `pinned: true` (and the fleet's facts) on it.
+  control     no-tenants again, after the other cachelane arms: its ratios to no-tenants are the
+              run's own noise, the spread a goal ratio needs to clear.
   sglang      sglang-router and vllm-router, cache_aware, on the same 6 replicas (they ignore the
   vllm        API keys).
 
@@ -110,7 +112,7 @@ SERVICE_BOUND = ServiceBound(prefill_tokens_per_s=PREFILL_TOKENS_PER_S / 2, itl_
 # The next turn of a session is never sent before its previous turn could have finished at half
 # the replica's speed (as bench_routing does with its fleet).
 
-CACHELANE_ARMS = ("no-tenants", "priority", "pinned")
+CACHELANE_ARMS = ("no-tenants", "priority", "pinned", "control")
 EXTERNAL_ARMS = {
     "sglang": RouterSpec("sglang", "cache_aware"),
     "vllm": RouterSpec("vllm", "cache_aware"),
@@ -164,6 +166,8 @@ def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
                 _pool("offload", fleet.offload, offload=True),
             ],
         }
+    if arm == "control":
+        return gateway_config(fleet, "no-tenants")
     by_class = arm == "priority"
     extra: dict[str, Any] = {"engine_priority": True} if by_class else {}
     pools = [

@@ -85,6 +85,11 @@ def _cell(goal: str, value: float | None) -> str:
     return text if ok is None else f"{text} {'[green]ok[/]' if ok else '[red]no[/]'}"
 
 
+def _noise_cell(_goal: str, value: float | None) -> str:
+    """The control arm's ratio: the run's noise, not a goal."""
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}x (noise)"
+
+
 def ratios_table(runs: Sequence[Run]) -> Table:
     table = Table(
         title="issue 25's goals, per run (within one run: the same fleet, trace and moment)",
@@ -99,10 +104,11 @@ def ratios_table(runs: Sequence[Run]) -> Table:
     report.add_columns(table, columns, left=("run", "arm"))
     for run in runs:
         for i, (arm, r) in enumerate(run.ratios().items()):
+            cell = _noise_cell if arm == "control" else _cell
             table.add_row(
                 run.label if i == 0 else "",
                 arm,
-                *(_cell(goal, r.get(goal)) for goal in GOALS),
+                *(cell(goal, r.get(goal)) for goal in GOALS),
             )
     return table
 

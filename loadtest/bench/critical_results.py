@@ -155,7 +155,8 @@ def _ratio(a: float, b: float) -> float:
 
 def goal_ratios(arms: Mapping[str, ArmResult]) -> dict[str, dict[str, float]]:
     """Per tenant arm that ran: the "Done means" ratios against the best peer router that ran
-    (NaN when none did) and, for the pinned-pool arm, against no tenants."""
+    (NaN when none did) and, for the pinned-pool arm, against no tenants; for the control arm
+    (no-tenants again) against no tenants, the run's own noise (no goal: printed as a figure)."""
     peers = [arms[p] for p in PEER_ARMS if p in arms]
 
     def best(values: list[float], pick: Any = min) -> float:
@@ -180,14 +181,21 @@ def goal_ratios(arms: Mapping[str, ArmResult]) -> dict[str, dict[str, float]]:
             "hit_rate_minus_best_peer": every.hit_rate - best_hit,
         }
         if name == "pinned" and "no-tenants" in arms:
-            base = arms["no-tenants"]
-            out[name]["critical_ttft_p99_vs_no_tenants"] = _ratio(
-                a.summary("critical").ttft_p99_ms, base.summary("critical").ttft_p99_ms
-            )
-            out[name]["all_ttft_p99_vs_no_tenants"] = _ratio(
-                every.ttft_p99_ms, base.summary("all").ttft_p99_ms
-            )
+            out[name] |= _against_no_tenants(a, arms["no-tenants"])
+    if "control" in arms and "no-tenants" in arms:
+        out["control"] = _against_no_tenants(arms["control"], arms["no-tenants"])
     return out
+
+
+def _against_no_tenants(a: ArmResult, base: ArmResult) -> dict[str, float]:
+    return {
+        "critical_ttft_p99_vs_no_tenants": _ratio(
+            a.summary("critical").ttft_p99_ms, base.summary("critical").ttft_p99_ms
+        ),
+        "all_ttft_p99_vs_no_tenants": _ratio(
+            a.summary("all").ttft_p99_ms, base.summary("all").ttft_p99_ms
+        ),
+    }
 
 
 def meets(goal: str, value: float) -> bool | None:

@@ -674,10 +674,11 @@ async def test_critical_spill_over_budget_goes_to_the_shared_replica_with_its_pr
     other holds nothing): the request spills there, and the CPU-tier blocks are what make it
     fit the budget."""
     hbm_tokens = 4096  # 256 blocks per shared replica: three fillers push the document out
-    pinned = SimPool(
+    pinned = SimPool(  # with a CPU tier: at a close cost a critical request prefers it
         "pinned",
-        config={"pinned": True, "hbm_only": True, "admission": {"max_in_flight": 1}},
+        config={"pinned": True, "admission": {"max_in_flight": 1}},
         costs=PoolCosts(prefill_tokens_per_s=100_000.0),
+        cpu_capacity_tokens=100_000,
     )
     shared = SimPool(
         "shared",
@@ -730,14 +731,15 @@ async def test_critical_spill_over_budget_goes_to_the_shared_replica_with_its_pr
 
 
 async def test_critical_spill_over_budget_counts_remote_tier_hits() -> None:
-    """The pinned replica (HBM-only: no remote tier) is open but over the critical budget for a
-    document that the shared pool's remote tier holds; the replica that computed it is gone.
+    """The pinned replica (a CPU tier, no remote tier) is open but over the critical budget for
+    a document that the shared pool's remote tier holds; the replica that computed it is gone.
     The request spills to a shared replica that fetches the document from the remote tier."""
     costs = PoolCosts(prefill_tokens_per_s=20_000.0)  # 2000 tokens: 100 ms, fetched in ~37 ms
-    pinned = PoolSpec(
+    pinned = PoolSpec(  # with a tier below HBM: at a close cost a critical request prefers it
         "pinned",
         1,
-        {"pinned": True, "hbm_only": True, "admission": {"max_in_flight": 1}},
+        {"pinned": True, "admission": {"max_in_flight": 1}},
+        cpu_capacity_tokens=100_000,
         costs=costs,
     )
     offload = PoolSpec("offload", 2, {"remote_write": "always"}, remote=True, costs=costs)

@@ -33,6 +33,9 @@ PINNED = PoolSpec(
     "pinned", 2, {"pinned": True, "hbm_only": True, "admission": {"max_in_flight": 2}}
 )
 SHARED = PoolSpec("shared", 2)
+PINNED_TIERED = PoolSpec(  # a tier below HBM: critical cost placement prefers it at a close cost
+    "pinned", 2, {"pinned": True, "admission": {"max_in_flight": 2}}, cpu_capacity_tokens=100_000
+)
 
 
 def chat(user: str, system: str = SYSTEM) -> list[ChatCompletionMessageParam]:
@@ -198,7 +201,7 @@ async def test_remote_admission_by_reuse() -> None:
 
 async def test_prewarmed_replica_serves_first_request_from_hbm() -> None:
     async with tiered_fleet(
-        [PINNED, SHARED],
+        [PINNED_TIERED, SHARED],
         tenants=TENANTS,
         prewarm={"enabled": True, "hot_after": 2, "method": "prefetch", "max_per_s": 50},
     ) as f:

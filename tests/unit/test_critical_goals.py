@@ -7,7 +7,11 @@ import math
 
 import pytest
 
+from loadtest.bench.critical import gateway_config
+from loadtest.bench.critical_fleet import Fleet
 from loadtest.bench.critical_results import ArmResult, CriticalResult, goal_ratios, meets
+
+FLEET = Fleet(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], "http://127.0.0.1:3")
 
 
 def arm(name: str, ttft_ms: list[float], *, floors: list[float], hit: float = 0.5) -> ArmResult:
@@ -53,3 +57,17 @@ def test_goal_ratios_against_the_best_peer_and_no_tenants() -> None:
 def test_without_peers_the_ratios_against_them_are_unknown() -> None:
     only = {"priority": arm("priority", [300.0, 600.0], floors=[100.0, 100.0])}
     assert math.isnan(goal_ratios(only)["priority"]["critical_excess_p99_vs_best_peer"])
+
+
+def test_the_control_arm_is_no_tenants_again_against_no_tenants() -> None:
+    floors = [100.0] * 4
+    arms = {
+        "no-tenants": arm("no-tenants", [400.0, 800.0, 400.0, 800.0], floors=floors),
+        "control": arm("control", [600.0, 800.0, 600.0, 800.0], floors=floors),
+    }
+    r = goal_ratios(arms)["control"]
+    assert r == {
+        "critical_ttft_p99_vs_no_tenants": pytest.approx(600 / 400),
+        "all_ttft_p99_vs_no_tenants": pytest.approx(1.0),
+    }
+    assert gateway_config(FLEET, "control") == gateway_config(FLEET, "no-tenants")

@@ -29,6 +29,7 @@ BLOCK = 16
 COSTS = PoolCosts(prefill_tokens_per_s=10_000.0)  # 1,000 tokens: 100 ms, far past a near tie
 SHARED = PoolRules(name="shared")
 PINNED = PoolRules(name="pinned", pinned=True, hbm_only=True, max_in_flight=2, lend_below=1.0)
+PINNED_TIERED = replace(PINNED, hbm_only=False)  # a pinned pool with a CPU tier
 C, S, B = TenantClass.CRITICAL, TenantClass.STANDARD, TenantClass.BATCH
 HASHES = list(range(1, 64))  # 63 blocks: ~1,000 tokens
 TOKENS = len(HASHES) * BLOCK
@@ -44,6 +45,11 @@ def replica(
 
 def held(where: Location, blocks: int = len(HASHES)) -> BlockHits:
     return [frozenset({where})] * blocks
+
+
+def shared_hbm(blocks: int) -> BlockHits:
+    """The prompt's first `blocks` blocks in shared-0's HBM, the rest nowhere."""
+    return held(Location("shared-0", Tier.HBM), blocks) + [frozenset()] * (len(HASHES) - blocks)
 
 
 def routed(
@@ -117,20 +123,40 @@ def test_cost_placement_presses_the_pinned_pool_only_when_it_has_no_headroom(
 
 
 @pytest.mark.parametrize(
-    ("pinned_pending", "where"),
-    [(0, "pinned-0"), (200, "pinned-0"), (3000, "shared-0")],
-    ids=["idle", "close", "short"],
+    ("shared_holds", "pinned_pending", "where"),
+    [(0, 0, "pinned-0"), (8, 0, "pinned-0"), (0, 200, "shared-0"), (32, 0, "shared-0")],
+    ids=["idle-tie", "idle-close", "busy-close", "idle-far"],
 )
-def test_cost_placement_prefers_the_pinned_pool_when_its_estimate_is_close(
-    pinned_pending: int, where: str
+def test_cost_placement_prefers_a_tiered_pinned_replica_with_headroom_at_a_close_cost(
+    shared_holds: int, pinned_pending: int, where: str
 ) -> None:
-    # both cold; the pinned replica has `pinned_pending` tokens queued (20 ms: within 25% of
-    # the 100 ms prefill; 300 ms: not)
-    pinned = replica("pinned-0", PINNED, pending=pinned_pending)
-    out = routed(C, [replica("shared-0"), pinned])
+    # the shared replica holds `shared_holds` of the 63 blocks (8: ~13% cheaper, within 25%;
+    # 32: half, not); the pinned one, with a CPU tier, is cold with `pinned_pending` tokens
+    # queued (20 ms: close, but a replica with prefill pending has no headroom, so only the best
+    # cost takes it)
+    pinned = replica("pinned-0", PINNED_TIERED, pending=pinned_pending)
+    out = routed(C, [replica("shared-0"), pinned], shared_hbm(shared_holds))
     assert out.decision is not None and out.decision.replica == where
     assert out.decision.ranking[0] == where
     assert out.fallback is (None if where == "pinned-0" else Fallback.SPILL)
+
+
+@pytest.mark.parametrize(
+    ("shared_pending", "where"),
+    [(0, "shared-0"), (200, "shared-0"), (3000, "pinned-0")],
+    ids=["tie", "close", "far"],
+)
+def test_critical_cost_placement_keeps_contexts_off_hbm_only_replicas_at_a_close_cost(
+    shared_pending: int, where: str
+) -> None:
+    # both cold; the shared replica (a tier below HBM) has `shared_pending` tokens queued (20 ms:
+    # within 25% of the 100 ms prefill; 300 ms: not): an HBM-only pinned replica takes a critical
+    # request only when clearly cheaper, since a context built there is found nowhere else
+    pinned = replica("pinned-0", PINNED)
+    out = routed(C, [replica("shared-0", pending=shared_pending), pinned])
+    assert out.decision is not None and out.decision.replica == where
+    assert out.fallback is (None if where == "pinned-0" else Fallback.SPILL)
+    assert out.pressed is False  # the pinned replica had headroom: lending goes on
 
 
 @pytest.mark.parametrize("lend", [True, False], ids=["lent", "reclaimed"])
@@ -339,15 +365,17 @@ def test_batch_is_shed_rather_than_delay_a_request_joining_the_queue() -> None:
 
 
 @pytest.mark.parametrize(
-    ("slo_ms", "where"), [(None, "pinned-0"), (110.0, "shared-0")], ids=["none", "met-by-shared"]
+    ("slo_ms", "where"), [(None, "pinned-0"), (100.0, "shared-0")], ids=["none", "met-by-shared"]
 )
 def test_the_pinned_preference_yields_to_a_critical_objective(
     slo_ms: float | None, where: str
 ) -> None:
-    # the pinned replica (~123 ms) is within 25% of the idle shared one (~104 ms): preferred,
-    # unless only the shared one meets the request's objective
-    pinned = replica("pinned-0", PINNED, pending=200)
-    fleet = FleetView([pinned, replica("shared-0")], [], 100.0, pinned_pool_exists=True)
+    # the idle pinned replica (cold, with a CPU tier) is within 25% of the shared one, which
+    # holds 8 of the 63 blocks (~107 ms against ~94 ms): preferred, unless only the shared one
+    # meets the request's objective (100 ms)
+    pinned = replica("pinned-0", PINNED_TIERED)
+    hits = shared_hbm(8)
+    fleet = FleetView([pinned, replica("shared-0")], hits, 100.0, pinned_pool_exists=True)
     request = PipelineRequest(HASHES, TOKENS, C, ttft_slo_ms=slo_ms)
     out = route(request, fleet, SETTINGS, PipelineState(random.Random(0)), commit=False)
     assert out.decision is not None and out.decision.replica == where

@@ -59,6 +59,11 @@ def pinned(**extra: Any) -> dict[str, Any]:
     return pool("pinned", PINNED, **{**rules, **extra})
 
 
+def pinned_tiered(**extra: Any) -> dict[str, Any]:
+    """A pinned pool with a CPU tier: critical cost placement prefers it at a close cost."""
+    return pinned(hbm_only=False, cpu_capacity_tokens=100_000, **extra)
+
+
 def prompt(user: str, repeat: int = 1) -> str:
     return SYSTEM + (user + " ") * repeat
 
@@ -123,10 +128,18 @@ CASES = {
         expect=frozenset({"reject", "rejected"}),
     ),
     "cost-placement": Case(
-        (pinned(), shared()),
+        (pinned_tiered(), shared()),
         ((S, prompt("a")), (C, prompt("a")), (C, prompt("b")), (C, prompt("c")), (C, prompt("a"))),
         {"critical": {"placement": "cost"}},
         expect=frozenset({"critical@pinned", "spill"}),
+    ),
+    "cost-placement-hbm-only": Case(
+        (pinned(), shared()),
+        ((C, prompt("a")), (C, prompt("b")), (S, "short"), (C, prompt("a"))),
+        {"critical": {"placement": "cost"}},
+        # at a close cost a critical request goes where its context survives, off the HBM-only
+        # pinned pool
+        expect=frozenset({"critical@replica", "spill"}),
     ),
     "lending": Case(
         (
@@ -137,7 +150,7 @@ CASES = {
         expect=frozenset({"standard@pinned", "batch@pinned", "standard@replica"}),
     ),
     "lending-reclaimed": Case(
-        (pinned(lend_below=1.0), pool("shared", SHARED[:1])),
+        (pinned_tiered(lend_below=1.0), pool("shared", SHARED[:1])),
         ((C, prompt("a")), (C, prompt("b")), (C, prompt("c")), (S, "short"), (B, "tiny")),
         # the third critical request spills (both pinned replicas at their cap), which reclaims
         # the pinned pool: both sides keep the standard and batch requests on the shared one
@@ -179,7 +192,7 @@ CASES = {
         expect=frozenset({"remote_write"}),
     ),
     "engine-priority": Case(
-        (pinned(engine_priority=True), shared(engine_priority=True)),
+        (pinned_tiered(engine_priority=True), shared(engine_priority=True)),
         ((B, prompt("a")), (S, prompt("b")), (C, prompt("c")), (C, prompt("a")), (B, prompt("b"))),
         expect=frozenset({"critical@pinned", "batch@replica"}),
     ),

@@ -186,7 +186,9 @@ def tiered(lend_below: float | None = 1.0, **critical: Any) -> GatewayConfig:
 async def test_by_default_a_critical_follow_up_goes_where_its_context_is() -> None:
     s = await setup(tiered())
     first = await s.plan(chat(), CRITICAL)
-    assert first.decision.replica in s.names(PINNED)  # cold everywhere: the pinned pool
+    # cold everywhere: a shared replica, whose tier below HBM keeps the context (the pinned pool
+    # is HBM-only)
+    assert first.decision.replica in s.names(SHARED)
     holder = Location(SHARED[0].removeprefix("http://"), Tier.HBM)
     await record_prompt(s.index, MODEL, first.hashes, holder)
     plan = await s.plan(chat(), CRITICAL)  # its context saves ~10 ms of ~13 on a shared one

@@ -55,7 +55,8 @@ class Setup:
             "replicas": PINNED[:pinned],
             "models": [MODEL],
             "pinned": True,
-            "hbm_only": True,
+            # a tier below HBM: critical cost placement prefers these replicas at a close cost
+            "cpu_capacity_tokens": 100_000,
         }
         data: dict[str, Any] = {
             "engine_metrics": {"enabled": False},
