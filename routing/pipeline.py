@@ -21,11 +21,10 @@ route(), in order:
      meeting the objective if the best does), a replica with a tier below HBM is preferred to
      an HBM-only one, where a context is found nowhere else once evicted, and a pinned one of
      those with headroom (under its admission cap, no prefill pending) to a shared one; a
-     shared choice is a spill, and
-     `pressed` says whether the pinned pool lacked headroom (no pinned replica had it), which
-     is what reclaims lent replicas; standard and batch, with `clear_while_loading`: no
-     replica where the request would start its prefill ahead of a critical one still loading
-     its KV (decided again without those), before step 4;
+     shared choice is a spill, and `pressed` says whether the pinned pool lacked headroom (no
+     pinned replica had it), which is what reclaims lent replicas; standard and batch, with
+     `clear_while_loading`: no replica where the request would start its prefill ahead of a
+     critical one still loading its KV (decided again without those), before step 4;
   6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
      within its objective without delaying another request (Shed.OBJECTIVE), or when its best
      replica's prefill queue is longer than `batch_max_queue_s` (Shed.QUEUE, routing/filters.py
