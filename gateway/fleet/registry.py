@@ -88,7 +88,7 @@ class Replica:
     @property
     def pending_prefill_tokens(self) -> int:
         """Uncached prompt tokens of the requests awaiting their first byte."""
-        return sum(j.tokens for j in self.joining.values())
+        return sum([j.tokens for j in self.joining.values()])  # a list: asked per decision
 
     def load(self, now_s: float, stale_after_s: float) -> Load:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
@@ -98,8 +98,7 @@ class Replica:
         now = time.perf_counter()
         joining = self.joining.values()
         queue = tuple([Queued(j.at_s - now, j.tokens, j.priority) for j in joining])
-        own_pending = sum([j.tokens for j in joining])
-        in_flight, pending = self.in_flight, own_pending
+        in_flight, pending = self.in_flight, self.pending_prefill_tokens
         e = self.engine
         if e is not None and now_s - e.scraped_at_s <= stale_after_s:
             in_flight = max(in_flight, round(e.running + e.waiting))
