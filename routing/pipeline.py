@@ -21,8 +21,9 @@ route(), in order:
      meeting the objective if the best does), a replica with a tier below HBM is preferred to
      an HBM-only one, where a context is found nowhere else once evicted, and a pinned one of
      those with headroom (under its admission cap, no prefill pending) to a shared one; a
-     shared choice is a spill, and `pressed` says whether the pinned pool lacked headroom (no
-     pinned replica had it), which is what reclaims lent replicas; standard and batch, with
+     shared choice is a spill, and `pressed` says whether the pinned pool was short (a pinned
+     replica without headroom would have taken it with an empty queue), which is what reclaims
+     lent replicas; standard and batch, with
      `clear_while_loading`: no replica where the request would start its prefill ahead of a
      critical one still loading its KV (decided again without those), before step 4;
   6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
@@ -44,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from routing.cost import Load, estimate, seeded
 from routing.decide import Candidate, Decision, Policy, RouteRequest, decide
 from routing.filters import Eligibility, Fallback, admitted, eligible, should_shed
 from routing.objectives import meet, objective_s, shed_retry_after_s
@@ -260,12 +262,11 @@ def _cost_placed(
     a close cost (CLOSE_COST) and meeting the request's objective as well as the chosen one
     does, a replica with a tier below HBM wins over an HBM-only one, and a pinned replica
     with such a tier and headroom over a shared one. A shared choice is a spill (counted as
-    one). It says the pinned pool lacks headroom, and so stops lending, only when no pinned
-    replica could start the request's prefill at once (each over its admission cap or with
-    prefill pending): a follow-up that goes where its context is while a pinned replica is
-    idle does not. Lending then stops until a pinned replica is estimated to be free again
-    (the least among them of this request's estimate there, less the fixed overhead), so it
-    follows the critical load."""
+    one). It says the pinned pool lacks headroom, and so stops lending, only when a pinned
+    replica without headroom (over its admission cap or with prefill pending) would have taken
+    the request with an empty queue: the pool was short for it. Lending then stops until a
+    pinned replica is estimated to be free again (the least among them of this request's
+    estimate there, less the fixed overhead), so it follows the critical load."""
     candidates = allowed.candidates
     if _chosen(decision, candidates).pool.hbm_only:
         decision = _close(decision, {c.name for c in candidates if not c.pool.hbm_only}, objective)
@@ -278,7 +279,8 @@ def _cost_placed(
     placed = _close(decision, tiered, objective)
     if placed is not decision:
         return placed, allowed, False, 0.0
-    pressed = not any(_has_headroom(c) for c in pinned)
+    chosen = _chosen(decision, candidates)
+    pressed = any(_takes_when_idle(decision, c, chosen) for c in pinned)
     # When a pinned replica is free again: once a request of this size, sent there now, would
     # have passed its prefill (its queue and the steps it shares with the work already there;
     # the queue term alone is 0 when the request would share a step with that work).
@@ -287,6 +289,24 @@ def _cost_placed(
         for c in pinned
     )
     return decision, replace(allowed, fallback=Fallback.SPILL), pressed, free_in_s
+
+
+def _takes_when_idle(decision: Decision, c: Candidate, chosen: Candidate) -> bool:
+    """Would this pinned replica without headroom have taken the request, placed as above, had
+    its prefill queue been empty? Only then does the critical load press on the pinned pool; a
+    follow-up that goes where its context is (a shared replica's CPU or remote tier) does not,
+    and reclaiming the lent replicas for it would keep standard requests off them for nothing
+    (the pinned arm of python -m loadtest.bench.critical, docs/critical.md)."""
+    if _has_headroom(c):
+        return False
+    terms = c.terms if c.terms is not None else seeded(c.costs)
+    idle_s = estimate(decision.score(c.name).overlap, Load(), c.costs, terms).ttft_s
+    chosen_s = cost_s(decision.score())
+    if not c.pool.hbm_only:  # preferred within the close margin
+        return idle_s <= chosen_s + max(NEAR_TIE_S, CLOSE_COST * chosen_s)
+    if chosen.pool.hbm_only:
+        return idle_s < chosen_s
+    return chosen_s > idle_s + max(NEAR_TIE_S, CLOSE_COST * idle_s)  # beats the tier preference
 
 
 def _chosen(decision: Decision, candidates: Sequence[Candidate]) -> Candidate:
@@ -367,7 +387,7 @@ def _remember_join(decision: Decision, now_s: float, state: PipelineState) -> No
 
 def reclaims_lending(routed: Routed, klass: TenantClass, pinned_pool_exists: bool) -> float:
     """For how long this routed request reclaims the pinned pools from lending, in seconds (0:
-    not at all). A critical request that left the pinned pool because the pool lacked headroom
+    not at all). A critical request that left the pinned pool because the pool was short for it
     does: for `Routed.reclaim_s`."""
     if klass is not TenantClass.CRITICAL or not pinned_pool_exists or routed.chosen is None:
         return 0.0

@@ -1,15 +1,15 @@
 """How well the pinned pool serves the critical class: live lending and an undersizing alarm.
 
 Every routed critical request reports where it went (`served`), and, when it left the pinned
-pool, whether the pool lacked headroom (`pressed`: no pinned replica could start its prefill at
-once, routing/pipeline.py). A request that left for lack of headroom stops lending at once, for
-as long as the pipeline estimates the pinned pool stays without a free replica (cost placement)
-or LEND_COOLDOWN_S (pinned_first): `reclaimed`. So lending follows the critical load as it
-moves, not a static fraction; a follow-up that left for its context, while a pinned replica was
-idle, changes nothing.
+pool, whether the pool was short for it (`pressed`: a pinned replica without headroom would have
+taken it with an empty queue, routing/pipeline.py). A request that left for lack of room stops
+lending at once, for as long as the pipeline estimates the pinned pool stays without a free
+replica (cost placement) or LEND_COOLDOWN_S (pinned_first): `reclaimed`. So lending follows the
+critical load as it moves, not a static fraction; a follow-up that left for its context changes
+nothing.
 
 Over each REPORT_WINDOW_S two shares are metrics: the critical requests the pinned pools took,
-and those that found them without headroom. When the second is over SHORT_SHARE the pool is too
+and those they were short for. When the second is over SHORT_SHARE the pool is too
 small for its critical demand: a warning is logged (once per window at most), and `status()`
 says so, with a hint, for /ready and `cachelane report`.
 """
@@ -55,7 +55,7 @@ class PinnedPoolWatch:
         reclaim_s: float = LEND_COOLDOWN_S,
     ) -> None:
         """A critical request was routed to a replica of `pool`. `pressed`: for a request off the
-        pinned pool, whether the pool lacked headroom (with critical.placement: cost a request
+        pinned pool, whether the pool was short for it (with critical.placement: cost a request
         may leave it for its context's sake; that does not reclaim lent replicas); `reclaim_s`:
         then, for how long lending stops (routing/pipeline.py Routed.reclaim_s)."""
         if self._window_start_s is None:

@@ -226,8 +226,8 @@ class Metrics:
     )
     pinned_short = gauge(
         "cachelane_pinned_pool_short_share",
-        "Share of critical requests that found the pinned pool without headroom (no pinned "
-        "replica could start their prefill at once) over the last report window (60 s); "
+        "Share of critical requests the pinned pool was short for (a pinned replica without "
+        "headroom would have taken them with an empty queue) over the last report window (60 s); "
         "above 0.2 the pool is too small for its critical demand",
     )
     slo_attained = counter(

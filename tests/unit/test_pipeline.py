@@ -104,18 +104,34 @@ def test_pinned_first_spills_a_critical_request_over_its_budget(
 
 
 @pytest.mark.parametrize(
-    ("pinned_in_flight", "pending", "pressed"),
-    [(0, 0, False), (2, 0, True), (1, 3000, True)],
-    ids=["idle-context-elsewhere", "at-cap", "prefill-pending"],
+    ("pinned_in_flight", "pending", "context_on_shared", "shared_pending", "pressed"),
+    [
+        (0, 0, True, 0, False),
+        (2, 0, True, 0, False),
+        (1, 3000, True, 0, False),
+        (1, 3000, False, 2500, True),
+        (1, 3000, False, 150, False),
+    ],
+    ids=[
+        "idle-context-elsewhere",
+        "at-cap-context-elsewhere",
+        "busy-context-elsewhere",
+        "busy-would-take-it",
+        "busy-shared-close",
+    ],
 )
-def test_cost_placement_presses_the_pinned_pool_only_when_it_has_no_headroom(
-    pinned_in_flight: int, pending: int, pressed: bool
+def test_cost_placement_presses_the_pinned_pool_only_when_short_for_the_request(
+    pinned_in_flight: int, pending: int, context_on_shared: bool, shared_pending: int, pressed: bool
 ) -> None:
+    # pressed (lent replicas reclaimed) only when a pinned replica without headroom would have
+    # taken the request with an empty queue: a cold request (100 ms of prefill) that the shared
+    # replica's 250 ms queue makes 3.5x dearer, not a follow-up whose context is on the shared
+    # replica, nor one the shared replica serves within the tier preference's margin (15 ms)
     pinned = replica("pinned-0", PINNED, pending=pending)
     pinned = replace(pinned, load=replace(pinned.load, in_flight=pinned_in_flight))
-    shared = replica("shared-0")
-    # the critical request's context is on the shared replica: a follow-up goes there
-    out = routed(C, [pinned, shared], held(Location("shared-0", Tier.HBM)))
+    shared = replica("shared-0", pending=shared_pending)
+    hits = held(Location("shared-0", Tier.HBM)) if context_on_shared else None
+    out = routed(C, [pinned, shared], hits)
     assert out.decision is not None and out.decision.replica == "shared-0"
     assert out.fallback is Fallback.SPILL
     assert out.pressed is pressed
