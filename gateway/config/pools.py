@@ -189,7 +189,8 @@ class PoolConfig(Strict):
         "batch 1; lower runs first). Only for engines started with --scheduling-policy "
         "priority: vLLM rejects the field otherwise. The cost model then counts, for a request, "
         "the prefill under way and the work of its own or a more urgent class ahead of it, and "
-        "charges a placement the wait it adds to the less urgent requests it overtakes.",
+        "charges a placement the wait it adds to the less urgent requests it overtakes. Unset "
+        "with engine.scheduling_policy: priority, true.",
     )
     # which prompts the replicas write to the remote tier: by expected reuse (routing/admission.py),
     # all of them, or none (the last two are baselines for comparison)
@@ -275,12 +276,23 @@ class PoolConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _priority_policy_with_engine_priority(cls, data: object) -> object:
-        """engine_priority needs engines run with --scheduling-policy priority: that is the
-        engine's policy unless the config says otherwise (then _check_engine rejects it)."""
-        if isinstance(data, dict) and data.get("engine_priority") is True:
-            engine = data.get("engine")
-            if engine is None or (isinstance(engine, dict) and "scheduling_policy" not in engine):
-                return {**data, "engine": {**(engine or {}), "scheduling_policy": "priority"}}
+        """Each implies the other unless the config says otherwise: engine_priority needs
+        engines run with --scheduling-policy priority (a pool that says fcfs with it is
+        refused by _check_engine); engines that schedule by priority are sent it, or the
+        critical class would queue behind standard work in the engines' waiting queues (on the
+        pinned-pool arm of python -m loadtest.bench.critical, pooled over seeds 1-3: overall
+        TTFT p99 1.18x no tenants without it, 1.00x with it; docs/critical.md)."""
+        if not isinstance(data, dict):
+            return data
+        engine = data.get("engine") or {}
+        if isinstance(engine, dict):
+            declared = engine.get("scheduling_policy")
+        else:  # an EngineConfig built in code: its policy is set
+            declared = getattr(engine, "scheduling_policy", None)
+        if data.get("engine_priority") is True and declared is None:
+            return {**data, "engine": {**engine, "scheduling_policy": "priority"}}
+        if "engine_priority" not in data and declared == "priority":
+            return {**data, "engine_priority": True}
         return data
 
     @model_validator(mode="after")

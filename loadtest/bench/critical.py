@@ -13,8 +13,8 @@ every replica's prefix cache and the remote tier were emptied, through a fresh r
 
   no-tenants  cachelane, no tenants: every request is alike; the fleet's two kinds of replica as
               two unpinned pools; flow control off.
-  priority    cachelane, tenants with classes, no pinned pool: the pools of no-tenants with engine
-              priority, flow control at its defaults, critical.clear_while_loading.
+  priority    cachelane, tenants with classes, no pinned pool: the pools of no-tenants, flow
+              control at its defaults, critical.clear_while_loading.
   pinned      cachelane, tenants with classes, the HBM-only replicas a pinned pool with default
               knobs: nothing but `pinned: true` (and the fleet's facts) on it.
   control     no-tenants again, after the other cachelane arms: its ratios to no-tenants are the
@@ -25,7 +25,9 @@ every replica's prefix cache and the remote tier were emptied, through a fresh r
 Engines (ENGINES; the sim's flags, loadtest/sim/fleet.py): `default`, vLLM V1's step loop with
 vLLM's defaults scaled to the fleet's prefill rate (loadtest/sim/steps.py); `threshold`, the same
 with a long-prefill token threshold; `serial`, one whole prefill at a time (the engine model of
-earlier measurements). Every engine is started with `--scheduling-policy priority`.
+earlier measurements). Every engine is started with `--scheduling-policy priority`, and every
+cachelane arm's pools say so (`engine.scheduling_policy: priority`, which sends each request's
+class as its engine priority).
 
 Before the arms it prints the trace's floor on the engine: each request's own prefill with a
 perfect cache and no queue, in the steps it takes alone (critical_traces.ideal_floor), which no
@@ -154,27 +156,34 @@ def tenants_config() -> list[dict[str, str]]:
     ]
 
 
+# What every cachelane arm says of the engines, a fact of the fleet like its capacities: they
+# schedule by priority (sim_config). The pools then send each request's class as its priority
+# (gateway/config/pools.py engine_priority); without tenants every request is standard, alike.
+DECLARED_ENGINE = {"scheduling_policy": "priority"}
+
+
 def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
     """Each arm's cachelane config: the fleet's facts, tenants and pools; defaults otherwise."""
     tiers = [{"name": "kv", "url": fleet.remote}]
+    engine = {"engine": DECLARED_ENGINE}
     if arm == "pinned":  # default knobs: nothing but pinned: true and the tenants' classes
         return {
             "tenants": tenants_config(),
             "remote_tiers": tiers,
             "pools": [
-                _pool("pinned", fleet.hbm_only, offload=False, pinned=True, hbm_only=True),
-                _pool("offload", fleet.offload, offload=True),
+                _pool(
+                    "pinned", fleet.hbm_only, offload=False, pinned=True, hbm_only=True, **engine
+                ),
+                _pool("offload", fleet.offload, offload=True, **engine),
             ],
         }
     if arm == "control":
         return gateway_config(fleet, "no-tenants")
-    by_class = arm == "priority"
-    extra: dict[str, Any] = {"engine_priority": True} if by_class else {}
     pools = [
-        _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True, **extra),
-        _pool("offload", fleet.offload, offload=True, **extra),
+        _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True, **engine),
+        _pool("offload", fleet.offload, offload=True, **engine),
     ]
-    if not by_class:
+    if arm != "priority":
         return {"remote_tiers": tiers, "flow_control": {"enabled": False}, "pools": pools}
     return {
         "tenants": tenants_config(),

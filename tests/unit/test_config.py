@@ -235,7 +235,7 @@ def test_bad_engine_keys_are_named(data: dict[str, object], names: str) -> None:
 
 
 def test_the_engine_flags_reach_the_cost_model() -> None:
-    """vLLM's defaults unless given; engine_priority implies the priority policy."""
+    """vLLM's defaults unless given; engine_priority and the priority policy imply each other."""
     from gateway.fleet.registry import Registry
     from routing.cost import EngineSettings
 
@@ -244,6 +244,13 @@ def test_the_engine_flags_reach_the_cost_model() -> None:
     assert parse_config(_pool(engine_priority=True)).pools[0].engine.scheduling_policy == (
         "priority"
     )
+    # and engines declared to schedule by priority are sent it, unless the config says not to
+    priority = {"scheduling_policy": "priority"}
+    assert parse_config(_pool(engine=priority)).pools[0].engine_priority is True
+    assert parse_config(_pool(engine=priority, engine_priority=False)).pools[0].engine_priority is (
+        False
+    )
+    assert default.engine_priority is False
     engine = {"max_num_batched_tokens": 256, "long_prefill_token_threshold": 64}
     config = parse_config(_pool(engine=engine, costs={"step_s": 0.02}))
     replica = next(iter(Registry(config).replicas.values()))
