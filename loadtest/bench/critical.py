@@ -524,10 +524,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code:
         return code
     wall_s = time.perf_counter() - started
-    console.print(critical_report.ratios_table(runs))
+    pooled = critical_report.pooled_runs(runs)
+    console.print(critical_report.ratios_table([*runs, *pooled]))
     payload = {
         "settings": settings(duration_s, warmup_s, engines, traces, source),
         "runs": critical_report.runs_payload(runs, placements),
+        "pooled_goal_ratios": {run.label: run.ratios() for run in pooled},
         "wall_time_s": wall_s,
     }
     title = (

@@ -14,7 +14,7 @@ from rich import box
 from rich.table import Table
 
 from loadtest.bench import figures, report
-from loadtest.bench.critical_results import GOALS, SLO_MS, ArmResult, goal_ratios, meets
+from loadtest.bench.critical_results import GOALS, SLO_MS, ArmResult, goal_ratios, meets, pooled
 from loadtest.bench.report import ms
 from loadtest.workloads import critical_traces as ct
 
@@ -30,13 +30,34 @@ class Run:
     floor: ct.Floor
     arms: dict[str, ArmResult] = field(default_factory=dict)
     not_run: dict[str, str] = field(default_factory=dict)
+    pooled_seeds: tuple[int, ...] = ()  # a pooled run (pooled_runs): the seeds it holds
 
     @property
     def label(self) -> str:
+        if self.pooled_seeds:
+            return f"seeds {','.join(map(str, self.pooled_seeds))} pooled, engine {self.engine}"
         return f"seed {self.seed}, engine {self.engine}"
 
     def ratios(self) -> dict[str, dict[str, float]]:
         return goal_ratios(self.arms)
+
+
+def pooled_runs(runs: Sequence[Run]) -> list[Run]:
+    """Per engine run on several seeds: one run whose every arm holds the requests of all its
+    seeds (critical_results.pooled), for ratios steadier than one seed's; an arm that did not
+    run on every seed is left out."""
+    out = []
+    for engine in dict.fromkeys(r.engine for r in runs):
+        mine = [r for r in runs if r.engine == engine]
+        if len(mine) < 2:
+            continue
+        names = list(dict.fromkeys(a for r in mine for a in r.arms))
+        arms = {
+            a: pooled([r.arms[a] for r in mine]) for a in names if all(a in r.arms for r in mine)
+        }
+        seeds = tuple(r.seed for r in mine)
+        out.append(Run(mine[0].seed, engine, mine[0].floor, arms, pooled_seeds=seeds))
+    return out
 
 
 def run_table(run: Run) -> Table:

@@ -4,12 +4,14 @@ of issue 25 against the best peer router and against no tenants."""
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pytest
 
 from loadtest.bench.critical import gateway_config
 from loadtest.bench.critical_fleet import Fleet
 from loadtest.bench.critical_results import ArmResult, CriticalResult, goal_ratios, meets
+from loadtest.workloads import critical_traces as ct
 
 FLEET = Fleet(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], "http://127.0.0.1:3")
 
@@ -71,3 +73,21 @@ def test_the_control_arm_is_no_tenants_again_against_no_tenants() -> None:
         "all_ttft_p99_vs_no_tenants": pytest.approx(1.0),
     }
     assert gateway_config(FLEET, "control") == gateway_config(FLEET, "no-tenants")
+
+
+def test_pooled_seeds_keep_each_request_s_own_floor() -> None:
+    from loadtest.bench.critical_report import Run, pooled_runs, ratios_table
+
+    one = arm("priority", [300.0, 900.0], floors=[100.0, 50.0])
+    two = arm("priority", [700.0, 1_200.0], floors=[200.0, 60.0])
+    floor = cast("ct.Floor", None)  # the runs' floors are only carried along
+    runs = [
+        Run(1, "default", floor, {"priority": one}),
+        Run(2, "default", floor, {"priority": two}),
+        Run(3, "serial", floor, {"priority": one}),
+    ]
+    (both,) = pooled_runs(runs)  # one seed of serial: nothing to pool
+    assert both.label == "seeds 1,2 pooled, engine default"
+    assert sorted(both.arms["priority"].excess_ms("critical")) == [200.0, 500.0]
+    assert sorted(both.arms["priority"].excess_ms("standard")) == [850.0, 1_140.0]
+    assert ratios_table([*runs, both]).row_count == 4  # one arm per run, pooled run included
