@@ -22,8 +22,8 @@ route(), in order:
      an HBM-only one, where a context is found nowhere else once evicted, and a pinned one of
      those with headroom (under its admission cap, no prefill pending) to a shared one; a
      shared choice is a spill, and `pressed` says whether the pinned pool was short (a pinned
-     replica without headroom would have taken it with an empty queue), which is what reclaims
-     lent replicas; standard and batch, with
+     replica without headroom would have taken it with an empty queue), which reclaims lent
+     replicas where the engines do not schedule by priority; standard and batch, with
      `clear_while_loading`: no replica where the request would start its prefill ahead of a
      critical one still loading its KV (decided again without those), before step 4;
   6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
@@ -262,11 +262,12 @@ def _cost_placed(
     a close cost (CLOSE_COST) and meeting the request's objective as well as the chosen one
     does, a replica with a tier below HBM wins over an HBM-only one, and a pinned replica
     with such a tier and headroom over a shared one. A shared choice is a spill (counted as
-    one). It says the pinned pool lacks headroom, and so stops lending, only when a pinned
-    replica without headroom (over its admission cap or with prefill pending) would have taken
-    the request with an empty queue: the pool was short for it. Lending then stops until a
-    pinned replica is estimated to be free again (the least among them of this request's
-    estimate there, less the fixed overhead), so it follows the critical load."""
+    one). It says the pinned pool was short for it (`pressed`) only when a pinned replica
+    without headroom (over its admission cap or with prefill pending) would have taken the
+    request with an empty queue. On engines that schedule first come, first served, lending
+    then stops until a pinned replica is estimated to be free again (the least among them of
+    this request's estimate there, less the fixed overhead), so it follows the critical load;
+    on engines that schedule by priority it goes on."""
     candidates = allowed.candidates
     if _chosen(decision, candidates).pool.hbm_only:
         decision = _close(decision, {c.name for c in candidates if not c.pool.hbm_only}, objective)
@@ -281,6 +282,12 @@ def _cost_placed(
         return placed, allowed, False, 0.0
     chosen = _chosen(decision, candidates)
     pressed = any(_takes_when_idle(decision, c, chosen) for c in pinned)
+    if all(c.pool.engine_priority for c in pinned):
+        # Engines that schedule by priority start a critical request before the lent work
+        # waiting there; reclaiming the pool would only send standard work to queue on the
+        # shared replicas (pinned arm of python -m loadtest.bench.critical, seeds 1-3 pooled:
+        # overall TTFT p99 1.14x no tenants with reclaiming, 0.94x without; docs/critical.md).
+        return decision, replace(allowed, fallback=Fallback.SPILL), pressed, 0.0
     # When a pinned replica is free again: once a request of this size, sent there now, would
     # have passed its prefill (its queue and the steps it shares with the work already there;
     # the queue term alone is 0 when the request would share a step with that work).

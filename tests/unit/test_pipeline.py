@@ -138,6 +138,21 @@ def test_cost_placement_presses_the_pinned_pool_only_when_short_for_the_request(
     assert (reclaims_lending(out, C, pinned_pool_exists=True) > 0) is pressed
 
 
+@pytest.mark.parametrize("engine_priority", [False, True], ids=["fcfs", "priority"])
+def test_a_short_pinned_pool_is_reclaimed_from_lending_only_on_fcfs_engines(
+    engine_priority: bool,
+) -> None:
+    # the pool was short (its busy replica would have taken the cold request idle) either way;
+    # engines that schedule by priority start the critical request before the lent work waiting
+    # there, so lending goes on
+    rules = replace(PINNED, engine_priority=engine_priority)
+    pinned = replace(replica("pinned-0", rules, pending=3000), load=Load(1, 3000))
+    out = routed(C, [pinned, replica("shared-0", pending=2500)])
+    assert out.decision is not None and out.decision.replica == "shared-0"
+    assert out.pressed is True
+    assert (reclaims_lending(out, C, pinned_pool_exists=True) > 0) is not engine_priority
+
+
 @pytest.mark.parametrize(
     ("shared_holds", "pinned_pending", "where"),
     [(0, 0, "pinned-0"), (8, 0, "pinned-0"), (0, 200, "shared-0"), (32, 0, "shared-0")],
