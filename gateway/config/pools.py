@@ -280,8 +280,9 @@ class PoolConfig(Strict):
         engines run with --scheduling-policy priority (a pool that says fcfs with it is
         refused by _check_engine); engines that schedule by priority are sent it, or the
         critical class would queue behind standard work in the engines' waiting queues (on the
-        pinned-pool arm of python -m loadtest.bench.critical, pooled over seeds 1-3: overall
-        TTFT p99 1.18x no tenants without it, 1.00x with it; docs/critical.md)."""
+        pinned-pool arm of python -m loadtest.bench.critical, seeds 1-3: overall TTFT p99
+        1.07x, 1.01x, 1.17x no tenants without it, 0.98x, 1.05x, 1.03x with it;
+        docs/critical.md)."""
         if not isinstance(data, dict):
             return data
         engine = data.get("engine") or {}
