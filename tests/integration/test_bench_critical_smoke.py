@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config import parse_config
 from loadtest.bench.critical import main
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
@@ -57,7 +58,11 @@ def test_bench_critical_quick_runs_and_writes_results(tmp_path: Path) -> None:
     assert [p.get("pinned", False) for p in pinned["pools"]] == [True, False]
     assert not any(k in p for p in pinned["pools"] for k in ("admission", "lend_below"))
     priority = run["arms"]["priority"]["config"]
-    assert all(p["engine_priority"] and not p.get("pinned") for p in priority["pools"])
+    assert not any(p.get("pinned") for p in priority["pools"])
+    # every cachelane arm declares the engines' policy, which sends the classes as priority
+    for name in arms:
+        config = parse_config(run["arms"][name]["config"])
+        assert all(p.engine_priority for p in config.pools), name
     assert run["arms"]["no-tenants"]["config"]["flow_control"] == {"enabled": False}
     assert run["arms"]["pinned"]["critical_placement"]["hbm-only"]["requests"] >= 0
     # no peer ran: NaN against them; the control arm against no-tenants only
