@@ -25,9 +25,9 @@ every replica's prefix cache and the remote tier were emptied, through a fresh r
 Engines (ENGINES; the sim's flags, loadtest/sim/fleet.py): `default`, vLLM V1's step loop with
 vLLM's defaults scaled to the fleet's prefill rate (loadtest/sim/steps.py); `threshold`, the same
 with a long-prefill token threshold; `serial`, one whole prefill at a time (the engine model of
-earlier measurements). Every engine is started with `--scheduling-policy priority`, and every
-cachelane arm's pools say so (`engine.scheduling_policy: priority`, which sends each request's
-class as its engine priority).
+earlier measurements); `fcfs`, `default` on vLLM's default `--scheduling-policy fcfs`. The others
+run `--scheduling-policy priority`. Every cachelane arm's pools declare the engines' policy
+(`engine.scheduling_policy`; `priority` sends each request's class as its engine priority).
 
 Before the arms it prints the trace's floor on the engine: each request's own prefill with a
 perfect cache and no queue, in the steps it takes alone (critical_traces.ideal_floor), which no
@@ -138,9 +138,9 @@ def _pool(name: str, urls: Sequence[str], *, offload: bool, **extra: Any) -> dic
     return {**pool, **extra}
 
 
-def sim_config(fleet: Fleet) -> dict[str, Any]:
+def sim_config(fleet: Fleet, engine: Engine) -> dict[str, Any]:
     """The fleet as `python -m loadtest.sim --config` reads it (a gateway config's pools)."""
-    sim = {"sim": {"scheduling_policy": "priority"}}  # engines may order prefill by priority
+    sim = {"sim": {"scheduling_policy": engine.scheduling_policy}}  # the sim takes it from here
     return {
         "remote_tiers": [{"name": "kv", "url": fleet.remote}],
         "pools": [
@@ -156,16 +156,13 @@ def tenants_config() -> list[dict[str, str]]:
     ]
 
 
-# What every cachelane arm says of the engines, a fact of the fleet like its capacities: they
-# schedule by priority (sim_config). The pools then send each request's class as its priority
-# (gateway/config/pools.py engine_priority); without tenants every request is standard, alike.
-DECLARED_ENGINE = {"scheduling_policy": "priority"}
-
-
-def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
-    """Each arm's cachelane config: the fleet's facts, tenants and pools; defaults otherwise."""
+def gateway_config(fleet: Fleet, arm: str, policy: str = "priority") -> dict[str, Any]:
+    """Each arm's cachelane config: the fleet's facts, tenants and pools; defaults otherwise.
+    Every arm declares the engines' scheduling `policy`, a fact of the fleet like its
+    capacities: with `priority` the pools send each request's class as its priority
+    (gateway/config/pools.py engine_priority; without tenants every request is standard)."""
     tiers = [{"name": "kv", "url": fleet.remote}]
-    engine = {"engine": DECLARED_ENGINE}
+    engine = {"engine": {"scheduling_policy": policy}}
     if arm == "pinned":  # default knobs: nothing but pinned: true and the tenants' classes
         return {
             "tenants": tenants_config(),
@@ -178,7 +175,7 @@ def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
             ],
         }
     if arm == "control":
-        return gateway_config(fleet, "no-tenants")
+        return gateway_config(fleet, "no-tenants", policy)
     pools = [
         _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True, **engine),
         _pool("offload", fleet.offload, offload=True, **engine),
@@ -197,7 +194,9 @@ def gateway_config(fleet: Fleet, arm: str) -> dict[str, Any]:
 def sim_fleet(log_dir: Path, engine: Engine) -> Iterator[Fleet]:
     urls = loopback_urls(1 + HBM_ONLY_REPLICAS + OFFLOAD_REPLICAS)
     fleet = Fleet(urls[1 : 1 + HBM_ONLY_REPLICAS], urls[1 + HBM_ONLY_REPLICAS :], urls[0])
-    with sim_from_config(sim_config(fleet), log_dir, f"critical-{engine.name}", engine.sim_args()):
+    with sim_from_config(
+        sim_config(fleet, engine), log_dir, f"critical-{engine.name}", engine.sim_args()
+    ):
         yield fleet
 
 
@@ -268,6 +267,7 @@ class ArmRun:
     log_dir: Path
     warmup_s: float
     tag: str  # names the arm's config and log files: seed and engine
+    policy: str  # the engines' --scheduling-policy, as the cachelane arms declare it
 
 
 def run_arm(arm: str, run: ArmRun) -> ArmResult:
@@ -278,7 +278,7 @@ def run_arm(arm: str, run: ArmRun) -> ArmResult:
     config: dict[str, Any] | None = None
     gateway: dict[str, float] = {}
     if arm in CACHELANE_ARMS:
-        config = gateway_config(fleet, arm)
+        config = gateway_config(fleet, arm, run.policy)
         with gateway_from_config(config, run.log_dir, f"{arm}-{run.tag}") as gw:
             started = time.perf_counter()
             results = asyncio.run(replay_trace(run.trace, gw.url))
@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         help="default: vLLM V1's step loop, vLLM's defaults scaled; threshold: the same with "
         f"--long-prefill-token-threshold {THRESHOLD_TOKENS}; serial: one whole prefill at a "
-        "time (default: %(default)s)",
+        "time; fcfs: default with --scheduling-policy fcfs (default: %(default)s)",
     )
     add(
         "--engines",
@@ -510,8 +510,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run = Run(seed, engine.name, floor, not_run=dict(peers_missing))
                 runs.append(run)
                 with sim_fleet(log_dir, engine) as fleet:
+                    tag = f"{engine.name}-s{seed}"
                     arm_run = ArmRun(
-                        fleet, trace, floor, log_dir, warmup_s, f"{engine.name}-s{seed}"
+                        fleet, trace, floor, log_dir, warmup_s, tag, engine.scheduling_policy
                     )
                     for arm in arms:
                         if arm not in run.not_run:

@@ -62,24 +62,25 @@ class Engine:
     name: str
     model: Literal["steps", "serial"] = "steps"
     long_prefill_token_threshold: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
 
     def step_settings(self) -> StepSettings | None:
         """The step loop's settings (None: the one-at-a-time engine): vLLM's defaults, the budget
-        scaled to the fleet's prefill rate, priority scheduling."""
+        scaled to the fleet's prefill rate, the engine's scheduling policy."""
         if self.model == "serial":
             return None
         return StepSettings(
             prefill_tokens_per_s=PREFILL_TOKENS_PER_S,
             max_num_batched_tokens=default_max_num_batched_tokens(PREFILL_TOKENS_PER_S),
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            scheduling_policy="priority",
+            scheduling_policy=self.scheduling_policy,
         )
 
     def sim_args(self) -> list[str]:
         """Every flag given explicitly, so the fleet runs exactly what step_settings() says."""
         s = self.step_settings()
         if s is None:
-            return ["--engine-model", "serial", "--scheduling-policy", "priority"]
+            return ["--engine-model", "serial", "--scheduling-policy", self.scheduling_policy]
         return [
             "--engine-model", "steps",
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
@@ -97,7 +98,8 @@ class Engine:
             "max_num_seqs": s.max_num_seqs,
             "step_overhead_ms": s.step_overhead_s * 1000,
         }  # fmt: skip
-        return {"engine_model": self.model, "scheduling_policy": "priority", **settings}
+        policy = self.scheduling_policy
+        return {"engine_model": self.model, "scheduling_policy": policy, **settings}
 
 
 ENGINES = {
@@ -106,8 +108,11 @@ ENGINES = {
         Engine("default"),
         Engine("threshold", long_prefill_token_threshold=THRESHOLD_TOKENS),
         Engine("serial", model="serial"),
+        Engine("fcfs", scheduling_policy="fcfs"),
     )
 }
+# `fcfs`: the default engine on vLLM's default policy, where the gateway sends no priority and a
+# short pinned pool is reclaimed from lending (routing/pipeline.py _cost_placed).
 
 QUIESCE_TIMEOUT_S = 15.0  # between arms: until no replica has a request running or waiting
 HTTP_TIMEOUT_S = 5.0  # one reset or scrape on loopback
