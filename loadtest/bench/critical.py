@@ -92,6 +92,7 @@ from loadtest.bench.report import ms
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.workloads import critical_traces as ct
 from loadtest.workloads.traces import ServiceBound, TraceRecord
+from routing.cost import SchedulingPolicy
 
 # --- the run ---------------------------------------------------------------------------------
 
@@ -156,7 +157,7 @@ def tenants_config() -> list[dict[str, str]]:
     ]
 
 
-def gateway_config(fleet: Fleet, arm: str, policy: str = "priority") -> dict[str, Any]:
+def gateway_config(fleet: Fleet, arm: str, policy: SchedulingPolicy = "priority") -> dict[str, Any]:
     """Each arm's cachelane config: the fleet's facts, tenants and pools; defaults otherwise.
     Every arm declares the engines' scheduling `policy`, a fact of the fleet like its
     capacities: with `priority` the pools send each request's class as its priority
@@ -267,7 +268,7 @@ class ArmRun:
     log_dir: Path
     warmup_s: float
     tag: str  # names the arm's config and log files: seed and engine
-    policy: str  # the engines' --scheduling-policy, as the cachelane arms declare it
+    policy: SchedulingPolicy  # the engines' --scheduling-policy, as the cachelane arms declare it
 
 
 def run_arm(arm: str, run: ArmRun) -> ArmResult:

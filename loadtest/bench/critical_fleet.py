@@ -62,7 +62,7 @@ class Engine:
     name: str
     model: Literal["steps", "serial"] = "steps"
     long_prefill_token_threshold: int = 0
-    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    scheduling_policy: cost.SchedulingPolicy = "priority"
 
     def step_settings(self) -> StepSettings | None:
         """The step loop's settings (None: the one-at-a-time engine): vLLM's defaults, the budget

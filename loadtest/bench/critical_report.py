@@ -45,7 +45,8 @@ class Run:
 def pooled_runs(runs: Sequence[Run]) -> list[Run]:
     """Per engine run on several seeds: one run whose every arm holds the requests of all its
     seeds (critical_results.pooled), for ratios steadier than one seed's; an arm that did not
-    run on every seed is left out."""
+    run on every seed is left out. Its `seed` and `floor` are the first seed's, carried along:
+    the pooled run is read for its ratios only (each request keeps its own floor)."""
     out = []
     for engine in dict.fromkeys(r.engine for r in runs):
         mine = [r for r in runs if r.engine == engine]
