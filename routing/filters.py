@@ -18,8 +18,8 @@ critical  the pinned pools first (HBM-only, provisioned up front), and only repl
           which holds the queue, instead of by a fixed token count.
 standard  the shared pools; a pinned replica too while its pool lends (the replica is below
 batch     `lend_below` of its admission cap, 1.0 by default, and no cap means always) and the
-          caller says lending is on (off after a critical request found no pinned replica free,
-          for as long as routing/pipeline.py Routed.reclaim_s says).
+          caller says lending is on (under pinned_first, off for a while after a critical
+          request found no pinned replica free: routing/pipeline.py Routed.reclaim_s).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ route(), in order:
      an HBM-only one, where a context is found nowhere else once evicted, and a pinned one of
      those with headroom (under its admission cap, no prefill pending) to a shared one; a
      shared choice is a spill, and `pressed` says whether the pinned pool was short (a pinned
-     replica without headroom would have taken it with an empty queue), which reclaims lent
-     replicas where the engines do not schedule by priority; standard and batch, with
+     replica without headroom would have taken it with an empty queue; lending goes on);
+     standard and batch, with
      `clear_while_loading`: no replica where the request would start its prefill ahead of a
      critical one still loading its KV (decided again without those), before step 4;
   6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
@@ -74,8 +74,7 @@ LEND_COOLDOWN_S = 5.0
 # critical.placement: pinned_first: lending resumes 5 s after the last critical spill: longer
 # than a prefill queue takes to drain on a busy replica (~1 s at the standard class's default
 # budget, gateway/config/classes.py ClassesConfig), so it does not flap per request. Cost placement
-# knows better: it reclaims for as long as the pinned pool is estimated to stay without a free
-# replica (Routed.reclaim_s).
+# does not reclaim (_cost_placed says why).
 CLOSE_COST = 0.25
 # Two preferences of critical cost placement hold while the preferred replica's cost is within 25%
 # (at least NEAR_TIE_S) of the best one's: the estimate's own accuracy goal is a p90 error of 25%
@@ -206,7 +205,8 @@ def route(
         if objective is not None:
             decision, meets = meet(decision, objective, klass)
         if settings.cost_placement:
-            decision, allowed, pressed, reclaim = _cost_placed(decision, allowed, objective)
+            decision, allowed, pressed = _cost_placed(decision, allowed, objective)
+            reclaim = 0.0
         allowed = _critical_fallback(decision, allowed, fleet.pinned_pool_exists)
     else:
         decision = _clear_of_loading(route_request, decision, allowed, fleet, state)
@@ -257,53 +257,42 @@ def _spill_over_budget(
 
 def _cost_placed(
     decision: Decision, allowed: Eligibility, objective: float | None
-) -> tuple[Decision, Eligibility, bool, float]:
+) -> tuple[Decision, Eligibility, bool]:
     """critical.placement: cost. The cost model chose among pinned and shared replicas; then, at
     a close cost (CLOSE_COST) and meeting the request's objective as well as the chosen one
     does, a replica with a tier below HBM wins over an HBM-only one, and a pinned replica
     with such a tier and headroom over a shared one. A shared choice is a spill (counted as
-    one). It says the pinned pool was short for it (`pressed`) only when a pinned replica
-    without headroom (over its admission cap or with prefill pending) would have taken the
-    request with an empty queue. On engines that schedule first come, first served, lending
-    then stops until a pinned replica is estimated to be free again (the least among them of
-    this request's estimate there, less the fixed overhead), so it follows the critical load;
-    on engines that schedule by priority it goes on."""
+    one). It says the pinned pool was short for it (`pressed`: the short-share metric and
+    /ready's hint) only when a pinned replica without headroom (over its admission cap or with
+    prefill pending) would have taken the request with an empty queue. Lending goes on: the
+    cost model already sees the lent work queued on a pinned replica and sends the next
+    critical request elsewhere when it costs more there, while reclaiming the pool would only
+    send standard work to queue on the shared replicas (pinned arm of python -m
+    loadtest.bench.critical, seeds 1-3 pooled, overall TTFT p99 against no tenants: 1.14x with
+    reclaiming, 0.94x without on the default engine; 1.14x and 1.01x on the fcfs engine;
+    docs/critical.md)."""
     candidates = allowed.candidates
     if _chosen(decision, candidates).pool.hbm_only:
         decision = _close(decision, {c.name for c in candidates if not c.pool.hbm_only}, objective)
     if _chosen(decision, candidates).pool.pinned:
-        return decision, allowed, False, 0.0
+        return decision, allowed, False
     pinned = [c for c in candidates if c.pool.pinned]
     if not pinned:
-        return decision, replace(allowed, fallback=Fallback.SPILL), True, LEND_COOLDOWN_S
+        return decision, replace(allowed, fallback=Fallback.SPILL), True
     tiered = {c.name for c in pinned if not c.pool.hbm_only and _has_headroom(c)}
     placed = _close(decision, tiered, objective)
     if placed is not decision:
-        return placed, allowed, False, 0.0
+        return placed, allowed, False
     chosen = _chosen(decision, candidates)
     pressed = any(_takes_when_idle(decision, c, chosen) for c in pinned)
-    if all(c.pool.engine_priority for c in pinned):
-        # Engines that schedule by priority start a critical request before the lent work
-        # waiting there; reclaiming the pool would only send standard work to queue on the
-        # shared replicas (pinned arm of python -m loadtest.bench.critical, seeds 1-3 pooled:
-        # overall TTFT p99 1.14x no tenants with reclaiming, 0.94x without; docs/critical.md).
-        return decision, replace(allowed, fallback=Fallback.SPILL), pressed, 0.0
-    # When a pinned replica is free again: once a request of this size, sent there now, would
-    # have passed its prefill (its queue and the steps it shares with the work already there;
-    # the queue term alone is 0 when the request would share a step with that work).
-    free_in_s = min(
-        decision.score(c.name).estimate.ttft_s - decision.score(c.name).estimate.fixed_s
-        for c in pinned
-    )
-    return decision, replace(allowed, fallback=Fallback.SPILL), pressed, free_in_s
+    return decision, replace(allowed, fallback=Fallback.SPILL), pressed
 
 
 def _takes_when_idle(decision: Decision, c: Candidate, chosen: Candidate) -> bool:
     """Would this pinned replica without headroom have taken the request, placed as above, had
     its prefill queue been empty? Only then does the critical load press on the pinned pool; a
     follow-up that goes where its context is (a shared replica's CPU or remote tier) does not,
-    and reclaiming the lent replicas for it would keep standard requests off them for nothing
-    (the pinned arm of python -m loadtest.bench.critical, docs/critical.md)."""
+    and counting it would report a pool too small when it is not."""
     if _has_headroom(c):
         return False
     terms = c.terms if c.terms is not None else seeded(c.costs)

@@ -2,11 +2,10 @@
 
 Every routed critical request reports where it went (`served`), and, when it left the pinned
 pool, whether the pool was short for it (`pressed`: a pinned replica without headroom would have
-taken it with an empty queue, routing/pipeline.py). A request that left for lack of room stops
-lending at once, for as long as the pipeline estimates the pinned pool stays without a free
-replica (cost placement; 0 where the engines schedule by priority) or LEND_COOLDOWN_S
-(pinned_first): `reclaimed`. So lending follows the critical load as it moves, not a static
-fraction; a follow-up that left for its context changes nothing.
+taken it with an empty queue, routing/pipeline.py). Under `critical.placement: pinned_first`,
+a request that left for lack of room stops lending at once, for LEND_COOLDOWN_S: `reclaimed`.
+Cost placement does not reclaim (Routed.reclaim_s 0): its estimate sees the lent work queued on
+a pinned replica, and critical requests go elsewhere while it costs more there.
 
 Over each REPORT_WINDOW_S two shares are metrics: the critical requests the pinned pools took,
 and those they were short for. When the second is over SHORT_SHARE the pool is too

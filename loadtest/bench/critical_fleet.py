@@ -111,8 +111,8 @@ ENGINES = {
         Engine("fcfs", scheduling_policy="fcfs"),
     )
 }
-# `fcfs`: the default engine on vLLM's default policy, where the gateway sends no priority and a
-# short pinned pool is reclaimed from lending (routing/pipeline.py _cost_placed).
+# `fcfs`: the default engine on vLLM's default policy, where the gateway sends no priority, so
+# lent work queued on a pinned replica is served before a critical request that joins it.
 
 QUIESCE_TIMEOUT_S = 15.0  # between arms: until no replica has a request running or waiting
 HTTP_TIMEOUT_S = 5.0  # one reset or scrape on loopback

@@ -11,7 +11,7 @@ priority; the head's progress), the gateway's own index of where prompts went (a
 routing/index.py's MemoryIndex with the HBM capacity spilling to the CPU tier, written as the
 pipeline's plan says; precise mode: the engines' caches as they are), and the pinned pool's
 lending reclaimed for as long as the pipeline says after a critical request left it for lack of
-headroom.
+headroom (pinned_first only).
 A request the gateway would refuse (no eligible replica, or batch traffic shed) is counted in
 `Outcome.rejected`.
 

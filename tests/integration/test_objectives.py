@@ -107,8 +107,8 @@ async def test_objectives_shed_batch_with_retry_after_place_and_count_attainment
 async def test_a_pinned_pool_with_default_knobs_is_lent_and_spills_critical_by_cost() -> None:
     """One pinned replica (`pinned: true`, nothing else) and one shared. Standard traffic uses
     both while no critical request needs the pinned one; a critical request that finds the
-    pinned replica busy with a long prefill goes to the idle shared one (a spill), which stops
-    lending while the pinned replica stays busy."""
+    pinned replica busy with a long prefill goes to the idle shared one (a spill). Lending goes
+    on: the cost model sees what waits on the pinned replica."""
     pinned, shared = SimPool("pinned", config={"pinned": True}), SimPool("shared")
     async with (
         sim_fleet([pinned, shared]) as f,
@@ -134,7 +134,7 @@ async def test_a_pinned_pool_with_default_knobs_is_lent_and_spills_critical_by_c
         spilled = await asyncio.wait_for(streamed(f.gateway_url, "voice", "c2"), WAIT_S)
         assert spilled["x-cachelane-replica"] == s
         assert spilled["x-cachelane-fallback"] == "spill"
-        assert f.gw.planner.pinned.reclaimed(time.monotonic()), "the test was too slow"
+        assert not f.gw.planner.pinned.reclaimed(time.monotonic())
         await c1.aclose()
         text = (await h.get("/metrics")).text
     assert metric(text, "cachelane_critical_routed_total", where="spilled") == 1

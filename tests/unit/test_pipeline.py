@@ -11,6 +11,7 @@ from routing.cost import Estimate, Load, Overlap, PoolCosts, Queued
 from routing.decide import Candidate, Policy, PoolRules, Score
 from routing.filters import Fallback
 from routing.pipeline import (
+    LEND_COOLDOWN_S,
     FleetView,
     PipelineRequest,
     PipelineSettings,
@@ -123,7 +124,7 @@ def test_pinned_first_spills_a_critical_request_over_its_budget(
 def test_cost_placement_presses_the_pinned_pool_only_when_short_for_the_request(
     pinned_in_flight: int, pending: int, context_on_shared: bool, shared_pending: int, pressed: bool
 ) -> None:
-    # pressed (lent replicas reclaimed) only when a pinned replica without headroom would have
+    # pressed (the pool reported short) only when a pinned replica without headroom would have
     # taken the request with an empty queue: a cold request (100 ms of prefill) that the shared
     # replica's 250 ms queue makes 3.5x dearer, not a follow-up whose context is on the shared
     # replica, nor one the shared replica serves within the tier preference's margin (15 ms)
@@ -135,22 +136,24 @@ def test_cost_placement_presses_the_pinned_pool_only_when_short_for_the_request(
     assert out.decision is not None and out.decision.replica == "shared-0"
     assert out.fallback is Fallback.SPILL
     assert out.pressed is pressed
-    assert (reclaims_lending(out, C, pinned_pool_exists=True) > 0) is pressed
 
 
 @pytest.mark.parametrize("engine_priority", [False, True], ids=["fcfs", "priority"])
-def test_a_short_pinned_pool_is_reclaimed_from_lending_only_on_fcfs_engines(
-    engine_priority: bool,
+@pytest.mark.parametrize("cost_placement", [True, False], ids=["cost", "pinned-first"])
+def test_a_short_pinned_pool_is_reclaimed_from_lending_only_under_pinned_first(
+    engine_priority: bool, cost_placement: bool
 ) -> None:
     # the pool was short (its busy replica would have taken the cold request idle) either way;
-    # engines that schedule by priority start the critical request before the lent work waiting
-    # there, so lending goes on
+    # cost placement sees the lent work queued on a pinned replica in its estimate, so lending
+    # goes on; pinned_first has no estimate of it and stops lending for LEND_COOLDOWN_S
     rules = replace(PINNED, engine_priority=engine_priority)
-    pinned = replace(replica("pinned-0", rules, pending=3000), load=Load(1, 3000))
-    out = routed(C, [pinned, replica("shared-0", pending=2500)])
+    pinned = replace(replica("pinned-0", rules, pending=3000), load=Load(2, 3000))  # at its cap
+    settings = replace(SETTINGS, cost_placement=cost_placement)
+    out = routed(C, [pinned, replica("shared-0", pending=2500)], settings=settings)
     assert out.decision is not None and out.decision.replica == "shared-0"
     assert out.pressed is True
-    assert (reclaims_lending(out, C, pinned_pool_exists=True) > 0) is not engine_priority
+    reclaim_s = 0.0 if cost_placement else LEND_COOLDOWN_S
+    assert reclaims_lending(out, C, pinned_pool_exists=True) == reclaim_s
 
 
 @pytest.mark.parametrize(

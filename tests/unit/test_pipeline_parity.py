@@ -152,6 +152,7 @@ CASES = {
     "lending-reclaimed": Case(
         (pinned_tiered(lend_below=1.0), pool("shared", SHARED[:1])),
         ((C, prompt("a")), (C, prompt("b")), (C, prompt("c")), (S, "short"), (B, "tiny")),
+        {"critical": {"placement": "pinned_first"}},  # cost placement does not reclaim
         # the third critical request spills (both pinned replicas at their cap), which reclaims
         # the pinned pool: both sides keep the standard and batch requests on the shared one
         expect=frozenset({"spill", "critical@pinned", "standard@replica", "batch@replica"}),
