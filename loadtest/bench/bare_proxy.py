@@ -1,6 +1,7 @@
 """The floor under cachelane: the smallest streaming proxy on the same stack, as a process.
 
     python -m loadtest.bench.bare_proxy --port 8100 --replicas http://127.0.0.1:9001,...
+    python -m loadtest.bench.bare_proxy --route ...   # the routing floor, below
 
 Round robin over the replicas, no routing, no parsing, no metrics, no logs: the request's body
 is read whole and POSTed to the next replica; the answer's status, content type and bytes are
@@ -10,18 +11,35 @@ protocol with its header deadline, no access log) and the same upstream client
 (gateway/serving/upstream.py's AiohttpUpstream with the gateway's default timeouts and pool). So
 cachelane's time minus this proxy's is what cachelane's own code adds
 (loadtest/bench/overhead_floor.py runs the two side by side).
+
+`--route` (RoutingFloor) adds the work no cache-aware router can skip, done by cachelane's own
+routing/ code: the body parsed (orjson, as gateway/http/body.py), the chat prompt's canonical
+text and block hashes (routing/prompt.py, routing/hashing.py's PrefixHasher), the index lookup
+and the record of where the prompt went (routing/index.py's MemoryIndex), decide(cache_aware)
+over the replicas with their requests in flight (routing/decide.py). No tenants, checks,
+metrics, logs, accounting or learning: what cachelane costs above this arm is its product's
+work, what this arm costs above the bare proxy is routing by KV cache itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
+
 from gateway.config import UpstreamConfig
 from gateway.serving.upstream import AiohttpUpstream, Upstream, UpstreamError
+from routing.cost import Load
+from routing.decide import Candidate, Policy, RouteRequest, decide
+from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS, PrefixHasher
+from routing.index import MemoryIndex
+from routing.prompt import approx_tokens, chat_text
+from routing.types import Location, Tier
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -63,14 +81,17 @@ class BareProxy:
                 return
 
     async def _proxy(self, scope: Scope, receive: Any, send: Any) -> None:
-        assert self._upstream is not None  # set by the lifespan before any request
         body = b""
         while True:
             message = await receive()
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        url = self._next_replica() + scope["path"]
+        await self._relay(scope["path"], body, self._next_replica(), send)
+
+    async def _relay(self, path: str, body: bytes, replica: str, send: Any) -> None:
+        assert self._upstream is not None  # set by the lifespan before any request
+        url = replica + path
         try:
             resp = await self._upstream.post(url, body, {"content-type": "application/json"})
         except UpstreamError as err:
@@ -92,6 +113,47 @@ class BareProxy:
             await resp.aclose()
 
 
+class RoutingFloor(BareProxy):
+    """The bare proxy routing by KV cache with cachelane's routing/ code (the module docstring)."""
+
+    NAMESPACE = "bench|default"  # one model, one cache scope
+
+    def __init__(self, replicas: Sequence[str]) -> None:
+        super().__init__(replicas)
+        self._in_flight = dict.fromkeys(replicas, 0)
+        self._hasher = PrefixHasher()
+        self._index = MemoryIndex()
+        self._rng = random.Random(0)
+        self._seq = 0
+
+    async def _proxy(self, scope: Scope, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        replica = self._route(body)
+        self._in_flight[replica] += 1
+        try:
+            await self._relay(scope["path"], body, replica, send)
+        finally:
+            self._in_flight[replica] -= 1
+
+    def _route(self, body: bytes) -> str:
+        text = chat_text(orjson.loads(body)["messages"])
+        hashes = self._hasher.block_hashes(text, namespace=self.NAMESPACE)
+        hits = self._index.lookup_now(self.NAMESPACE, hashes)
+        candidates = [Candidate(name, Load(in_flight=n)) for name, n in self._in_flight.items()]
+        request = RouteRequest(hashes, approx_tokens(text), DEFAULT_BLOCK_SIZE_TOKENS)
+        decision = decide(
+            request, candidates, hits, Policy.CACHE_AWARE, seq=self._seq, rng=self._rng
+        )
+        self._seq += 1
+        self._index.record_now(self.NAMESPACE, hashes[::-1], Location(decision.replica, Tier.HBM))
+        return decision.replica
+
+
 async def _answer(send: Any, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json")]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -107,8 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--replicas", required=True, help="comma-separated base URLs")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--route", action="store_true", help="route by KV cache (RoutingFloor)")
     args = p.parse_args(argv)
-    app = BareProxy([u.rstrip("/") for u in args.replicas.split(",") if u])
+    replicas = [u.rstrip("/") for u in args.replicas.split(",") if u]
+    app = RoutingFloor(replicas) if args.route else BareProxy(replicas)
     # gateway/cli/main.py's settings: no uvicorn access log, its HTTP protocol, loop "auto" (uvloop)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", log_config=None,

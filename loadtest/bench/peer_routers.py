@@ -28,7 +28,7 @@ EXTERNAL_POLICIES = {
     "sglang": ("cache_aware", "round_robin", "power_of_two"),
     "vllm": ("cache_aware", "round_robin", "consistent_hash"),
 }
-BARE_POLICY = "round_robin"  # the bare proxy's only one
+BARE_POLICIES = ("round_robin", "cache_aware")  # the bare proxy; cache_aware: its --route
 READY_PATHS = {"cachelane": "/ready", "bare": "/health"}  # the Rust routers: /v1/models
 CACHELANE_POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
 
@@ -110,7 +110,8 @@ def router_args(spec: RouterSpec, replica_urls: Sequence[str], port: int) -> lis
         ]  # fmt: skip
     if spec.kind == "bare":
         launch = [sys.executable, "-m", "loadtest.bench.bare_proxy"]
-        return [*launch, "--replicas", ",".join(replica_urls), "--port", str(port)]
+        route = ["--route"] if spec.policy == "cache_aware" else []
+        return [*launch, "--replicas", ",".join(replica_urls), "--port", str(port), *route]
     exe = str(ROUTERS_VENV / "bin" / f"{spec.kind}-router")
     # Each Rust router also serves Prometheus metrics on a fixed default port (29000): two at
     # once collide, so every start gets a free one.
