@@ -45,7 +45,7 @@ from gateway.serving.planner import Plan
 from gateway.serving.relay_response import OpenStream, RelayResponse, close_shielded
 from gateway.serving.relay_time import RelayTime
 from gateway.serving.retry import TryNext, failed_try, garbled
-from gateway.serving.settlement import Settled, Settlement, whole_answer
+from gateway.serving.settlement import Settled, Settlement, finish_shielded, whole_answer
 from gateway.serving.upstream import (
     Upstream,
     UpstreamDisconnected,
@@ -268,6 +268,7 @@ class Proxy:
         resp: UpstreamResponse | None = None
         chunks: AsyncIterator[bytes] | None = None
         first: bytes | None = None
+        accepting: asyncio.Future[None] | None = None  # the acceptance, still running
         content = b""  # a whole answer's, or a 5xx answer's: read within the deadline
         try:
             async with asyncio.timeout(timeout_s):
@@ -275,7 +276,9 @@ class Proxy:
                 head_s = time.perf_counter() - lease.reservation.started_s  # a whole answer's TTFT
                 if resp.status < 400 and plan.stream:  # accepted while the replica prefills
                     chunks = resp.chunks()
-                    first = await self._settlement.accepted_while_reading(plan, replica, chunks)
+                    first, accepting = await self._settlement.accepted_while_reading(
+                        plan, replica, chunks
+                    )
                 else:  # nothing is sent on before the whole answer is in: a retry stays safe
                     if resp.status < 400:  # only a replica that took it holds its prompt
                         await self._settlement.accepted(plan, replica)
@@ -285,6 +288,7 @@ class Proxy:
                     raise UpstreamDisconnected(why)
         except BaseException as err:
             lease.release()  # a try that will not be answered gives its slot back at once
+            await finish_shielded(accepting)
             await close_shielded(resp)  # the engine aborts a request whose connection closed
             failure = await failed_try(self._registry, self._metrics, replica, err, timeout_s)
             if failure is err:
@@ -302,7 +306,7 @@ class Proxy:
             await close_shielded(resp)
             raise self._answered_error(plan, reservation, resp, content)
         if chunks is not None:
-            return await self._stream(plan, lease, resp, chunks, first)
+            return self._stream(plan, lease, resp, chunks, first, accepting)
         return await self._whole(plan, lease, resp, content, head_s)
 
     def _answered_error(
@@ -317,15 +321,17 @@ class Proxy:
         answer = Response(content, status_code=resp.status, headers=headers)
         return TryNext(UpstreamError(f"answered {resp.status}"), answer)
 
-    async def _stream(
+    def _stream(
         self,
         plan: Plan,
         lease: Lease,
         resp: UpstreamResponse,
         chunks: AsyncIterator[bytes],
         first: bytes | None,
+        accepting: asyncio.Future[None] | None,
     ) -> Response:
-        """The streamed answer's response, which takes the lease over until the stream ends."""
+        """The streamed answer's response, which takes the lease over until the stream ends,
+        and with it the first byte's work (OpenStream.first_sent)."""
         reservation = lease.reservation
         relay_s = self._relay_time.seconds
         headers = _upstream_headers(resp) | decision_headers(
@@ -335,14 +341,9 @@ class Proxy:
         headers["x-accel-buffering"] = "no"
         reader = StreamReader(strip_usage=ask_for_usage(plan.endpoint, plan.body))
         settled = Settled(plan, reservation, resp.status, streamed=True, reader=reader)
-        try:
-            if first is not None:  # its prefill is done: what it loaded is in HBM now
-                settled.ttft_s = reservation.first_byte()
-                await self._settlement.first_byte(plan, reservation, settled.ttft_s)
-        except BaseException:
-            await close_shielded(resp)
-            raise
-        answer = OpenStream(lease.hand_over(), resp, settled, self._settlement)
+        if first is not None:  # its prefill is done: what it loaded is in HBM now
+            settled.ttft_s = reservation.first_byte()
+        answer = OpenStream(lease.hand_over(), resp, settled, self._settlement, accepting)
         return RelayResponse(
             self._relay(chunks, first, answer),
             stream=answer,
@@ -409,6 +410,7 @@ class Proxy:
                 first_byte_s = settled.reservation.first_byte_s
                 if first_byte_s is not None:  # handed on: the way back is measured
                     self._relay_time.observe(time.perf_counter() - first_byte_s)
+                await answer.first_sent()
                 async for chunk in chunks:
                     out = reader.relay(chunk, time.perf_counter())
                     if out:

@@ -48,22 +48,53 @@ WATCH_AFTER_S = DISCONNECT_POLL_S  # a stream still being sent this long watches
 class OpenStream:
     """A streamed answer on its way: it owns the try's lease and its upstream until `finish()`,
     which the relay's end and the response's close both call; the first releases, settles and
-    closes, the second finds the lease gone and does nothing."""
+    closes, the second finds the lease gone and does nothing.
 
-    __slots__ = ("_lease", "_resp", "_settlement", "failed_status", "settled")
+    The first byte's work that the client need not wait for (the acceptance's, when the replica
+    answered before it was done; the first byte's observers) runs once the first chunk is sent
+    (`first_sent`), or at `finish()` for a stream never sent."""
+
+    __slots__ = (
+        "_accepting",
+        "_first_byte_pending",
+        "_lease",
+        "_resp",
+        "_settlement",
+        "failed_status",
+        "settled",
+    )
 
     def __init__(
-        self, lease: Lease, resp: UpstreamResponse, settled: Settled, settlement: Settlement
+        self,
+        lease: Lease,
+        resp: UpstreamResponse,
+        settled: Settled,
+        settlement: Settlement,
+        accepting: asyncio.Future[None] | None = None,
     ) -> None:
         self._lease = lease
         self._resp = resp
         self.settled = settled
         self._settlement = settlement
+        self._accepting = accepting
+        self._first_byte_pending = settled.ttft_s is not None
         self.failed_status: int | None = None  # the error a stream that broke mid-way ended with
 
     @property
     def open(self) -> bool:
         return self._lease.held
+
+    async def first_sent(self) -> None:
+        """The first chunk is with the client: the acceptance's work ends (what was loaded is
+        recorded after what was sent), then the first byte's observers run, once."""
+        if self._accepting is not None:
+            await asyncio.shield(self._accepting)  # a cancelled relay leaves it to finish()
+            self._accepting = None
+        if self._first_byte_pending:
+            self._first_byte_pending = False
+            s = self.settled
+            assert s.ttft_s is not None  # pending only with a first byte
+            await self._settlement.first_byte(s.plan, s.reservation, s.ttft_s)
 
     async def finish(self) -> None:
         """Lets go of the stream; safe from a task being cancelled: the close, its one wait, is
@@ -72,9 +103,14 @@ class OpenStream:
             return
         self._lease.release()
         try:
-            self._settlement.settle(self.settled)
+            if self._accepting is not None or self._first_byte_pending:
+                with anyio.CancelScope(shield=True):
+                    await self.first_sent()
         finally:
-            await close_shielded(self._resp)
+            try:
+                self._settlement.settle(self.settled)
+            finally:
+                await close_shielded(self._resp)
 
 
 class RelayResponse(StreamingResponse):

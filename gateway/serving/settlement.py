@@ -152,21 +152,26 @@ class Settlement:
 
     async def accepted_while_reading(
         self, plan: Plan, replica: Replica, chunks: AsyncIterator[bytes]
-    ) -> bytes | None:
-        """`accepted`, run while a stream's first chunk is read (returned; None: the stream was
-        empty): the acceptance's work (the index's record of the prompt sent) needs no byte of
-        the answer, and the replica's prefill is time the request waits anyway. It is done,
-        however the read ends, before this returns: the first byte's observers run after it
-        (what was loaded is recorded after what was sent)."""
+    ) -> tuple[bytes | None, asyncio.Future[None] | None]:
+        """`accepted`, run while a stream's first chunk is read: the acceptance's work (the
+        index's record of the prompt sent) needs no byte of the answer, and the replica's
+        prefill is time the request waits anyway. Returns the first chunk (None: the stream was
+        empty) and the acceptance, when it is still running then (a replica that answered at
+        once): the first chunk goes to the client before it (proxy.py `OpenStream.first_sent`).
+        A read that fails or finds the stream empty waits for the acceptance here."""
         accepted = asyncio.ensure_future(self.accepted(plan, replica))
         try:
-            return await anext(chunks, None)
-        finally:
-            if accepted.done():  # mostly, by the first chunk: its outcome without a cancel scope
-                accepted.result()
-            else:
-                with anyio.CancelScope(shield=True):
-                    await accepted
+            first = await anext(chunks, None)
+        except BaseException:
+            await finish_shielded(accepted)
+            raise
+        if first is None:
+            await finish_shielded(accepted)
+            return None, None
+        if accepted.done():  # mostly, by the first chunk: its outcome without a cancel scope
+            accepted.result()
+            return first, None
+        return first, accepted
 
     async def first_byte(self, plan: Plan, reservation: Reservation, ttft_s: float) -> None:
         for hook in self._first_byte:
@@ -175,6 +180,17 @@ class Settlement:
     def settle(self, settled: Settled) -> None:
         for hook in self._settled:
             hook(settled)
+
+
+async def finish_shielded(work: asyncio.Future[None] | None) -> None:
+    """Wait for `work` (None: nothing) to end, even in a task being cancelled; its error, if it
+    failed, is raised."""
+    if work is None:
+        return
+    if not work.done():
+        with anyio.CancelScope(shield=True):
+            await work
+    work.result()
 
 
 def _overrides(observer: Observer, hook: str) -> bool:

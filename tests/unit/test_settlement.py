@@ -54,6 +54,7 @@ from tests.unit.test_proxy import (
     refuses,
     setup,
     stalls,
+    stream_of,
 )
 
 
@@ -511,4 +512,55 @@ async def test_the_prompt_sent_is_recorded_before_the_first_bytes_observers_run(
     _, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
     assert b"".join(SSE) == await read_all(response)
     assert steps.steps == ["accepted", "first byte"]
+    s.assert_all_released()
+
+
+class Gated(Observer):
+    """An acceptance that ends only when the test opens its gate (an index write still under
+    way when the replica's first chunk arrives); records each step as it happens."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.steps: list[str] = []
+
+    async def on_accepted(self, plan: Any, replica: Any) -> None:
+        await self.gate.wait()
+        self.steps.append("accepted")
+
+    async def on_first_byte(self, plan: Any, reservation: Reservation, ttft_s: float) -> None:
+        self.steps.append("first byte")
+
+
+async def gated_setup() -> tuple[Setup, Gated]:
+    s = await setup()
+    gated = Gated()
+    chain = [*observers(s.planner, s.metrics, s.learner).observers, gated]
+    s.proxy = Proxy(s.fleet, s.registry, s.metrics, Settlement(chain), retries=2)
+    return s, gated
+
+
+async def test_the_first_chunk_goes_to_the_client_before_the_first_bytes_work() -> None:
+    """The acceptance still under way at the first chunk, and the first byte's observers, run
+    after that chunk is handed on: the client does not wait for them."""
+    s, gated = await gated_setup()
+    _, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
+    chunks = stream_of(response)
+    first = await anext(chunks)
+    assert gated.steps == []
+    gated.gate.set()
+    rest = [bytes(c) async for c in chunks]
+    assert bytes(first) + b"".join(rest) == b"".join(SSE)
+    assert gated.steps == ["accepted", "first byte"]
+    s.assert_all_released()
+
+
+async def test_a_stream_never_sent_still_runs_the_first_bytes_work() -> None:
+    """A client gone before its first byte: the response is closed unsent, and the acceptance
+    and the first byte's observers still run before the answer is settled."""
+    s, gated = await gated_setup()
+    _, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
+    assert isinstance(response, RelayResponse)
+    gated.gate.set()
+    await response.close_upstream()
+    assert gated.steps == ["accepted", "first byte"]
     s.assert_all_released()
