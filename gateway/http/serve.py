@@ -5,6 +5,7 @@ POST /v1/chat/completions and /v1/completions are served from the app's ASGI ent
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -115,8 +116,8 @@ async def serve(request: Request, endpoint: str) -> Response:
         plan, reserved = dispatched if dispatched is not None else await _hold(gw, request, plan)
         logs.note_plan(plan)
         tracing.note_plan(plan)
-        _count_decision(gw, plan)
-        gw.prewarmer.consider(plan)
+        # counted, and the prewarmer asked, while the request is on its way to the replica
+        asyncio.get_running_loop().call_soon(_after_decision, gw, plan)
         response = await gw.proxy.forward(
             endpoint,
             request.state.raw_body,
@@ -187,6 +188,11 @@ def _rate_limit_headers(budgets: list[Budget | None]) -> dict[str, str]:
         if budget is not None:
             headers.update(budget.headers())
     return headers
+
+
+def _after_decision(gw: Gateway, plan: Plan) -> None:
+    _count_decision(gw, plan)
+    gw.prewarmer.consider(plan)
 
 
 def _count_decision(gw: Gateway, plan: Plan) -> None:
