@@ -59,7 +59,9 @@ sys.exit(gateway.cli.main.main())
 
 # (phase, when, functions, minus): cumulative CPU of `functions` less that of `minus` (the
 # phases nested inside them, shown on their own rows), in the order a request meets them;
-# `when`: before the first byte is sent, per chunk, or after the last.
+# `when`: before the first byte is sent, after it (gateway/serving/relay_response.py
+# OpenStream.first_sent: the first byte's work; with these zero-delay replicas the index write
+# of the prompt sent too, which a replica's prefill otherwise hides), per chunk, or after the last.
 F = tuple[tuple[str, str], ...]
 HASH: F = (("routing/hashing.py", "block_hashes"), ("routing/prompt.py", "chat_text"))
 LOOKUP: F = (("gateway/serving/planner.py", "_lookup"),)
@@ -115,11 +117,16 @@ PHASES: tuple[tuple[str, str, F, F], ...] = (
         (("gateway/serving/proxy.py", "_forward"), ("gateway/serving/handling.py", "hold")),
     ),
     ("upstream connect + send (aiohttp)", "before", (("gateway/serving/upstream.py", "post"),), ()),
-    ("index write: prompt sent", "before", (("gateway/serving/planner.py", "record_sent"),), ()),
-    ("index write: prompt loaded", "before", LOADED, ()),
+    (
+        "index write: prompt sent",
+        "after first",
+        (("gateway/serving/planner.py", "record_sent"),),
+        (),
+    ),
+    ("index write: prompt loaded", "after first", LOADED, ()),
     (
         "first-byte metrics (TTFT histograms, objective)",
-        "before",
+        "after first",
         (("gateway/serving/settlement.py", "first_byte"),),
         LOADED,
     ),
