@@ -23,9 +23,9 @@ route(), in order:
      those with headroom (under its admission cap, no prefill pending) to a shared one; a
      shared choice is a spill, and `pressed` says whether the pinned pool was short (a pinned
      replica without headroom would have taken it with an empty queue; lending goes on);
-     standard and batch, with
-     `clear_while_loading`: no replica where the request would start its prefill ahead of a
-     critical one still loading its KV (decided again without those), before step 4;
+     standard and batch, with `clear_while_loading`: no replica where the request would start
+     its prefill ahead of a critical one still loading its KV (decided again without those),
+     before step 4;
   6. a batch request is shed (`Routed.shed`, with `retry_after_s`): when no candidate serves it
      within its objective without delaying another request (Shed.OBJECTIVE), or when its best
      replica's prefill queue is longer than `batch_max_queue_s` (Shed.QUEUE, routing/filters.py

@@ -157,8 +157,9 @@ class Settlement:
         index's record of the prompt sent) needs no byte of the answer, and the replica's
         prefill is time the request waits anyway. Returns the first chunk (None: the stream was
         empty) and the acceptance, when it is still running then (a replica that answered at
-        once): the first chunk goes to the client before it (proxy.py `OpenStream.first_sent`).
-        A read that fails or finds the stream empty waits for the acceptance here."""
+        once): the first chunk goes to the client before it (relay_response.py
+        `OpenStream.first_sent`). A read that fails or finds the stream empty waits for the
+        acceptance here."""
         accepted = asyncio.ensure_future(self.accepted(plan, replica))
         try:
             first = await anext(chunks, None)

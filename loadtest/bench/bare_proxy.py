@@ -87,7 +87,10 @@ class BareProxy:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        await self._relay(scope["path"], body, self._next_replica(), send)
+        await self._relay(scope["path"], body, self._choose(body), send)
+
+    def _choose(self, _body: bytes) -> str:
+        return self._next_replica()
 
     async def _relay(self, path: str, body: bytes, replica: str, send: Any) -> None:
         assert self._upstream is not None  # set by the lifespan before any request
@@ -126,21 +129,14 @@ class RoutingFloor(BareProxy):
         self._rng = random.Random(0)
         self._seq = 0
 
-    async def _proxy(self, scope: Scope, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        replica = self._route(body)
+    async def _relay(self, path: str, body: bytes, replica: str, send: Any) -> None:
         self._in_flight[replica] += 1
         try:
-            await self._relay(scope["path"], body, replica, send)
+            await super()._relay(path, body, replica, send)
         finally:
             self._in_flight[replica] -= 1
 
-    def _route(self, body: bytes) -> str:
+    def _choose(self, body: bytes) -> str:
         text = chat_text(orjson.loads(body)["messages"])
         hashes = self._hasher.block_hashes(text, namespace=self.NAMESPACE)
         hits = self._index.lookup_now(self.NAMESPACE, hashes)

@@ -18,13 +18,13 @@ def chat(system: str, question: str) -> bytes:
 def test_a_prompt_that_shares_a_prefix_goes_where_the_prefix_went() -> None:
     floor = RoutingFloor(REPLICAS)
     document = "A timetable excerpt: the 8:15 to Leeds calls at York and Wakefield. " * 60
-    first = floor._route(chat(document, "When does it leave?"))
+    first = floor._choose(chat(document, "When does it leave?"))
     floor._in_flight[first] += 1  # still in flight: by load alone the other replica would win
-    assert floor._route(chat(document, "Where does it call?")) == first
+    assert floor._choose(chat(document, "Where does it call?")) == first
 
 
 def test_cold_prompts_spread_by_load() -> None:
     floor = RoutingFloor(REPLICAS)
-    first = floor._route(chat("one " * 200, "q"))
+    first = floor._choose(chat("one " * 200, "q"))
     floor._in_flight[first] += 1
-    assert floor._route(chat("another " * 200, "q")) != first
+    assert floor._choose(chat("another " * 200, "q")) != first
