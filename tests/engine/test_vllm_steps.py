@@ -38,21 +38,29 @@ THRESHOLD = 64  # --long-prefill-token-threshold, same
 LONG_TOKENS = 2_700
 SHORT_TOKENS = 15  # a 10-word prompt
 SHORT_AT_S = (0.05, 0.12)  # when the short prompts are sent, after the long one
-PAIRS = 3
+PAIRS = 5  # runs of each scenario, their median compared: a run takes ~0.15 s
 # Lengths in pairs on both sides of a step boundary (a multiple of BUDGET): the pair differs by
-# one step and a few tokens, which separates the step cost from the per-token cost.
-CALIBRATION_TOKENS = (240, 270, 500, 530, 1_010, 1_040, 2_030, 2_070, 2_700)
+# one step and a few tokens, which separates the step cost from the per-token cost; and the
+# short prompt's own length, so that the fit covers what the scenarios send. Fitted from 240
+# tokens up, on a replica that prefilled 2,700 tokens in 90 ms (a full step 8 ms), most
+# simulated TTFTs came out 6-13 ms short, the short prompts' by most (8 ms observed, 2 ms
+# simulated alone); with it, 1-5 ms short.
+CALIBRATION_TOKENS = (SHORT_TOKENS, 240, 270, 500, 530, 1_010, 1_040, 2_030, 2_070, 2_700)
 CALIBRATION_REPEATS = 3
 MAX_MODEL_LEN = 4_096  # the tiny model's max_position_embeddings
 GPU_BLOCKS = 192  # 6,144 tokens of 32: the long prompt and the short ones at once
 FIRST_TOKEN_ID = 10  # below: the tiny tokenizer's special tokens
 TOLERANCE_REL = 0.25
-# Tolerance: |simulated - observed| <= 25% of observed + one full step. This machine has two cores
-# shared by the engine core (bound to core 0), vLLM's API server process (tokens in, the first
-# token out), this test's client and whatever else runs: a step slowed by a neighbour, or a
-# request that reaches the scheduler on the other side of a step boundary from the modelled one,
-# moves a TTFT by a whole step, and the fixed per-request cost varies by ~10-20 ms between runs
-# (seen in test_vllm_costs.py: 20-40 ms TTFTs with tens of ms of jitter).
+JITTER_S = 0.02
+# Tolerance: |simulated - observed| <= 25% of observed + one full step + JITTER_S. This machine
+# has two cores shared by the engine core (bound to core 0), vLLM's API server process (tokens
+# in, the first token out), this test's client and whatever else runs: a step slowed by a
+# neighbour, or a request that reaches the scheduler on the other side of a step boundary from
+# the modelled one, moves a TTFT by a whole step, and the fixed per-request cost varies by
+# ~10-20 ms between runs (test_vllm_costs.py: 20-40 ms TTFTs with tens of ms of jitter; here, a
+# scenario's short prompt in 9 ms in one run and 25-29 ms in the next two, with 8 ms steps):
+# JITTER_S. On a replica whose full step is ~100 ms it hardly matters; with 8 ms steps it is
+# most of the tolerance.
 
 
 @dataclass(frozen=True)
@@ -243,7 +251,7 @@ async def test_the_step_model_reproduces_vllm_ttfts(
         for f, a in zip(first, arrivals, strict=True)
         if f is not None  # none is cancelled
     ]
-    slack = constants.full_step_s()
+    slack = constants.full_step_s() + JITTER_S
     print(
         f"\nvllm-cpu steps (threshold {threshold}, long priority {long_priority}): fixed "
         f"{constants.fixed_s * 1000:.1f} ms, step {constants.step_s * 1000:.2f} ms, "
