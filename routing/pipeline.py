@@ -197,7 +197,8 @@ def route(
     )
     objective = objective_s(request.ttft_slo_ms, klass, settings.slo_ms)
     meets = None
-    pressed, reclaim = True, LEND_COOLDOWN_S
+    pressed = True
+    reclaim = 0.0 if settings.cost_placement else LEND_COOLDOWN_S  # _cost_placed: why not
     if klass is TenantClass.CRITICAL:
         decision, allowed = _spill_over_budget(
             route_request, decision, allowed, fleet, settings, state
@@ -206,7 +207,6 @@ def route(
             decision, meets = meet(decision, objective, klass)
         if settings.cost_placement:
             decision, allowed, pressed = _cost_placed(decision, allowed, objective)
-            reclaim = 0.0
         allowed = _critical_fallback(decision, allowed, fleet.pinned_pool_exists)
     else:
         decision = _clear_of_loading(route_request, decision, allowed, fleet, state)

@@ -55,8 +55,8 @@ class PinnedPoolWatch:
     ) -> None:
         """A critical request was routed to a replica of `pool`. `pressed`: for a request off the
         pinned pool, whether the pool was short for it (with critical.placement: cost a request
-        may leave it for its context's sake; that does not reclaim lent replicas); `reclaim_s`:
-        then, for how long lending stops (routing/pipeline.py Routed.reclaim_s)."""
+        may leave it for its context's sake; that does not count); `reclaim_s`: then, for how
+        long lending stops (routing/pipeline.py Routed.reclaim_s: 0 under cost placement)."""
         if self._window_start_s is None:
             self._window_start_s = now_s
         if now_s - self._window_start_s >= REPORT_WINDOW_S:
