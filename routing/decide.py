@@ -17,7 +17,7 @@ from functools import lru_cache
 from itertools import groupby
 from operator import countOf
 
-from routing.cost import Overlap, estimate, seeded
+from routing.cost import CostTerms, Overlap, estimate, seeded
 from routing.policies import POLICIES
 from routing.policies.base import (
     Candidate,
@@ -156,3 +156,17 @@ def decide(
         priority = request.priority if c.pool.engine_priority else None
         scores.append(Score(c.name, ov, estimate(ov, c.load, c.costs, terms, priority)))
     return POLICIES[policy].choose(request, candidates, tuple(scores), seq=seq, rng=rng)
+
+
+def rescored(score: Score, candidate: Candidate, terms: CostTerms, priority: int | None) -> Score:
+    """`score` made again from the decision's snapshot of `candidate` with `terms`: what the
+    decision would have estimated with the costs known now. The fit learns from a request's
+    features (the work queued ahead, the steps it waited for) at the terms in use when it
+    learns, not those of the decision: while a fleet is first learned the terms move many-fold
+    within seconds, and features replayed at rates 10x too fast hide the queue a request really
+    waited for. The remote tier's fetch-or-recompute choice is the one the decision made (the
+    request was sent so): where the new terms would choose otherwise, `score` is kept."""
+    again = estimate(score.overlap, candidate.load, candidate.costs, terms, priority)
+    if again.remote_fetch != score.estimate.remote_fetch:
+        return score
+    return Score(score.replica, score.overlap, again)

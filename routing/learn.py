@@ -33,9 +33,19 @@ robust and safe for a router:
   scales, once MIN_ROBUST samples are in: a stalled request does not drag the rates;
 - a weak prior towards the seed (a ridge term): terms that are not excited stay put, and the
   normal equations are never singular (no "windup" of unexcited directions either);
+- a replica's fit holds each term its observations have excited fewer than MIN_EXCITED times at
+  its pool's value (the fit its pool's replicas all feed), and solves the others with it held:
+  a swap-in or a remote fetch is a minority of requests, so a replica sees a few of its pool's,
+  and learnt from its own few those rates stayed far off for a hundred requests and more (the
+  other terms, solved with them, absorbing the error);
 - bounded parameters: rates stay within [seed / BOUND, seed x BOUND], the overhead within
-  [0, MAX_FIXED_S], as a constrained solve (a term at its bound is held there and the others
-  are solved again), never negative, never absurd.
+  [0, MAX_FIXED_S] and below the window's smallest TTFT (every request pays it), as a
+  constrained solve (a term at its bound is held there and the others are solved again), never
+  negative, never absurd. The overhead's bound matters: a fit whose window holds many waits it
+  cannot explain (later requests filling a step, seen most while a fresh fleet warms up) can
+  settle on a large overhead and a low prefill rate, near every request's TTFT but the few
+  fastest, which it then takes for outliers: seen at 130-160 ms for ~100 requests on a
+  replica whose real overhead was a few ms and whose fastest answers took 23 ms.
 """
 
 from __future__ import annotations
@@ -100,6 +110,10 @@ SHIFT_SCALES = 2.0
 # noise can put 85% of them on one side, but then they are no larger than the usual residual,
 # while after a real change they are several times larger.
 
+MIN_EXCITED = 20
+# A replica's term is its own once 20 of its observations excited it: as many as it takes before
+# it reads its own fit at all (gateway/accounting/calibration.py, MIN_OWN_SAMPLES).
+
 RATE_BOUND = 1000.0  # a rate stays within 1/1000x .. 1000x of its seed
 MAX_FIXED_S = 30.0  # an overhead above 30 s is a broken replica, not a cost
 
@@ -140,8 +154,9 @@ class OnlineFit:
     the overhead to hundreds of ms; the observation alone gives the slow requests that identify
     the swap and fetch rates too little weight to learn them within 50 requests."""
 
-    def __init__(self, seed: CostTerms) -> None:
+    def __init__(self, seed: CostTerms, pool: OnlineFit | None = None) -> None:
         self.seed = seed
+        self.pool = pool  # its pool's fit, which holds its rarely excited terms (MIN_EXCITED)
         self._scale = _seed_vector(seed)  # parameter i = theta[i] * scale[i]
         self._theta: Vector = [1.0] * len(TERMS)
         fixed_var = (FIXED_PRIOR_S / self._scale[0]) ** 2
@@ -159,6 +174,7 @@ class OnlineFit:
         self._since_exact = 0  # rows slid in since the sums were last summed from the window
         self._misses: deque[float] = deque(maxlen=SCALE_WINDOW)  # relative, before each update
         self.samples = 0
+        self.excited = [0] * len(TERMS)  # per term, the samples that excited it (feature > 0)
         self.rejected = 0
         self.resets = 0
 
@@ -188,6 +204,7 @@ class OnlineFit:
         self._misses.append(target - dot(self._theta, row))
         self._slide(row, target)
         self.samples += 1
+        self.excited = [n + (f > 0.0) for n, f in zip(self.excited, features, strict=True)]
         if self._shifted():
             self._forget_before_shift()
             refit = True
@@ -258,9 +275,24 @@ class OnlineFit:
             self._targets,
             self._theta,
             self._precision,
-            self._low,
-            self._high,
+            *self._bounds(),
         )
+
+    def _bounds(self) -> tuple[Vector, Vector]:
+        """The solve's bounds: the overhead at most the window's smallest TTFT (every request
+        pays it), and a term excited fewer than MIN_EXCITED times held at the pool's value."""
+        low, high = self._low, list(self._high)
+        if self._rows:  # a row's TTFT in units of the overhead's scale: target / row[0] (update)
+            smallest = min(map(operator.truediv, self._targets, [row[0] for row in self._rows]))
+            high[0] = smallest if smallest < high[0] else high[0]
+        pool = self.pool
+        if pool is None or pool.seed != self.seed or min(self.excited) >= MIN_EXCITED:
+            return low, high
+        low = list(low)
+        for i, n in enumerate(self.excited):
+            if n < MIN_EXCITED:
+                low[i] = high[i] = pool._theta[i]
+        return low, high
 
     def _shifted(self) -> bool:
         """The replica changed: nearly every recent estimate missed on the same side, by more
@@ -294,6 +326,7 @@ class OnlineFit:
             "rows": [list(row) for row in self._rows],
             "targets": list(self._targets),
             "samples": self.samples,
+            "excited": list(self.excited),
         }
 
     @classmethod
@@ -308,10 +341,14 @@ class OnlineFit:
             rows = [_floats(row) for row in _list(data["rows"])]
             targets = _floats(data["targets"])
             samples = int(data["samples"])  # type: ignore[call-overload]
-        except (KeyError, TypeError, ValueError):
+            # a state without the counts (an older gateway's) excited nothing as far as we know
+            excited = [int(n) for n in _floats(data.get("excited", [0.0] * len(TERMS)))]
+        except (KeyError, TypeError, ValueError, OverflowError):
             return fit
         size = len(TERMS)
-        if len(theta) != size or len(rows) != len(targets) or any(len(r) != size for r in rows):
+        if len(theta) != size or len(excited) != size or len(rows) != len(targets):
+            return fit
+        if any(len(r) != size for r in rows):
             return fit
         if not all(math.isfinite(v) for v in [*theta, *(v for r in rows for v in r), *targets]):
             return fit
@@ -322,6 +359,7 @@ class OnlineFit:
         fit._targets.extend(targets[-WINDOW:])
         fit._sum_window()
         fit.samples = max(samples, 0)
+        fit.excited = [min(max(n, 0), fit.samples) for n in excited]
         return fit
 
 

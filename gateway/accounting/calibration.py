@@ -7,7 +7,9 @@ byte. `routing.calibration` says what is done with that:
 
   fit         routing/learn.py fits each replica's terms online. A replica with fewer than
               MIN_OWN_SAMPLES observations uses its pool's fit (every replica of the pool feeds
-              it), so a new replica starts from what its siblings taught.
+              it), so a new replica starts from what its siblings taught. Its own fit then
+              holds a term its observations rarely excite at the pool's value
+              (routing/learn.py, MIN_EXCITED).
   correction  one multiplicative factor per replica, a moving geometric mean of observed /
               estimated TTFT bounded to CORRECTION_BOUNDS (kept as a baseline).
   none        the pool's configured constants.
@@ -32,8 +34,9 @@ from typing import Any, Literal
 from gateway.fleet.registry import Replica
 from gateway.telemetry.metrics import Metrics
 from routing.cost import CostTerms
-from routing.decide import Score
-from routing.learn import TERMS, OnlineFit, Sample
+from routing.decide import Score, rescored
+from routing.learn import MIN_EXCITED, TERMS, OnlineFit, Sample
+from routing.policies.base import Candidate
 
 Mode = Literal["fit", "correction", "none"]
 
@@ -65,6 +68,11 @@ class Observation:
     score: Score  # the decision's view of this replica when the request was sent
     observed_s: float  # time to first byte
     cached_tokens: int | None  # what the engine reported, when the response carried usage
+    # the decision's snapshot of the replica and the engine priority the request carried: the
+    # score is re-derived from them at the terms in use when it is learned (routing.decide
+    # rescored); None: learned from `score` as it is
+    candidate: Candidate | None = None
+    priority: int | None = None
 
 
 def sample_of(
@@ -128,12 +136,12 @@ class CostLearner:
         self.learn_queued()  # what came before it is learned by the fits it came to
         seed = CostTerms.seed(r.costs)
         self._replicas[r.name] = r
-        self._own[r.name] = OnlineFit(seed)
         pooled = self._pooled.get(r.pool.name)
         if pooled is None or pooled.seed != seed:
-            self._pooled[r.pool.name] = OnlineFit(seed)
+            pooled = self._pooled[r.pool.name] = OnlineFit(seed)
         else:
             pooled.refit()  # the newcomer reads it: solve what it took since its last refit
+        self._own[r.name] = OnlineFit(seed, pool=pooled)
         r.terms = None if self.mode == "none" else self._terms_of(r.name)
         self._export(r)
 
@@ -213,7 +221,10 @@ class CostLearner:
         The pool's fit, read by nobody once every replica has its own, is solved every
         POOL_REFIT_EVERY samples even then, so a replica that joins finds it near current."""
         replica = ob.replica
-        sample = sample_of(ob.score, ob.observed_s, ob.cached_tokens, replica.costs.remote_fixed_s)
+        score = ob.score
+        if ob.candidate is not None:
+            score = rescored(score, ob.candidate, self._terms_of(replica.name), ob.priority)
+        sample = sample_of(score, ob.observed_s, ob.cached_tokens, replica.costs.remote_fixed_s)
         if not self._own[replica.name].update(sample, refit=False):
             return False
         pooled = self._pooled[replica.pool.name]
@@ -278,7 +289,7 @@ class CostLearner:
             source = {
                 "none": "config",
                 "correction": "config x correction",
-                "fit": "own fit" if own >= MIN_OWN_SAMPLES else f"pool {r.pool.name!r} fit",
+                "fit": self._fit_source(name),
             }[self.mode]
             out["replicas"][name] = {
                 "source": source,
@@ -291,6 +302,13 @@ class CostLearner:
                 "step_ms": round(terms.step_s * 1000, 3),
             }
         return out
+
+    def _fit_source(self, name: str) -> str:
+        own, pool = self._own[name], self._replicas[name].pool.name
+        if own.samples < MIN_OWN_SAMPLES:
+            return f"pool {pool!r} fit"
+        held = [t for t, n in zip(TERMS, own.excited, strict=True) if n < MIN_EXCITED]
+        return f"own fit, {', '.join(held)} at pool {pool!r}'s" if held else "own fit"
 
     def states(self) -> dict[str, dict[str, object]]:
         """The fits' states, by replica and by pool (key "pool:NAME"), for sharing."""
@@ -315,6 +333,8 @@ class CostLearner:
             if theirs.samples > mine.samples:
                 table[name] = theirs
                 adopted += 1
+        for name, fit in self._own.items():  # an adopted fit holds terms at its pool's, as now
+            fit.pool = self._pooled[self._replicas[name].pool.name]
         if adopted and self.mode == "fit":
             for pool in self._pooled:
                 self._refresh_pool(pool)

@@ -342,8 +342,15 @@ class Learning(Observer):
 
     def on_settled(self, settled: Settled) -> None:
         if settled.answered and settled.ttft_s is not None:
-            score = settled.plan.decision.score(settled.replica.name)
-            observation = Observation(settled.replica, score, settled.ttft_s, settled.cached_tokens)
+            plan, replica = settled.plan, settled.replica
+            observation = Observation(
+                replica,
+                plan.decision.score(replica.name),
+                settled.ttft_s,
+                settled.cached_tokens,
+                plan.decision.candidate(replica.name),
+                plan.engine_priority(replica),
+            )
             self._learner.queue(observation)
 
 

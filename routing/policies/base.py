@@ -101,10 +101,16 @@ class Decision:
     reason: Reason
     ranking: tuple[str, ...]  # chosen first, then the fallbacks in order
     scores: tuple[Score, ...] = field(repr=False)
+    # what the scores were made from (each one's load snapshot): the fit re-derives a request's
+    # features from it (gateway/accounting/calibration.py)
+    candidates: Sequence[Candidate] = field(repr=False, default=())
 
     def score(self, replica: str | None = None) -> Score:
         name = self.replica if replica is None else replica
         return next(s for s in self.scores if s.replica == name)
+
+    def candidate(self, replica: str) -> Candidate | None:
+        return next((c for c in self.candidates if c.name == replica), None)
 
     @property
     def est_ttft_s(self) -> float:
@@ -146,7 +152,7 @@ class RoutingPolicy(ABC):
         rng: random.Random,
     ) -> Decision:
         ranking, reason = self.rank(Choice(request, candidates, scores, seq, rng))
-        return Decision(self.policy, ranking[0], reason, ranking, scores)
+        return Decision(self.policy, ranking[0], reason, ranking, scores, candidates)
 
     @abstractmethod
     def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:

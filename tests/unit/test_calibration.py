@@ -18,7 +18,9 @@ from gateway.config import parse_config
 from gateway.fleet.registry import Registry, Replica
 from gateway.telemetry.metrics import Metrics
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, estimate
-from routing.decide import Score
+from routing.decide import Score, rescored
+from routing.learn import MIN_EXCITED
+from routing.policies.base import Candidate
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 SEED = CostTerms.seed(PoolCosts())
@@ -110,7 +112,10 @@ def test_a_new_replica_uses_its_pools_fit_until_it_has_its_own() -> None:
         overlap = Overlap(rng.randrange(200, 4000))
         observe(learner, rs[0], overlap, slow_ttft(overlap, 5.0))
     described = learner.describe()["replicas"]
-    assert described[rs[0].name]["source"] == "own fit"
+    # it never swapped nor fetched: those two rates are still the pool's
+    assert described[rs[0].name]["source"] == (
+        "own fit, swap_s_per_token, fetch_s_per_token at pool 'p''s"
+    )
     assert described[rs[1].name]["source"] == "pool 'p' fit"
     assert described[rs[1].name]["samples"] == 0
     other = learner.terms_of(rs[1].name).prefill_s_per_token / SEED.prefill_s_per_token
@@ -118,6 +123,37 @@ def test_a_new_replica_uses_its_pools_fit_until_it_has_its_own() -> None:
     assert rs[1].terms is not None and rs[1].terms.prefill_s_per_token == pytest.approx(
         learner.terms_of(rs[1].name).prefill_s_per_token
     )
+
+
+def test_a_replica_holds_a_term_it_has_rarely_excited_at_its_pools_value() -> None:
+    """A remote fetch is a minority of each replica's requests: until a replica has fetched
+    MIN_EXCITED times, its fit holds the fetch rate at the pool's, which every replica's
+    fetches teach."""
+    rs = replicas()
+    learner = CostLearner("fit", rs, Metrics())
+    rng = random.Random(4)
+    slowdown = 10.0
+
+    def serve(replica: Replica, fetch: bool) -> None:
+        remote = rng.randrange(1000, 4000) if fetch else 0
+        overlap = Overlap(remote + rng.randrange(200, 2000), remote_tokens=remote)
+        fetch_s = remote * SEED.fetch_s_per_token * slowdown + replica.costs.remote_fixed_s
+        observed_s = slow_ttft(overlap, slowdown) + (fetch_s if remote else 0.0)
+        observe(learner, replica, overlap, observed_s)
+
+    for i in range(120):  # each replica fetches on every 4th of its requests: 15 of 60
+        serve(rs[i % 2], fetch=i % 8 < 2)
+    for r in rs:
+        described = learner.describe()["replicas"][r.name]
+        assert described["source"] == "own fit, swap_s_per_token, fetch_s_per_token at pool 'p''s"
+        fetch_s = 1 / described["fetch_tokens_per_s"]
+        assert fetch_s == pytest.approx(SEED.fetch_s_per_token * slowdown, rel=0.2)
+    for _ in range(MIN_EXCITED - 15):
+        serve(rs[0], fetch=True)
+    described = learner.describe()["replicas"][rs[0].name]
+    assert described["source"] == "own fit, swap_s_per_token at pool 'p''s"
+    own_fetch = learner.terms_of(rs[0].name).fetch_s_per_token
+    assert own_fetch == pytest.approx(SEED.fetch_s_per_token * slowdown, rel=0.2)
 
 
 def test_a_replica_that_joins_later_starts_from_the_pools_latest_fit() -> None:
@@ -203,3 +239,28 @@ def test_without_an_event_loop_a_queued_observation_is_learned_at_once() -> None
     learner = CostLearner("fit", [r], Metrics())
     learner.queue(Observation(r, score_on(r, Overlap(2000)), 0.5, None))
     assert learner._own[r.name].samples == 1
+
+
+def test_an_observation_is_learned_at_the_terms_in_use_when_it_is_learned() -> None:
+    """A request decided at the seed's rates, learned after the fit found the fleet 5x slower:
+    its features (the queue it waited for) are re-derived from the decision's snapshot at the
+    fitted terms, as if the decision had been made with them."""
+    twins = [CostLearner("fit", replicas(), Metrics()) for _ in range(2)]
+    for learner in twins:
+        rng = random.Random(6)
+        r = next(iter(learner._replicas.values()))
+        for _ in range(40):
+            overlap = Overlap(rng.randrange(200, 4000))
+            observe(learner, r, overlap, slow_ttft(overlap, 5.0))
+    with_snapshot, rescored_already = twins
+    r = next(iter(with_snapshot._replicas.values()))
+    candidate = Candidate(r.name, load=Load(pending_prefill_tokens=20_000, busy_s=0.2))
+    overlap = Overlap(1500)
+    score = Score(r.name, overlap, estimate(overlap, candidate.load, r.costs))  # at the seed
+    with_snapshot.observe(Observation(r, score, 3.0, None, candidate, None))
+    r2 = next(iter(rescored_already._replicas.values()))
+    fitted = rescored_already.terms_of(r2.name)
+    again = rescored(score, candidate, fitted, None)
+    assert again.estimate.queue_tokens > score.estimate.queue_tokens
+    rescored_already.observe(Observation(r2, again, 3.0, None))
+    assert with_snapshot.terms_of(r.name) == rescored_already.terms_of(r2.name)

@@ -1,8 +1,9 @@
+import dataclasses
 import random
 
 import pytest
 
-from routing.cost import Load, Overlap, Queued
+from routing.cost import Load, Overlap, Queued, estimate, seeded
 from routing.decide import (
     Candidate,
     NoCandidates,
@@ -10,8 +11,10 @@ from routing.decide import (
     PoolRules,
     Reason,
     RouteRequest,
+    Score,
     decide,
     overlap_of,
+    rescored,
     runs_of,
 )
 from routing.types import BlockHits, Location, Tier
@@ -273,3 +276,29 @@ def test_a_long_prefill_goes_where_it_does_not_make_a_loading_request_wait() -> 
             request(400), candidates, hits(), Policy.CACHE_AWARE, seq=0, rng=random.Random(seed)
         )
         assert d.replica == "b"
+
+
+def test_a_score_rescored_is_the_decisions_snapshot_at_other_terms() -> None:
+    """The fit re-derives a request's features from the decision's snapshot at the terms it
+    has learnt since: 30k tokens queued, 0.4 s worked on, of which the seed's rate takes 18k
+    tokens ahead still, a rate 10x slower nearly all."""
+    candidate = Candidate("r0", load=Load(pending_prefill_tokens=30_000, busy_s=0.4))
+    seed = seeded(candidate.costs)
+    score = Score("r0", Overlap(2000), estimate(Overlap(2000), candidate.load, candidate.costs))
+    slower = seed.scaled(10.0)
+    again = rescored(score, candidate, slower, None)
+    assert again.estimate == estimate(Overlap(2000), candidate.load, candidate.costs, slower)
+    assert score.estimate.queue_tokens < 20_000 < 28_000 < again.estimate.queue_tokens
+    assert (again.replica, again.overlap) == (score.replica, score.overlap)
+
+
+def test_a_rescored_score_keeps_the_remote_tier_choice_the_decision_made() -> None:
+    """Fetched at the seed's rates; at a network 100x slower it would be recomputed, but the
+    request was sent to fetch it: the score stays as it was."""
+    candidate = Candidate("r0")
+    overlap = Overlap(4000, remote_tokens=3000)
+    score = Score("r0", overlap, estimate(overlap, candidate.load, candidate.costs))
+    assert score.estimate.remote_fetch
+    seed = seeded(candidate.costs)
+    slow_network = dataclasses.replace(seed, fetch_s_per_token=seed.fetch_s_per_token * 100)
+    assert rescored(score, candidate, slow_network, None) is score

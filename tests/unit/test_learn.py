@@ -16,6 +16,7 @@ from routing.learn import (
     K_HUBER,
     MAD_TO_SIGMA,
     MAX_FIXED_S,
+    MIN_EXCITED,
     MIN_ROBUST,
     MIN_SCALE,
     RATE_BOUND,
@@ -163,6 +164,11 @@ def test_state_round_trips_and_refuses_another_seed() -> None:
     again = OnlineFit.from_dict(SEED, fit.to_dict())
     assert again.samples == 60
     assert again.terms().as_vector() == pytest.approx(fit.terms().as_vector())
+    # every request prefilled; about a third swapped, a third fetched (`request`)
+    assert again.excited == fit.excited
+    assert fit.excited[:2] == [60, 60] and 10 < fit.excited[2] < 40 and 10 < fit.excited[3] < 40
+    older = {k: v for k, v in fit.to_dict().items() if k != "excited"}  # an older gateway's
+    assert OnlineFit.from_dict(SEED, older).excited == [0] * len(TERMS)
     other_seed = CostTerms.seed(PoolCosts(prefill_tokens_per_s=1000.0))
     assert OnlineFit.from_dict(other_seed, fit.to_dict()).samples == 0
     assert OnlineFit.from_dict(SEED, {"theta": "junk"}).samples == 0
@@ -342,10 +348,60 @@ def test_the_kept_sums_solve_as_the_window_re_summed() -> None:
                 state["targets"],  # type: ignore[arg-type]
                 before,  # type: ignore[arg-type]
                 fit._precision,
-                fit._low,
-                fit._high,
+                *fit._bounds(),
             )
             assert fit.to_dict()["theta"] == pytest.approx(want, rel=1e-6, abs=1e-300)
             refits += 1
     assert fit.resets >= 2
     assert refits > 1000
+
+
+def test_a_replica_holds_a_term_it_rarely_excites_at_its_pools_value() -> None:
+    """The pool's fit has seen its replicas' fetches; a replica that fetched twice in 30
+    requests holds its fetch rate at the pool's and solves the rest with it, where alone it
+    would have two samples to go by."""
+    real = truth(10.0)
+    pool = fed(random.Random(5), real, 200)
+
+    def one_fetch_in_15(i: int, s: Sample) -> Sample:
+        fetched = 3000.0 if i % 15 == 0 else 0.0
+        observed_s = s.observed_s + (fetched - s.fetched_tokens) * real.fetch_s_per_token
+        return dataclasses.replace(s, fetched_tokens=fetched, observed_s=observed_s)
+
+    held = fed(random.Random(6), real, 30, OnlineFit(SEED, pool=pool), change=one_fetch_in_15)
+    alone = fed(random.Random(6), real, 30, change=one_fetch_in_15)
+    assert held.excited[3] == 2
+    assert held.terms().fetch_s_per_token == pool.terms().fetch_s_per_token
+    rng = random.Random(7)
+    assert p90(rel_errors(held, rng, real)) < p90(rel_errors(alone, rng, real))
+    # once it has fetched MIN_EXCITED times the rate is its own
+    fed(random.Random(8), real, 3 * MIN_EXCITED, held)  # a third of `request`s fetch
+    assert held.excited[3] >= MIN_EXCITED
+    assert held.terms().fetch_s_per_token != pool.terms().fetch_s_per_token
+
+
+def test_a_fit_holds_nothing_at_a_pool_seeded_otherwise() -> None:
+    other = fed(random.Random(10), truth(10.0), 100, OnlineFit(truth(3.0)))
+    lone, held = OnlineFit(SEED), OnlineFit(SEED, pool=other)
+    for fit in (lone, held):
+        fed(random.Random(11), truth(5.0), 30, fit)
+    assert held.terms() == lone.terms()
+
+
+def test_the_overhead_stays_below_the_fastest_answer() -> None:
+    """A full step the features do not hold (later requests filled it) on 14 requests in 15:
+    unbounded, the fit takes it for a 250 ms overhead; bounded, the overhead is at most the
+    fastest TTFT of the window, which every request paid."""
+    rng = random.Random(1)
+    real = truth(10.0, fixed_s=0.004)
+    step_s = 0.034
+    fit = OnlineFit(SEED)
+    observed = []
+    for i in range(60):
+        tokens = rng.choice([30.0, 800.0, 2000.0])
+        steps = 1 + tokens // 800
+        ttft_s = real.fixed_s + tokens * real.prefill_s_per_token + steps * step_s
+        ttft_s += 0.277 if i % 15 else 0.0
+        observed.append(ttft_s)
+        fit.update(Sample(0.0, tokens, 0.0, 0.0, ttft_s, steps))
+    assert fit.terms().fixed_s <= min(observed) + 1e-12
