@@ -304,10 +304,17 @@ class CostLearner:
         return out
 
     def _fit_source(self, name: str) -> str:
+        """Where a replica's terms come from; the terms its own fit holds at its pool's are
+        named where the pool's observations excited them more (not a tier nobody has)."""
         own, pool = self._own[name], self._replicas[name].pool.name
         if own.samples < MIN_OWN_SAMPLES:
             return f"pool {pool!r} fit"
-        held = [t for t, n in zip(TERMS, own.excited, strict=True) if n < MIN_EXCITED]
+        theirs = self._pooled[pool].excited
+        held = [
+            term
+            for term, n, m in zip(TERMS, own.excited, theirs, strict=True)
+            if n < MIN_EXCITED and m > n
+        ]
         return f"own fit, {', '.join(held)} at pool {pool!r}'s" if held else "own fit"
 
     def states(self) -> dict[str, dict[str, object]]:

@@ -112,10 +112,7 @@ def test_a_new_replica_uses_its_pools_fit_until_it_has_its_own() -> None:
         overlap = Overlap(rng.randrange(200, 4000))
         observe(learner, rs[0], overlap, slow_ttft(overlap, 5.0))
     described = learner.describe()["replicas"]
-    # it never swapped nor fetched: those two rates are still the pool's
-    assert described[rs[0].name]["source"] == (
-        "own fit, swap_s_per_token, fetch_s_per_token at pool 'p''s"
-    )
+    assert described[rs[0].name]["source"] == "own fit"  # no tier to hold at the pool's
     assert described[rs[1].name]["source"] == "pool 'p' fit"
     assert described[rs[1].name]["samples"] == 0
     other = learner.terms_of(rs[1].name).prefill_s_per_token / SEED.prefill_s_per_token
@@ -145,13 +142,13 @@ def test_a_replica_holds_a_term_it_has_rarely_excited_at_its_pools_value() -> No
         serve(rs[i % 2], fetch=i % 8 < 2)
     for r in rs:
         described = learner.describe()["replicas"][r.name]
-        assert described["source"] == "own fit, swap_s_per_token, fetch_s_per_token at pool 'p''s"
+        assert described["source"] == "own fit, fetch_s_per_token at pool 'p''s"
         fetch_s = 1 / described["fetch_tokens_per_s"]
         assert fetch_s == pytest.approx(SEED.fetch_s_per_token * slowdown, rel=0.2)
     for _ in range(MIN_EXCITED - 15):
         serve(rs[0], fetch=True)
     described = learner.describe()["replicas"][rs[0].name]
-    assert described["source"] == "own fit, swap_s_per_token at pool 'p''s"
+    assert described["source"] == "own fit"
     own_fetch = learner.terms_of(rs[0].name).fetch_s_per_token
     assert own_fetch == pytest.approx(SEED.fetch_s_per_token * slowdown, rel=0.2)
 
