@@ -46,8 +46,10 @@ dnsmasq:
 		(apt-get install -y dnsmasq-base || (apt-get update && apt-get install -y dnsmasq-base)) \
 			>/dev/null; }
 
+# The whole suite but the engine tier, in CHECK_WORKERS processes (below): on this 2-core kind of
+# machine its tests took 305 s against 598 s in one process (a fresh clone of 0e9df36).
 test: install-dev redis-server dnsmasq
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(CHECK_WORKERS) --dist worksteal
 
 # The engine tier: two real vLLM (CPU build) replicas behind the gateway in precise mode. vLLM gets
 # its own venv (about 3.5 GB, ~80 s to install); the gateway and the tests stay in $(VENV).
@@ -84,7 +86,7 @@ test-fast: install-dev redis-server
 	$(PY) -m pytest -q -m 'not slow and not engine' -n $(CHECK_WORKERS) --dist worksteal
 
 # the inner loop: lint and types beside the fast tier's tests; each target's output is printed
-# whole when it ends, and make fails if either does. `make test` runs all, in one process.
+# whole when it ends, and make fails if either does. `make test` runs all.
 check: install-dev redis-server
 	@$(MAKE) --no-print-directory -j2 --output-sync=target lint test-fast
 
