@@ -169,6 +169,10 @@ def test_state_round_trips_and_refuses_another_seed() -> None:
     assert fit.excited[:2] == [60, 60] and 10 < fit.excited[2] < 40 and 10 < fit.excited[3] < 40
     older = {k: v for k, v in fit.to_dict().items() if k != "excited"}  # an older gateway's
     assert OnlineFit.from_dict(SEED, older).excited == [0] * len(TERMS)
+    for junk in ("junk", [1.0] * 3, [float("nan")] * 5, [float("inf")] * 5):  # a shared state
+        assert OnlineFit.from_dict(SEED, {**fit.to_dict(), "excited": junk}).samples == 0
+    too_many = OnlineFit.from_dict(SEED, {**fit.to_dict(), "excited": [1e9, -5, 3, 3, 3]})
+    assert too_many.excited == [60, 0, 3, 3, 3]
     other_seed = CostTerms.seed(PoolCosts(prefill_tokens_per_s=1000.0))
     assert OnlineFit.from_dict(other_seed, fit.to_dict()).samples == 0
     assert OnlineFit.from_dict(SEED, {"theta": "junk"}).samples == 0
