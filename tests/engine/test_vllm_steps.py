@@ -54,16 +54,21 @@ MAX_MODEL_LEN = 4_096  # the tiny model's max_position_embeddings
 GPU_BLOCKS = 192  # 6,144 tokens of 32: the long prompt and the short ones at once
 FIRST_TOKEN_ID = 10  # below: the tiny tokenizer's special tokens
 TOLERANCE_REL = 0.25
-JITTER_S = 0.02
+JITTER_S = 0.045
 # Tolerance: |simulated - observed| <= 25% of observed + one full step + JITTER_S. This machine
 # has two cores shared by the engine core (bound to core 0), vLLM's API server process (tokens
 # in, the first token out), this test's client and whatever else runs: a step slowed by a
 # neighbour, or a request that reaches the scheduler on the other side of a step boundary from
 # the modelled one, moves a TTFT by a whole step, and the fixed per-request cost varies by
 # ~10-20 ms between runs (test_vllm_costs.py: 20-40 ms TTFTs with tens of ms of jitter; here, a
-# scenario's short prompt in 9 ms in one run and 25-29 ms in the next two, with 8 ms steps):
-# JITTER_S. On a replica whose full step is ~100 ms it hardly matters; with 8 ms steps it is
-# most of the tolerance.
+# scenario's short prompt in 9 ms in one run and 25-29 ms in the next two, with 8 ms steps).
+# And the short prompts arriving during the long one's prefill slow its steps: in one test's
+# runs the three finished together 218 ms after the long one was sent, where the long prompt
+# alone took 159 ms in the calibration rounds taken in turn with them (in another, 179 against
+# 162): 20-60 ms that no step model of the engine alone holds, the API server's work on two
+# shared cores. JITTER_S covers both. On a replica whose full step is ~100 ms it hardly matters;
+# with 8-14 ms steps it is most of the tolerance, and still a fraction of what a wrong model
+# misses by (a threshold's short prompt: ~20 ms observed, ~150 without it).
 
 
 @dataclass(frozen=True)
