@@ -111,8 +111,8 @@ SHIFT_SCALES = 2.0
 # while after a real change they are several times larger.
 
 MIN_EXCITED = 20
-# A replica's term is its own once 20 of its observations excited it: as many as it takes before
-# it reads its own fit at all (gateway/accounting/calibration.py, MIN_OWN_SAMPLES).
+# A replica's term is its own once 20 of its observations excited it; gateway/accounting/
+# calibration.py's MIN_OWN_SAMPLES (a replica reads its own fit at all) is the same count.
 
 RATE_BOUND = 1000.0  # a rate stays within 1/1000x .. 1000x of its seed
 MAX_FIXED_S = 30.0  # an overhead above 30 s is a broken replica, not a cost

@@ -40,8 +40,10 @@ from routing.policies.base import Candidate
 
 Mode = Literal["fit", "correction", "none"]
 
-MIN_OWN_SAMPLES = 20
-# Below 20 observations a replica's own 4-term fit is still mostly prior; its pool's is not.
+MIN_OWN_SAMPLES = MIN_EXCITED
+# Below 20 observations a replica's own fit is still mostly prior; its pool's is not. The same
+# count as a term's own (routing/learn.py): below it every term of the own fit is held at the
+# pool's anyway.
 POOL_REFIT_EVERY = 8
 # Once every replica of a pool has its own fit, the pool's is read only by a replica that joins:
 # it takes every observation but is solved every 8th (the solve is the fit's costly step,
