@@ -147,7 +147,9 @@ def fit(samples: list[tuple[int, float]], chunk: int = BUDGET) -> Constants:
     """Least squares of TTFT on (1, steps, tokens), steps of `chunk` tokens, every term >= 0: the
     best of the unconstrained solve and those with a term or two held at 0 (an exact
     non-negative least squares for three terms). Noise in a few lengths (2,070 tokens in 122 ms
-    beside 2,030 in 83) can send the free solve's step cost up and its per-token cost below 0."""
+    beside 2,030 in 83) can send the free solve's step cost up and its per-token cost below 0.
+    (routing/normal_equations.py's bounded_solve holds every term that left its bounds and never
+    frees one: on those samples it held the per-token cost at 0 as well as the fixed cost.)"""
     x = np.array([(1.0, math.ceil(n / chunk), float(n)) for n, _ in samples])
     y = np.array([t for _, t in samples])
     best: tuple[float, list[float]] | None = None
