@@ -56,6 +56,13 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from loadtest.bench import figures, harness
+from loadtest.bench.estimate_floor import (
+    SimTimes,
+    best_scaled_p90,
+    oracle_errors,
+    replay_errors,
+    replay_replicas,
+)
 from loadtest.bench.processes import (
     free_port,
     gateway_from_config,
@@ -66,7 +73,7 @@ from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_bod
 from loadtest.bench.tier_experiment import ReuseSetup, scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
-from loadtest.sim.steps import STEP_OVERHEAD_S, default_max_num_batched_tokens
+from loadtest.sim.steps import STEP_OVERHEAD_S, StepSettings, default_max_num_batched_tokens
 from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
 from loadtest.workloads import traces
 from loadtest.workloads.traces import TraceRecord
@@ -608,6 +615,30 @@ def sim_load_ms(s: Sample, costs: PoolCosts) -> float | None:
     return 1000 * estimate(overlap, Load(swaps_in_flight=sharing), costs).load_s
 
 
+def future_floor(arm: ArmResult, goal_samples: Sequence[Sample]) -> dict[str, Any]:
+    """The goal figure of an oracle that knows each replica's state as a request arrives but not
+    what arrives after it (loadtest/bench/estimate_floor.py), on the same requests."""
+    rate = arm.prefill_tokens_per_s  # the sims' steps: default flags, budget scaled (sim_config)
+    settings = StepSettings(
+        prefill_tokens_per_s=rate, max_num_batched_tokens=default_max_num_batched_tokens(rate)
+    )
+    times = [
+        t
+        for s in arm.samples
+        if s.ok and (t := SimTimes.from_usage(s.index, s.replica, s.sim)) is not None
+    ]
+    replayed = replay_replicas(times, settings)
+    observed = {s.index: s.obs_s * 1000 for s in goal_samples if s.ok and s.obs_s}
+    scale, scaled_p90 = best_scaled_p90(replayed, observed)
+    return {
+        "err_p90_after_goal_no_future": percentile(oracle_errors(replayed, observed), 90),
+        "err_p90_after_goal_no_future_best_scale": scaled_p90,
+        "no_future_best_scale": scale,
+        "replay_err_p90_after_goal": percentile(replay_errors(replayed, observed), 90),
+        "n_replayed_goal": sum(1 for i in observed if i in replayed),
+    }
+
+
 def arm_stats(arm: ArmResult) -> dict[str, Any]:
     ok = [s for s in arm.samples if s.ok]
     first, after = _errors(arm.samples[:FIRST_N]), _errors(arm.samples[FIRST_N:])
@@ -644,6 +675,7 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
     outside_ms, engine_errors = outside_engine(goal_samples)
     after_ok = [s for s in arm.samples[FIRST_N:] if s.ok and s.rel_error is not None]
     fixed_obs = fixed_only(after_ok)
+    no_future = future_floor(arm, goal_samples)
     fixed_share = len(fixed_obs) / len(after_ok) if after_ok else 0.0
     return {
         "requests": len(arm.samples),
@@ -679,6 +711,7 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
             )
             for p in (("load",), ("wait",), ("load", "wait"))
         },
+        **no_future,
         "after_load_est_ms_mean": statistics.fmean([w[0] for w in waited]) if waited else math.nan,
         "after_load_obs_ms_mean": statistics.fmean([w[1] for w in waited]) if waited else math.nan,
         "after_load_err_p90_after": percentile([abs(e - w) / o for e, w, o in waited], 90),
@@ -746,7 +779,10 @@ def run_speed(
                 f"p90: {' / '.join(f'{v:.0f}' for v in st['outside_engine_ms_p50_p90'])} ms); "
                 f"with the sims' load / wait / both {_pct(st['err_p90_after_goal_sim_load'])} / "
                 f"{_pct(st['err_p90_after_goal_sim_wait'])} / "
-                f"{_pct(st['err_p90_after_goal_sim_load_wait'])}"
+                f"{_pct(st['err_p90_after_goal_sim_load_wait'])}; knowing all but the future "
+                f"{_pct(st['err_p90_after_goal_no_future'])} (x{st['no_future_best_scale']:.2f} "
+                f"in hindsight {_pct(st['err_p90_after_goal_no_future_best_scale'])}; "
+                f"replay off by {_pct(st['replay_err_p90_after_goal'])})"
             )
     return out
 

@@ -17,6 +17,9 @@ class PrefillResult:
     # wall time from arriving at prefill() to: its tiers looked up (the remote tier's lookup is
     # an HTTP call), its KV loaded, its first chunk scheduled, its first token
     phases_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # time.monotonic() as it arrived at prefill(), the step engine only: one clock for every
+    # replica on the machine, so a benchmark can replay a replica's arrivals in order
+    arrived_at_s: float = 0.0
 
     @property
     def cached_tokens(self) -> int:

@@ -36,6 +36,7 @@ hashes each block's key, so a consumer must map them, as with vLLM's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -342,9 +343,10 @@ class SimRequest:
             times["started"] - at,
             time.monotonic() - at,
         )
-        return self._account(
+        result = self._account(
             located[0], sharers, fetched_blocks[0], done, queue_wait_s, remote_write, phases
         )
+        return dataclasses.replace(result, arrived_at_s=at)
 
     async def _locate(self) -> _Located:
         eng, prompt = self._engine, self.prompt

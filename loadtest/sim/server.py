@@ -418,6 +418,7 @@ def _usage(result: PrefillResult, max_tokens: int) -> dict[str, Any]:
             "loaded_ms": round(loaded * 1000, 3),
             "started_ms": round(started * 1000, 3),
             "first_token_ms": round(first * 1000, 3),
+            "arrived_at_ms": round(result.arrived_at_s * 1000, 3),
         }
     return protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens, timing)
 
