@@ -221,7 +221,9 @@ def queue_wait_s(
     ahead of it, each prefill token taking `per_token_s`: the replica's prefill replayed in
     arrival order (first come, first served, like vLLM's default scheduling policy), starting
     from what already waits (the queue's unknown part) less the progress on the head, then every
-    known request joining first.
+    known request joining first, or joining later but before the prefill is free for this one:
+    it was sent first, and vLLM's waiting queue is in arrival order (a request is skipped only
+    while its KV loads).
 
     With a `priority` (vLLM's --scheduling-policy priority, lower first), a known request sent
     with a larger one is overtaken unless its prefill starts before this one joins: a prefill
@@ -263,7 +265,11 @@ def replay_ahead(load: Load, joins_in_s: float, shape: StepShape, priority: int 
     behind: list[int] = []
     for q in sorted(load.queue, key=_joins):
         q_joins_s = q.joins_in_s
-        if q_joins_s > joins_in_s:
+        # Every known request was sent before this one: vLLM's waiting queue is in arrival
+        # order and skips a request only while its KV loads. One that joins after this one is
+        # still ahead if it is loaded before the prefill is free for this one (unless a seat
+        # is free: with a threshold this one then runs the step after it joins).
+        if q_joins_s > joins_in_s and (q_joins_s > free_at_s or len(sizes) < seats):
             break
         start_s = free_at_s if free_at_s > q_joins_s else q_joins_s
         if (

@@ -132,6 +132,26 @@ def test_requests_that_reach_the_prefill_later_do_not_delay_it() -> None:
     assert queue_wait_s(load, 2.0, PER_TOKEN) == 0
 
 
+def test_a_request_sent_earlier_is_ahead_if_loaded_before_the_prefill_is_free() -> None:
+    """3k tokens wait now (0.1 s); 3k more, sent earlier, load until 0.05 s. A request joining
+    now waits for both: when the prefill is free the other is loaded, and arrived first. One
+    that loads past 0.1 s is not waited for: this one is scheduled while it still loads."""
+    loaded_in_time = (Queued(0.0, 3000), Queued(0.05, 3000))
+    load = Load(pending_prefill_tokens=6000, queue=loaded_in_time)
+    assert queue_wait_s(load, 0.0, PER_TOKEN) == pytest.approx(0.2)
+    too_late = Load(pending_prefill_tokens=6000, queue=(Queued(0.0, 3000), Queued(0.15, 3000)))
+    assert queue_wait_s(too_late, 0.0, PER_TOKEN) == pytest.approx(0.1)
+    # with a priority, a less urgent one loaded in time is overtaken, a more urgent one is not
+    urgent = (Queued(0.0, 3000, priority=0), Queued(0.05, 3000, priority=-1))
+    assert queue_wait_s(
+        Load(pending_prefill_tokens=6000, queue=urgent), 0.0, PER_TOKEN, 0
+    ) == pytest.approx(0.2)
+    lax = (Queued(0.0, 3000, priority=0), Queued(0.05, 3000, priority=1))
+    assert queue_wait_s(
+        Load(pending_prefill_tokens=6000, queue=lax), 0.0, PER_TOKEN, 0
+    ) == pytest.approx(0.1)
+
+
 def test_progress_counts_only_for_requests_already_waiting() -> None:
     """0.05 s spent on the head; the one request sent is still loading: no progress on it."""
     loading = Load(pending_prefill_tokens=3000, busy_s=0.05, queue=(Queued(0.2, 3000),))
