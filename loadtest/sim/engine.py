@@ -36,7 +36,6 @@ hashes each block's key, so a consumer must map them, as with vLLM's.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -343,10 +342,9 @@ class SimRequest:
             times["started"] - at,
             time.monotonic() - at,
         )
-        result = self._account(
-            located[0], sharers, fetched_blocks[0], done, queue_wait_s, remote_write, phases
+        return self._account(
+            located[0], sharers, fetched_blocks[0], done, queue_wait_s, remote_write, phases, at
         )
-        return dataclasses.replace(result, arrived_at_s=at)
 
     async def _locate(self) -> _Located:
         eng, prompt = self._engine, self.prompt
@@ -435,6 +433,7 @@ class SimRequest:
         queue_wait_s: float,
         remote_write: bool,
         phases_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
+        arrived_at_s: float = 0.0,
     ) -> PrefillResult:
         eng, prompt = self._engine, self.prompt
         bs = eng.spec.block_size_tokens
@@ -467,6 +466,7 @@ class SimRequest:
             queue_wait_s=queue_wait_s,
             swap_sharers=sharers,
             phases_s=phases_s,
+            arrived_at_s=arrived_at_s,
         )
 
     async def decode(self, max_tokens: int) -> AsyncIterator[int]:

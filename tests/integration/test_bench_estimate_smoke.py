@@ -21,7 +21,9 @@ ARM_FIELDS = {
     "err_p90_after", "est_over_obs_p50", "hit_rate", "ttft_p50_ms", "ttft_p99_ms",
     "prefill_utilisation", "tier_share", "sims", "per_request", "err_p90_after_goal",
     "n_after_goal", "after_load_est_ms_mean", "after_load_obs_ms_mean",
-    "after_load_err_p90_after",
+    "after_load_err_p90_after", "err_p90_after_goal_no_future",
+    "err_p90_after_goal_no_future_best_scale", "no_future_best_scale",
+    "replay_err_p90_after_goal", "n_replayed_goal",
 }  # fmt: skip
 
 
@@ -50,4 +52,6 @@ def test_bench_estimate_runs_and_writes_results(tmp_path: Path) -> None:
         series = arm["per_request"]
         assert len(series["est_ms"]) == len(series["obs_ms"]) == arm["requests"], name
         assert all(v is not None and v > 0 for v in series["obs_ms"]), name
+        # the sims say when each request arrived: the floor replays each replica's requests
+        assert all("arrived_at_ms" in sim for sim in series["sim"]), name
     assert out.with_suffix(".png").stat().st_size > 0
