@@ -56,7 +56,7 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from loadtest.bench import figures, harness
-from loadtest.bench.estimate_floor import (
+from loadtest.bench.estimate_oracle import (
     SimTimes,
     best_scaled_p90,
     oracle_errors,
@@ -617,7 +617,7 @@ def sim_load_ms(s: Sample, costs: PoolCosts) -> float | None:
 
 def future_floor(arm: ArmResult, goal_samples: Sequence[Sample]) -> dict[str, Any]:
     """The goal figure of an oracle that knows each replica's state as a request arrives but not
-    what arrives after it (loadtest/bench/estimate_floor.py), on the same requests."""
+    what arrives after it (loadtest/bench/estimate_oracle.py), on the same requests."""
     rate = arm.prefill_tokens_per_s  # the sims' steps: default flags, budget scaled (sim_config)
     settings = StepSettings(
         prefill_tokens_per_s=rate, max_num_batched_tokens=default_max_num_batched_tokens(rate)

@@ -1,5 +1,5 @@
-"""The estimate's floor on a step engine: what an estimator that knows everything but the future
-would miss by.
+"""The estimate's oracle floor on a step engine: what an estimator that knows everything but
+the future would miss by.
 
 A request's TTFT on a vLLM V1 step loop depends on requests sent after it: one that arrives
 before its last step forms shares that step and lengthens it, one whose KV is ready first is
