@@ -73,7 +73,7 @@ from loadtest.bench.replay import PATHS, REPLICA_HEADER, at_offsets, request_bod
 from loadtest.bench.tier_experiment import ReuseSetup, scrape
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.sim.protocol import SIM_TIMING_KEY
-from loadtest.sim.steps import STEP_OVERHEAD_S, StepSettings, default_max_num_batched_tokens
+from loadtest.sim.steps import StepSettings, default_max_num_batched_tokens
 from loadtest.sim.tiny_tokenizer import BOS, EOS, TinyTokenizerFiles, write_tiny_tokenizer
 from loadtest.workloads import traces
 from loadtest.workloads.traces import TraceRecord
@@ -201,6 +201,15 @@ def sim_costs(speed: float) -> dict[str, float]:
     }
 
 
+def sim_steps(speed: float) -> StepSettings:
+    """The sims' step loop at `speed`: vLLM's defaults, the budget scaled to their prefill rate
+    (loadtest/sim/steps.py); sim_config passes them no other engine flag."""
+    rate = PREFILL_TOKENS_PER_S / speed
+    return StepSettings(
+        prefill_tokens_per_s=rate, max_num_batched_tokens=default_max_num_batched_tokens(rate)
+    )
+
+
 def fleet_config(
     setup: Setup,
     replicas: Sequence[str],
@@ -224,9 +233,7 @@ def fleet_config(
     }
     if costs:
         pool["costs"] = sim_costs(speed)
-        # the sims' step budget: vLLM's default scaled to their prefill rate (loadtest/sim/steps.py)
-        rate = PREFILL_TOKENS_PER_S / speed
-        pool["engine"] = {"max_num_batched_tokens": default_max_num_batched_tokens(rate)}
+        pool["engine"] = {"max_num_batched_tokens": sim_steps(speed).max_num_batched_tokens}
     routing: dict[str, Any] = {"calibration": calibration}
     if precise is not None:
         pool |= precise.pool_keys(replicas)
@@ -618,16 +625,12 @@ def sim_load_ms(s: Sample, costs: PoolCosts) -> float | None:
 def future_floor(arm: ArmResult, goal_samples: Sequence[Sample]) -> dict[str, Any]:
     """The goal figure of an oracle that knows each replica's state as a request arrives but not
     what arrives after it (loadtest/bench/estimate_oracle.py), on the same requests."""
-    rate = arm.prefill_tokens_per_s  # the sims' steps: default flags, budget scaled (sim_config)
-    settings = StepSettings(
-        prefill_tokens_per_s=rate, max_num_batched_tokens=default_max_num_batched_tokens(rate)
-    )
     times = [
         t
         for s in arm.samples
         if s.ok and (t := SimTimes.from_usage(s.index, s.replica, s.sim)) is not None
     ]
-    replayed = replay_replicas(times, settings)
+    replayed = replay_replicas(times, sim_steps(arm.speed))
     observed = {s.index: s.obs_s * 1000 for s in goal_samples if s.ok and s.obs_s}
     scale, scaled_p90 = best_scaled_p90(replayed, observed)
     return {
@@ -651,10 +654,9 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
     cpu = arm.sims.get("cachelane_sim_swap_in_tokens", 0.0)
     remote = arm.sims.get("cachelane_sim_remote_fetch_tokens", 0.0)
     computed = max(0.0, sim_prompt - hbm - cpu - remote)
-    # A step costs its fixed part plus its tokens (loadtest/sim/steps.py); the sims run with the
-    # default step overhead (sim_config passes no engine flag).
+    # A step costs its fixed part plus its tokens (loadtest/sim/steps.py).
     busy_s = computed / arm.prefill_tokens_per_s + arm.sims.get("cachelane_sim_steps", 0.0) * (
-        STEP_OVERHEAD_S
+        sim_steps(arm.speed).step_overhead_s
     )
     span_s = max(1e-9, max((s.scheduled_s for s in arm.samples), default=0.0))
 
