@@ -8,16 +8,18 @@ The cost model (routing/cost.py) is linear in five terms:
            + fetch_s_per_token   * fetched_tokens    # remote-tier tokens fetched, not recomputed
            + step_s              * steps             # engine steps until its first token
 
-so every streamed request is one observation of a linear regression. `OnlineFit` solves it over
-a sliding window of the last WINDOW observations, weighted by exponential forgetting (the memory
-of recursive least squares with forgetting: Ljung & Soderstrom, "Theory and Practice of Recursive
-Identification", 1983, ch. 2), by iteratively reweighted least squares with Huber weights, one
-reweighting per observation (Holland & Welsch, "Robust regression using iteratively reweighted
-least-squares", 1977). Unlike a recursive update, which folds each sample in once with the weight
-it got then, the window re-judges every sample against the current fit: the slow first requests
-of a fresh engine (warm-up, seen at 3-8x the steady TTFT on vLLM's CPU build) are outliers once
-a handful of steady ones have arrived, instead of steering the fit for the next ~50. Made
-robust and safe for a router:
+so every streamed request is one observation of a linear regression, linearised where the
+request is: a load (swap-in, fetch) that ended while the request would wait anyway adds nothing
+of its own and is counted as the queue it overlapped (`load_under_queue`). `OnlineFit` solves it
+over a sliding window of the last WINDOW observations, weighted by exponential forgetting (the
+memory of recursive least squares with forgetting: Ljung & Soderstrom, "Theory and Practice of
+Recursive Identification", 1983, ch. 2), by iteratively reweighted least squares with Huber
+weights, one reweighting per observation (Holland & Welsch, "Robust regression using iteratively
+reweighted least-squares", 1977). Unlike a recursive update, which folds each sample in once
+with the weight it got then, the window re-judges every sample against the current fit: the slow
+first requests of a fresh engine (warm-up, seen at 3-8x the steady TTFT on vLLM's CPU build) are
+outliers once a handful of steady ones have arrived, instead of steering the fit for the next
+~50. Made robust and safe for a router:
 
 - relative errors: each sample is divided by sqrt(observed TTFT x the TTFT its work would take
   at the seed's rates), so a 50 ms and a 5 s request weigh about the same (the fit minimises
@@ -58,7 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 
-from routing.cost import CostTerms
+from routing.cost import CostTerms, Estimate
 from routing.normal_equations import (
     Row,  # one coefficient per term of TERMS
     Vector,
@@ -141,6 +143,27 @@ class Sample:
             self.fetched_tokens,
             self.steps,
         )
+
+
+def load_under_queue(estimate: Estimate, step_tokens: int) -> tuple[float, float]:
+    """The engine steps, and the prefill tokens computed in them, while the request's KV loads
+    (a swap-in, a remote fetch), when it is loaded before the prefill is free for it (it then
+    waits, `queue_s` > 0); (0, 0) otherwise. `step_tokens`: a full step's tokens
+    (max_num_batched_tokens).
+
+    A load overlaps the queue ahead (routing/cost.py), so when the request still waits once
+    loaded, its first token does not depend on how fast its KV loads: the load's time is the
+    queue's, and a sample should teach the queue's rates with it, not the load's. Taught as the
+    load's, a fetch behind a long queue looks free, and the fit's fetch rate sank to its lower
+    bound for the first ~60 requests of a slow tiered fleet (`python -m loadtest.bench.estimate
+    --speeds 10`), whose fetches with nothing ahead it then estimated at a third of their time.
+    The split keeps the estimate: these steps at the terms in use take `load_s`."""
+    queue_steps = estimate.steps - estimate.prefill_steps  # queue_s / a full step's time
+    load_s = estimate.load_s
+    if estimate.queue_s <= 0.0 or load_s <= 0.0 or queue_steps <= 0.0:
+        return 0.0, 0.0
+    steps = load_s * queue_steps / estimate.queue_s
+    return steps, steps * step_tokens
 
 
 class OnlineFit:

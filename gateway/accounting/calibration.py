@@ -35,7 +35,7 @@ from gateway.fleet.registry import Replica
 from gateway.telemetry.metrics import Metrics
 from routing.cost import CostTerms
 from routing.decide import Score, rescored
-from routing.learn import MIN_EXCITED, TERMS, OnlineFit, Sample
+from routing.learn import MIN_EXCITED, TERMS, OnlineFit, Sample, load_under_queue
 from routing.policies.base import Candidate
 
 Mode = Literal["fit", "correction", "none"]
@@ -78,13 +78,20 @@ class Observation:
 
 
 def sample_of(
-    score: Score, observed_s: float, cached_tokens: int | None, remote_fixed_s: float = 0.0
+    score: Score,
+    observed_s: float,
+    cached_tokens: int | None,
+    remote_fixed_s: float = 0.0,
+    step_tokens: int = 0,
 ) -> Sample:
     """The regression sample of one request: the tokens the decision expected in each tier,
     moved to "prefilled" (or from it) by what the engine says it actually reused. A request that
     fetched from the remote tier paid the tier's fixed cost per fetch (`remote_fixed_s`, a
     configured constant the fit does not learn, routing/cost.py): it is taken out of the
-    observation, or the fit would spread it over the per-token rates."""
+    observation, or the fit would spread it over the per-token rates. A load the request waited
+    past anyway (it was loaded before the prefill was free for it) is counted as the steps the
+    prefill ran meanwhile (routing.learn.load_under_queue, with `step_tokens`, a full step's
+    tokens; 0: not at all)."""
     o, e = score.overlap, score.estimate
     fetched = o.remote_tokens if e.remote_fetch else 0
     uncached = o.prompt_tokens - o.hbm_tokens - o.cpu_tokens - fetched
@@ -107,6 +114,21 @@ def sample_of(
                 uncached -= moved
                 extra -= moved
             uncached = max(0, uncached - extra)  # the rest: HBM the index did not know of
+    loaded_as_estimated = swapped == o.cpu_tokens and fetched == (
+        o.remote_tokens if e.remote_fetch else 0
+    )
+    under_queue_steps, under_queue_tokens = (
+        load_under_queue(e, step_tokens) if step_tokens and loaded_as_estimated else (0.0, 0.0)
+    )
+    if under_queue_steps:
+        return Sample(
+            queued_tokens=e.queue_tokens + under_queue_tokens,
+            uncached_tokens=float(uncached),
+            swapped_tokens=0.0,
+            fetched_tokens=0.0,
+            observed_s=observed_s,
+            steps=e.steps + under_queue_steps,
+        )
     share = e.swap_tokens / o.cpu_tokens if o.cpu_tokens else 1.0  # 1 + swap-ins sharing PCIe
     return Sample(
         queued_tokens=e.queue_tokens,
@@ -226,7 +248,14 @@ class CostLearner:
         score = ob.score
         if ob.candidate is not None:
             score = rescored(score, ob.candidate, self._terms_of(replica.name), ob.priority)
-        sample = sample_of(score, ob.observed_s, ob.cached_tokens, replica.costs.remote_fixed_s)
+        costs = replica.costs
+        sample = sample_of(
+            score,
+            ob.observed_s,
+            ob.cached_tokens,
+            costs.remote_fixed_s,
+            costs.engine.max_num_batched_tokens,
+        )
         if not self._own[replica.name].update(sample, refit=False):
             return False
         pooled = self._pooled[replica.pool.name]

@@ -19,7 +19,7 @@ from gateway.fleet.registry import Registry, Replica
 from gateway.telemetry.metrics import Metrics
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, estimate
 from routing.decide import Score, rescored
-from routing.learn import MIN_EXCITED
+from routing.learn import MIN_EXCITED, OnlineFit
 from routing.policies.base import Candidate
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
@@ -87,6 +87,49 @@ def test_the_remote_tiers_fixed_cost_is_taken_out_of_a_fetching_requests_observa
     assert sample_of(fetching, 0.1, None, remote_fixed_s=0.026).observed_s == pytest.approx(0.074)
     cold = score_on(r, Overlap(4000))
     assert sample_of(cold, 0.1, None, remote_fixed_s=0.026).observed_s == 0.1
+
+
+def test_a_load_waited_past_anyway_is_learned_as_the_queue_it_overlapped() -> None:
+    """A fetch that ends before the prefill is free for the request: its TTFT is the queue's, so
+    its sample carries the steps the prefill ran during the fetch, not the fetch, and predicts
+    at the terms in use what the estimate said."""
+    r = replicas()[0]
+    overlap = Overlap(3000, remote_tokens=2000)
+    queued = score_on(r, overlap, Load(pending_prefill_tokens=40_000))
+    e = queued.estimate
+    assert e.remote_fetch and e.queue_s > 0
+    step_tokens = r.costs.engine.max_num_batched_tokens
+    s = sample_of(queued, e.ttft_s, None, r.costs.remote_fixed_s, step_tokens)
+    assert (s.swapped_tokens, s.fetched_tokens) == (0, 0)
+    assert s.queued_tokens > e.queue_tokens and s.steps > e.steps
+    assert s.observed_s == e.ttft_s  # the tier's fixed cost was waited past too
+    assert OnlineFit(SEED).predict_s(s) == pytest.approx(e.ttft_s)
+    # with nothing ahead the fetch is the request's own wait: learned as a fetch
+    alone = score_on(r, overlap)
+    s = sample_of(alone, alone.estimate.ttft_s, None, r.costs.remote_fixed_s, step_tokens)
+    assert s.fetched_tokens == 2000 and s.queued_tokens == alone.estimate.queue_tokens
+
+
+def test_fetches_behind_a_queue_do_not_teach_the_fetch_rate() -> None:
+    """A fleet 10x slower than the defaults whose fetches all wait behind a queue that outlasts
+    them: their TTFTs say nothing of the fetch rate, which stays at its seed. Taken as load plus
+    queue they moved it: here to ~5x its seed, on a slow tiered fleet to its lower bound."""
+    rs = replicas()
+    learner = CostLearner("fit", rs, Metrics())
+    rng = random.Random(7)
+    true = SEED.scaled(10.0)
+    for i in range(160):
+        r = rs[i % 2]
+        fetch = i % 4 == 0
+        overlap = Overlap(rng.randrange(2000, 4000), remote_tokens=1500 if fetch else 0)
+        load = Load(pending_prefill_tokens=rng.randrange(3000, 6000) if fetch else 0)
+        observed_s = estimate(overlap, load, r.costs, true).ttft_s
+        score = Score(r.name, overlap, estimate(overlap, load, r.costs, r.terms))
+        candidate = Candidate(r.name, load=load)
+        learner.observe(Observation(r, score, observed_s, None, candidate, None))
+    terms = learner.terms_of(rs[0].name)
+    assert terms.prefill_s_per_token == pytest.approx(true.prefill_s_per_token, rel=0.1)
+    assert terms.fetch_s_per_token == pytest.approx(SEED.fetch_s_per_token, rel=0.5)
 
 
 @pytest.mark.parametrize("mode", ["fit", "correction", "none"])
