@@ -117,18 +117,17 @@ def sample_of(
     loaded_as_estimated = swapped == o.cpu_tokens and fetched == (
         o.remote_tokens if e.remote_fetch else 0
     )
-    under_queue_steps, under_queue_tokens = (
-        load_under_queue(e, step_tokens) if step_tokens and loaded_as_estimated else (0.0, 0.0)
-    )
-    if under_queue_steps:
-        return Sample(
-            queued_tokens=e.queue_tokens + under_queue_tokens,
-            uncached_tokens=float(uncached),
-            swapped_tokens=0.0,
-            fetched_tokens=0.0,
-            observed_s=observed_s,
-            steps=e.steps + under_queue_steps,
-        )
+    if step_tokens and loaded_as_estimated:
+        steps, tokens = load_under_queue(e, step_tokens)
+        if steps:
+            return Sample(
+                queued_tokens=e.queue_tokens + tokens,
+                uncached_tokens=float(uncached),
+                swapped_tokens=0.0,
+                fetched_tokens=0.0,
+                observed_s=observed_s,
+                steps=e.steps + steps,
+            )
     share = e.swap_tokens / o.cpu_tokens if o.cpu_tokens else 1.0  # 1 + swap-ins sharing PCIe
     return Sample(
         queued_tokens=e.queue_tokens,
