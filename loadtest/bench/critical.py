@@ -26,8 +26,8 @@ Engines (ENGINES; the sim's flags, loadtest/sim/fleet.py): `default`, vLLM V1's 
 vLLM's defaults scaled to the fleet's prefill rate (loadtest/sim/steps.py); `threshold`, the same
 with a long-prefill token threshold; `serial`, one whole prefill at a time (the engine model of
 earlier measurements); `fcfs`, `default` on vLLM's default `--scheduling-policy fcfs`. The others
-run `--scheduling-policy priority`. Every cachelane arm's pools declare the engines' policy
-(`engine.scheduling_policy`; `priority` sends each request's class as its engine priority).
+run `--scheduling-policy priority`. Every cachelane arm's pools declare the engines' flags
+(`engine:`; `priority` sends each request's class as its engine priority).
 
 Before the arms it prints the trace's floor on the engine: each request's own prefill with a
 perfect cache and no queue, in the steps it takes alone (critical_traces.ideal_floor), which no
@@ -92,7 +92,6 @@ from loadtest.bench.report import ms
 from loadtest.sim.config import ITL_S, SIM_MODEL
 from loadtest.workloads import critical_traces as ct
 from loadtest.workloads.traces import ServiceBound, TraceRecord
-from routing.cost import SchedulingPolicy
 
 # --- the run ---------------------------------------------------------------------------------
 
@@ -157,29 +156,30 @@ def tenants_config() -> list[dict[str, str]]:
     ]
 
 
-def gateway_config(fleet: Fleet, arm: str, policy: SchedulingPolicy = "priority") -> dict[str, Any]:
+def gateway_config(fleet: Fleet, arm: str, engine: Engine = ENGINES["default"]) -> dict[str, Any]:
     """Each arm's cachelane config: the fleet's facts, tenants and pools; defaults otherwise.
-    Every arm declares the engines' scheduling `policy`, a fact of the fleet like its
-    capacities: with `priority` the pools send each request's class as its priority
-    (gateway/config/pools.py engine_priority; without tenants every request is standard)."""
+    Every arm declares the engines' flags (`engine:`, Engine.declared), facts of the fleet like
+    its capacities, as docs/critical.md's set-up does: with `priority` the pools send each
+    request's class as its priority (gateway/config/pools.py engine_priority; without tenants
+    every request is standard)."""
     tiers = [{"name": "kv", "url": fleet.remote}]
-    engine = {"engine": {"scheduling_policy": policy}}
+    declared = {"engine": engine.declared()}
     if arm == "pinned":  # default knobs: nothing but pinned: true and the tenants' classes
         return {
             "tenants": tenants_config(),
             "remote_tiers": tiers,
             "pools": [
                 _pool(
-                    "pinned", fleet.hbm_only, offload=False, pinned=True, hbm_only=True, **engine
+                    "pinned", fleet.hbm_only, offload=False, pinned=True, hbm_only=True, **declared
                 ),
-                _pool("offload", fleet.offload, offload=True, **engine),
+                _pool("offload", fleet.offload, offload=True, **declared),
             ],
         }
     if arm == "control":
-        return gateway_config(fleet, "no-tenants", policy)
+        return gateway_config(fleet, "no-tenants", engine)
     pools = [
-        _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True, **engine),
-        _pool("offload", fleet.offload, offload=True, **engine),
+        _pool("hbm-only", fleet.hbm_only, offload=False, hbm_only=True, **declared),
+        _pool("offload", fleet.offload, offload=True, **declared),
     ]
     if arm != "priority":
         return {"remote_tiers": tiers, "flow_control": {"enabled": False}, "pools": pools}
@@ -268,7 +268,7 @@ class ArmRun:
     log_dir: Path
     warmup_s: float
     tag: str  # names the arm's config and log files: seed and engine
-    policy: SchedulingPolicy  # the engines' --scheduling-policy, as the cachelane arms declare it
+    engine: Engine  # how the replicas schedule, as the cachelane arms declare it
 
 
 def run_arm(arm: str, run: ArmRun) -> ArmResult:
@@ -279,7 +279,7 @@ def run_arm(arm: str, run: ArmRun) -> ArmResult:
     config: dict[str, Any] | None = None
     gateway: dict[str, float] = {}
     if arm in CACHELANE_ARMS:
-        config = gateway_config(fleet, arm, run.policy)
+        config = gateway_config(fleet, arm, run.engine)
         with gateway_from_config(config, run.log_dir, f"{arm}-{run.tag}") as gw:
             started = time.perf_counter()
             results = asyncio.run(replay_trace(run.trace, gw.url))
@@ -512,9 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs.append(run)
                 with sim_fleet(log_dir, engine) as fleet:
                     tag = f"{engine.name}-s{seed}"
-                    arm_run = ArmRun(
-                        fleet, trace, floor, log_dir, warmup_s, tag, engine.scheduling_policy
-                    )
+                    arm_run = ArmRun(fleet, trace, floor, log_dir, warmup_s, tag, engine)
                     for arm in arms:
                         if arm not in run.not_run:
                             run_one(console, arm, arm_run, run)

@@ -90,6 +90,20 @@ class Engine:
             "--step-overhead-ms", f"{s.step_overhead_s * 1000:g}",
         ]  # fmt: skip
 
+    def declared(self) -> dict[str, Any]:
+        """The pools' `engine:` block, as docs/critical.md's set-up has it: the flags the
+        replicas run, by vLLM's names. The serial engine has no step budget: only its policy
+        (the cost model then takes a prompt in one step of vLLM's default budget, whole)."""
+        s = self.step_settings()
+        if s is None:
+            return {"scheduling_policy": self.scheduling_policy}
+        return {
+            "scheduling_policy": s.scheduling_policy,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "long_prefill_token_threshold": s.long_prefill_token_threshold,
+            "max_num_seqs": s.max_num_seqs,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         s = self.step_settings()
         settings = {} if s is None else {
