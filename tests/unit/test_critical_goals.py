@@ -8,8 +8,9 @@ from typing import cast
 
 import pytest
 
-from loadtest.bench.critical import gateway_config
-from loadtest.bench.critical_fleet import Fleet
+from gateway.config import parse_config
+from loadtest.bench.critical import CACHELANE_ARMS, gateway_config
+from loadtest.bench.critical_fleet import ENGINES, Fleet
 from loadtest.bench.critical_results import ArmResult, CriticalResult, goal_ratios, meets
 from loadtest.workloads import critical_traces as ct
 
@@ -73,6 +74,23 @@ def test_the_control_arm_is_no_tenants_again_against_no_tenants() -> None:
         "all_ttft_p99_vs_no_tenants": pytest.approx(1.0),
     }
     assert gateway_config(FLEET, "control") == gateway_config(FLEET, "no-tenants")
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_cachelane_arm_declares_the_flags_the_replicas_run(name: str) -> None:
+    """The gateway's cost model schedules by its pools' `engine:`; each arm's must be the sims'
+    flags (the serial engine has no step budget: its policy alone)."""
+    engine = ENGINES[name]
+    steps = engine.step_settings()
+    for arm_name in CACHELANE_ARMS:
+        config = parse_config(gateway_config(FLEET, arm_name, engine))
+        for pool in config.pools:
+            declared = pool.engine
+            assert declared.scheduling_policy == engine.scheduling_policy
+            if steps is not None:
+                assert declared.max_num_batched_tokens == steps.max_num_batched_tokens
+                assert declared.long_prefill_token_threshold == steps.long_prefill_token_threshold
+                assert declared.max_num_seqs == steps.max_num_seqs
 
 
 def test_pooled_seeds_keep_each_request_s_own_floor() -> None:
