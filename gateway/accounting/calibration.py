@@ -93,7 +93,7 @@ def sample_of(
     prefill ran meanwhile (routing.learn.load_under_queue, with `step_tokens`, a full step's
     tokens; 0: not at all)."""
     o, e = score.overlap, score.estimate
-    fetched = o.remote_tokens if e.remote_fetch else 0
+    fetched = expected_fetch = o.remote_tokens if e.remote_fetch else 0
     uncached = o.prompt_tokens - o.hbm_tokens - o.cpu_tokens - fetched
     swapped = o.cpu_tokens
     if cached_tokens is not None:
@@ -114,10 +114,7 @@ def sample_of(
                 uncached -= moved
                 extra -= moved
             uncached = max(0, uncached - extra)  # the rest: HBM the index did not know of
-    loaded_as_estimated = swapped == o.cpu_tokens and fetched == (
-        o.remote_tokens if e.remote_fetch else 0
-    )
-    if step_tokens and loaded_as_estimated:
+    if step_tokens and swapped == o.cpu_tokens and fetched == expected_fetch:  # loaded as estimated
         steps, tokens = load_under_queue(e, step_tokens)
         if steps:
             return Sample(
