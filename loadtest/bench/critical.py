@@ -196,13 +196,6 @@ def fleet_on_free_ports() -> Fleet:
     return Fleet(urls[1 : 1 + HBM_ONLY_REPLICAS], urls[1 + HBM_ONLY_REPLICAS :], urls[0])
 
 
-@contextmanager
-def sim_fleet(log_dir: Path, engine: Engine, fleet: Fleet, name: str) -> Iterator[Fleet]:
-    """`fleet`'s sims, started for one arm, on its ports."""
-    with sim_from_config(sim_config(fleet, engine), log_dir, f"critical-{name}", engine.sim_args()):
-        yield fleet
-
-
 # --- replay ----------------------------------------------------------------------------------
 
 
@@ -273,10 +266,25 @@ class ArmRun:
     engine: Engine  # how the replicas schedule, as the cachelane arms declare it
 
 
+@contextmanager
+def sims_for_arm(arm: str, run: ArmRun) -> Iterator[None]:
+    """The fleet's sims, started for one arm on the run's ports: every cache and the remote tier
+    empty, and nothing an earlier arm left in their process (its heap, its connections), which
+    emptying the caches would not clear, so an arm's figures do not depend on the arms before
+    it. (~1 s a start.)"""
+    config = sim_config(run.fleet, run.engine)
+    name = f"critical-{run.tag}-{arm}"
+    with sim_from_config(config, run.log_dir, name, run.engine.sim_args()):
+        yield
+
+
 def run_arm(arm: str, run: ArmRun) -> ArmResult:
+    with sims_for_arm(arm, run):
+        return _replay_arm(arm, run)
+
+
+def _replay_arm(arm: str, run: ArmRun) -> ArmResult:
     fleet = run.fleet
-    quiesced = fleet.quiesce()
-    fleet.reset()
     before = sim_snapshot(fleet)
     config: dict[str, Any] | None = None
     gateway: dict[str, float] = {}
@@ -301,7 +309,6 @@ def run_arm(arm: str, run: ArmRun) -> ArmResult:
         run.floor.per_request,
         gateway,
         config,
-        quiesced,
         run.warmup_s,
     )
 
@@ -516,18 +523,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tag = f"{engine.name}-s{seed}"
                 arm_run = ArmRun(fleet, trace, floor, log_dir, warmup_s, tag, engine)
                 for arm in arms:
-                    if arm in run.not_run:
-                        continue
-                    # Each arm on sims started for it: none inherits the state an earlier arm
-                    # left in the sims' process (its heap, its connections), which emptied
-                    # caches do not clear. Sharing one, no-tenants measured 1.06x and 1.15x
-                    # its own critical p99 when it ran second instead of first (docs/critical.md).
-                    with sim_fleet(log_dir, engine, fleet, f"{tag}-{arm}"):
+                    if arm not in run.not_run:
                         run_one(console, arm, arm_run, run)
                 placements[run.label] = {n: placement(a, fleet) for n, a in run.arms.items()}
                 console.print(critical_report.run_table(run))
 
-    # RuntimeError out of run_all: a sim fleet did not start (an arm's own is caught by it)
+    # an arm whose sims or router did not start is caught by harness.try_arm (its not_run)
     code = harness.run_arms(console, "bench_critical", run_all)
     if code:
         return code

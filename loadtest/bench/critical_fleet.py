@@ -4,8 +4,6 @@ schedule prefill (ENGINES), and what the engines did during an arm (from their m
 from __future__ import annotations
 
 import math
-import re
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -128,7 +126,6 @@ ENGINES = {
 # `fcfs`: the default engine on vLLM's default policy, where the gateway sends no priority, so
 # lent work queued on a pinned replica is served before a critical request that joins it.
 
-QUIESCE_TIMEOUT_S = 15.0  # between arms: until no replica has a request running or waiting
 HTTP_TIMEOUT_S = 5.0  # one reset or scrape on loopback
 
 
@@ -147,29 +144,6 @@ class Fleet:
         if f"http://{name}" in self.hbm_only:
             return "hbm-only"
         return "offload" if f"http://{name}" in self.offload else "?"
-
-    def reset(self) -> None:
-        with httpx.Client(timeout=HTTP_TIMEOUT_S, trust_env=False) as client:
-            for url in self.replicas:
-                client.post(f"{url}/reset_prefix_cache").raise_for_status()
-            client.post(f"{self.remote}/reset").raise_for_status()
-
-    def quiesce(self, timeout_s: float = QUIESCE_TIMEOUT_S) -> bool:
-        """Wait until no replica runs or queues a request (leftovers of the previous arm)."""
-        pattern = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$", re.M)
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=HTTP_TIMEOUT_S, trust_env=False) as client:
-            while True:
-                busy = sum(
-                    float(v)
-                    for url in self.replicas
-                    for v in pattern.findall(client.get(f"{url}/metrics").text)
-                )
-                if busy == 0:
-                    return True
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.2)
 
 
 # --- metrics ---------------------------------------------------------------------------------

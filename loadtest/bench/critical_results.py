@@ -72,7 +72,6 @@ class ArmResult:
     floor_ms: list[float | None]  # per request, trace order (critical_traces.Floor.per_request)
     gateway: dict[str, float] = field(default_factory=dict)
     config: dict[str, Any] | None = None
-    quiesced: bool = True
     warmup_s: float = 0.0
 
     @property
@@ -142,7 +141,6 @@ class ArmResult:
             "critical_placement": placement,
             "pools": self.pools,
             "gateway": self.gateway,
-            "quiesced_before": self.quiesced,
             "warmup_s": self.warmup_s,
             "failure_samples": sorted({r.error or "" for r in self.results if r.failed})[:5],
             "config": self.config,

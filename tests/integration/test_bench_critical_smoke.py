@@ -1,15 +1,17 @@
-"""`python -m loadtest.bench.critical --quick` end to end with the three cachelane arms: a real sim
-fleet, real gateways. Checks only that it runs and that the JSON has its shape; the numbers are
+"""`python -m loadtest.bench.critical --quick` end to end with the three cachelane arms: real sim
+fleets (one started for each arm), real gateways. Checks only that it runs and that the JSON has its shape; the numbers are
 the benchmark's job."""
 
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
 
 from gateway.config import parse_config
+from loadtest.bench import critical
 from loadtest.bench.critical import main
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: a benchmark smoke
@@ -21,7 +23,7 @@ CLASS_FIELDS = {
 }  # fmt: skip
 
 
-@pytest.mark.timeout(180)  # ~50 s here: one fleet, four gateways, arms of 5 s plus draining
+@pytest.mark.timeout(180)  # ~50 s here: four fleets and gateways, arms of 5 s plus draining
 def test_bench_critical_quick_runs_and_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "x.json"
     arms = ["no-tenants", "priority", "pinned", "control"]
@@ -69,3 +71,33 @@ def test_bench_critical_quick_runs_and_writes_results(tmp_path: Path) -> None:
     assert set(run["goal_ratios"]) == {"priority", "pinned", "control"}
     assert data["wall_time_s"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_an_arm_whose_sims_cannot_start_is_reported_and_the_others_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each arm starts its own sims: when one arm's cannot listen (its port taken meanwhile), that
+    arm is reported as not run and the next arm still runs."""
+    fleet = critical.fleet_on_free_ports()
+    monkeypatch.setattr(critical, "fleet_on_free_ports", lambda: fleet)
+    taken = socket.socket()
+    real_run_arm = critical.run_arm
+
+    def run_arm(arm: str, run: critical.ArmRun) -> object:
+        if arm == "no-tenants":  # hold one replica's port while this arm's sims start
+            port = int(fleet.hbm_only[0].rsplit(":", 1)[1])
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+            try:
+                return real_run_arm(arm, run)
+            finally:
+                taken.close()
+        return real_run_arm(arm, run)
+
+    monkeypatch.setattr(critical, "run_arm", run_arm)
+    out = tmp_path / "x.json"
+    assert main(["--quick", "--arms", "no-tenants,control", "--out", str(out)]) == 1
+    [run] = json.loads(out.read_text())["runs"]
+    assert "no-tenants" in run["not_run"]
+    assert list(run["arms"]) == ["control"]
