@@ -1,6 +1,6 @@
 """`python -m loadtest.bench.critical --quick` end to end with the three cachelane arms: real sim
-fleets (one started for each arm), real gateways. Checks only that it runs and that the JSON has its shape; the numbers are
-the benchmark's job."""
+fleets (one started for each arm), real gateways. Checks only that it runs and that the JSON has
+its shape; the numbers are the benchmark's job."""
 
 from __future__ import annotations
 
