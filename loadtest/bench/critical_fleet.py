@@ -103,15 +103,10 @@ class Engine:
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """The results' record: the flags (declared()), with the model and the step's cost."""
         s = self.step_settings()
-        settings = {} if s is None else {
-            "max_num_batched_tokens": s.max_num_batched_tokens,
-            "long_prefill_token_threshold": s.long_prefill_token_threshold,
-            "max_num_seqs": s.max_num_seqs,
-            "step_overhead_ms": s.step_overhead_s * 1000,
-        }  # fmt: skip
-        policy = self.scheduling_policy
-        return {"engine_model": self.model, "scheduling_policy": policy, **settings}
+        overhead = {} if s is None else {"step_overhead_ms": s.step_overhead_s * 1000}
+        return {"engine_model": self.model, **self.declared(), **overhead}
 
 
 ENGINES = {
@@ -126,7 +121,7 @@ ENGINES = {
 # `fcfs`: the default engine on vLLM's default policy, where the gateway sends no priority, so
 # lent work queued on a pinned replica is served before a critical request that joins it.
 
-HTTP_TIMEOUT_S = 5.0  # one reset or scrape on loopback
+HTTP_TIMEOUT_S = 5.0  # one scrape on loopback
 
 
 @dataclass(frozen=True)
