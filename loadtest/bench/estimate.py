@@ -203,10 +203,13 @@ def sim_costs(speed: float) -> dict[str, float]:
 
 def sim_steps(speed: float) -> StepSettings:
     """The sims' step loop at `speed`: vLLM's defaults, the budget scaled to their prefill rate
-    (loadtest/sim/steps.py); sim_config passes them no other engine flag."""
+    (loadtest/sim/steps.py), a decode step of the sims' default ITL; sim_config passes them no
+    other engine flag."""
     rate = PREFILL_TOKENS_PER_S / speed
     return StepSettings(
-        prefill_tokens_per_s=rate, max_num_batched_tokens=default_max_num_batched_tokens(rate)
+        prefill_tokens_per_s=rate,
+        max_num_batched_tokens=default_max_num_batched_tokens(rate),
+        decode_step_s=ITL_S,
     )
 
 

@@ -8,9 +8,8 @@ module replays each simulated replica's own requests (loadtest/sim/steps.py `rep
 scheduler, with what each sim reported: its arrival, when its KV was loaded, the tokens it
 computed) twice:
 
-- **all of them**: the replica as it ran. Its first-token times against the sims' own say how
-  faithful the replay is (the sims' decode tokens, one per decoding request per step, are left
-  out of it);
+- **all of them**: the replica as it ran, every request decoding its tokens a step each. Its
+  first-token times against the sims' own say how faithful the replay is;
 - **up to the request itself**: the replica as it would have run had nothing arrived after it.
   Its time, plus the time the client saw outside the sim, is the estimate of an oracle that
   knows the present exactly (every constant, every cached block, every load time) and assumes
@@ -42,6 +41,7 @@ class SimTimes:
     loaded_ms: float  # from its arrival: KV looked up and loaded (swap-in, fetch)
     first_token_ms: float  # from its arrival
     computed_tokens: int
+    decode_steps: int = 0  # decode tokens after its first: steps it takes part in
 
     @classmethod
     def from_usage(cls, index: int, replica: str, sim: dict[str, float]) -> SimTimes | None:
@@ -55,6 +55,7 @@ class SimTimes:
             sim["loaded_ms"],
             sim["first_token_ms"],
             int(sim["computed_tokens"]),
+            int(sim.get("decode_steps", 0)),
         )
 
 
@@ -81,6 +82,7 @@ def replay_replicas(times: Sequence[SimTimes], settings: StepSettings) -> dict[i
                 at_s=(t.arrived_at_ms - t0) / 1000,
                 tokens=max(1, t.computed_tokens),  # vLLM computes the last token at least
                 loaded_at_s=(t.arrived_at_ms - t0 + t.loaded_ms) / 1000,
+                decode_steps=t.decode_steps,
             )
             for t in requests
         ]

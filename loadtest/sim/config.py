@@ -118,6 +118,7 @@ class SimReplicaSpec(ServerSpec):
             scheduling_policy=self.scheduling_policy,
             max_num_seqs=self.max_num_seqs,
             step_overhead_s=self.step_overhead_s,
+            decode_step_s=self.itl_s,
         )
 
 

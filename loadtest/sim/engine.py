@@ -15,7 +15,9 @@ One request, in order (every sleep is real and multiplied by spec.time_factor):
      overflow to the CPU tier (CPU overflow is dropped), and write the prompt's blocks to the
      remote tier unless told not to: the write runs beside the first token and the decode (a
      write costs bytes, no modelled time), and the request is not finished until it is done;
-  6. decode, one token per itl_s, concurrently with other requests.
+  6. decode: with "steps" one token at the end of every step (a step of decodes only lasts
+     itl_s; one with prompt chunks lasts what they cost, and the decodes beside it wait for it,
+     as on vLLM); with "serial" one token per itl_s, concurrently with other requests.
 Steps 2 and 3 charge exactly routing.cost.estimate()'s swap and remote terms, so the gateway's cost
 model and the simulator agree by construction; queueing is not modelled, it happens at step 4.
 
@@ -216,9 +218,12 @@ class SimEngine:
             self.events([AllBlocksCleared()])
 
     @asynccontextmanager
-    async def admit(self, prompt: Prompt, *, priority: int = 0) -> AsyncIterator[SimRequest]:
-        """One request's stay on the replica; load counts are released however it ends."""
-        request = SimRequest(self, prompt, priority)
+    async def admit(
+        self, prompt: Prompt, *, priority: int = 0, max_tokens: int | None = None
+    ) -> AsyncIterator[SimRequest]:
+        """One request's stay on the replica; load counts are released however it ends.
+        `max_tokens`: the tokens it will be asked to decode (None: until it leaves)."""
+        request = SimRequest(self, prompt, priority, max_tokens)
         self.waiting += 1
         try:
             yield request
@@ -260,14 +265,19 @@ class _Computed:
 
 
 class SimRequest:
-    def __init__(self, engine: SimEngine, prompt: Prompt, priority: int = 0) -> None:
+    def __init__(
+        self, engine: SimEngine, prompt: Prompt, priority: int = 0, max_tokens: int | None = None
+    ) -> None:
         self._engine = engine
         self.prompt = prompt
+        self.max_tokens = max_tokens
         self.priority = priority  # orders the prefill queue under scheduling_policy "priority"
         self.running = False
         self.held_tokens = 0
         self.remote_write: asyncio.Task[int] | None = None  # the prompt's write to the remote tier
         self.step_request: StepRequest | None = None  # its place in the step loop (steps model)
+        self._decoded = 0  # decode tokens its steps gave it and decode() has not yet sent
+        self._token_ready = asyncio.Event()
 
     async def prefill(self, *, remote_write: bool = True) -> PrefillResult:
         """Load or compute the prompt's KV; returns when the first token could be sent."""
@@ -320,7 +330,14 @@ class SimRequest:
                 first_token.set_result(None)
 
         request = StepRequest(
-            0, self.priority, True, resolve, on_start=on_start, on_first_token=on_first_token
+            0,
+            self.priority,
+            True,
+            resolve,
+            on_start=on_start,
+            on_first_token=on_first_token,
+            on_token=self._on_token,
+            decode_steps=None if self.max_tokens is None else max(0, self.max_tokens - 1),
         )
         self.step_request = request
         loop.submit(request)
@@ -469,12 +486,28 @@ class SimRequest:
             arrived_at_s=arrived_at_s,
         )
 
+    def _on_token(self) -> None:
+        self._decoded += 1
+        self._token_ready.set()
+
+    async def _next_step_token(self) -> None:
+        while not self._decoded:
+            self._token_ready.clear()
+            await self._token_ready.wait()
+        self._decoded -= 1
+
     async def decode(self, max_tokens: int) -> AsyncIterator[int]:
-        """Yield token indices 0..max_tokens-1; the first right away, then one per itl_s."""
+        """Yield token indices 0..max_tokens-1; the first right away, then one per step of the
+        step loop (serial engine: one per itl_s). The step loop finishes the request with the step
+        that gives its last token (max_tokens, from admit()), as vLLM does."""
         eng = self._engine
+        stepped = self.step_request
         for i in range(max_tokens):
             if i:
-                await eng.sleep(eng.spec.itl_s)
+                if stepped is None:
+                    await eng.sleep(eng.spec.itl_s)
+                else:
+                    await self._next_step_token()
             self.held_tokens += 1
             eng.active_tokens += 1
             eng.stats.generation_tokens += 1

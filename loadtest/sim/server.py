@@ -190,7 +190,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         out = ResponseWriter(spec.model, body)
 
         async def run() -> AsyncIterator[bytes]:
-            async with engine.admit(prompt, priority=priority) as req:
+            async with engine.admit(prompt, priority=priority, max_tokens=max_tokens) as req:
                 result = await req.prefill(remote_write=remote_write)
                 for event in out.opening():
                     yield event
@@ -204,7 +204,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
 
         if body.get("stream"):
             return StreamingResponse(run(), media_type="text/event-stream")
-        async with engine.admit(prompt, priority=priority) as req:
+        async with engine.admit(prompt, priority=priority, max_tokens=max_tokens) as req:
             result = await req.prefill(remote_write=remote_write)
             text_out = "".join([protocol.token_text(i) async for i in req.decode(max_tokens)])
         whole = out.response(text_out, _usage(result, max_tokens))
@@ -226,7 +226,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
                 engine, kind, prompt, max_tokens, priority, remote_write, include_usage
             )
             return StreamingResponse(chunks, media_type="text/event-stream")
-        async with engine.admit(prompt, priority=priority) as req:
+        async with engine.admit(prompt, priority=priority, max_tokens=max_tokens) as req:
             result = await req.prefill(remote_write=remote_write)
             text_out = "".join([protocol.token_text(i) async for i in req.decode(max_tokens)])
         usage = _usage(result, max_tokens)
@@ -245,7 +245,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         out = ChunkWriter(kind, spec.model, include_usage=include_usage)
-        async with engine.admit(prompt, priority=priority) as req:
+        async with engine.admit(prompt, priority=priority, max_tokens=max_tokens) as req:
             result = await req.prefill(remote_write=remote_write)
             if kind is Kind.CHAT:
                 yield out.role()
@@ -267,7 +267,7 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
         kind = Kind.CHAT if "messages" in body else Kind.COMPLETION
         prompt = _fitting_prompt(engine, request, kind, _prompt_text(spec, kind, body), 0, body)
         remote_write = request.headers.get(REMOTE_WRITE_HEADER, "1").strip() != "0"
-        async with engine.admit(prompt) as req:
+        async with engine.admit(prompt, max_tokens=1) as req:
             result = await req.prefill(remote_write=remote_write)
         return {
             "prompt_tokens": result.prompt_tokens,
@@ -419,6 +419,7 @@ def _usage(result: PrefillResult, max_tokens: int) -> dict[str, Any]:
             "started_ms": round(started * 1000, 3),
             "first_token_ms": round(first * 1000, 3),
             "arrived_at_ms": round(result.arrived_at_s * 1000, 3),
+            "decode_steps": max(0, max_tokens - 1),
         }
     return protocol.usage(result.prompt_tokens, max_tokens, result.cached_tokens, timing)
 

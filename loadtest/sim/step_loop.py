@@ -1,6 +1,7 @@
 """A replica's step loop on asyncio: runs steps.py's StepScheduler, each step a real sleep.
 
-The loop runs only while some step would compute a prompt token and stops itself otherwise; any
+The loop runs while some step would compute a token (a prompt chunk or a decode) and stops
+itself otherwise; any
 change that may give it work (a request added, its KV loaded, a request gone, which frees a seat
 under max_num_seqs) starts it again. All the scheduling is the pure class's: this module only
 sleeps for each step's duration and calls the requests' callbacks at its start and end.
@@ -57,9 +58,13 @@ class StepLoop:
                 self.step_tokens += step.total_tokens
                 await self._sleep(step.duration_s)
                 await asyncio.sleep(0)  # with no modelled time, still let arrivals in
+                decoding = [r for r in step.tokens if r.phase is Phase.DECODING]  # none gone
                 for r in self.scheduler.complete(step):
                     if r.on_first_token is not None:
                         r.on_first_token()
+                for r in decoding:
+                    if r.on_token is not None:
+                        r.on_token()
         finally:
             # no await between the last schedule() and here: a kick from now on starts a new task
             self._driving = False

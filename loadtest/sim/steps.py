@@ -12,8 +12,13 @@ vllm/v1/core/sched/scheduler.py, `Scheduler.schedule()` (vLLM 0.32.0), read for 
     chunk may be partial; a request whose KV is still loading (a CPU swap-in, a remote fetch:
     WAITING_FOR_REMOTE_KVS) is skipped and keeps its place;
   - the step is one forward pass: every request in it gets its tokens when it ends, so prefills
-    that share a step finish together, and one whose prompt is done has its first token then.
-A step lasts `step_overhead_s + tokens / prefill_tokens_per_s`. The class has no clock: a driver
+    that share a step finish together, one whose prompt is done has its first token then, and
+    every decoding request its next token (vLLM streams a decode token per step: while a long
+    prefill's steps run, the decodes beside it wait for each of them).
+A step lasts `step_overhead_s + tokens / prefill_tokens_per_s`; one with no prompt token (only
+decodes) at least `decode_step_s`, the replica's inter-token latency: a decode step is bound by
+reading the weights and the batch's KV from HBM, not by its few tokens. A request that arrives
+during a decode step waits for its end, as on vLLM. The class has no clock: a driver
 (step_loop.py on asyncio, `replay()` below on a list of arrivals) runs a step for its duration
 and then completes it. Preemption (when KV blocks run out) is not modelled: the simulated HBM
 evicts cached blocks instead.
@@ -66,6 +71,7 @@ class StepSettings:
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_seqs: int = VLLM_MAX_NUM_SEQS
     step_overhead_s: float = STEP_OVERHEAD_S
+    decode_step_s: float = 0.0  # the least a step of decodes only lasts (the replica's ITL)
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
@@ -78,6 +84,8 @@ class StepSettings:
             raise ValueError("max_num_seqs must be >= 1")
         if self.step_overhead_s < 0:
             raise ValueError("step_overhead_s must be >= 0")
+        if self.decode_step_s < 0:
+            raise ValueError("decode_step_s must be >= 0")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
 
@@ -104,6 +112,11 @@ class StepRequest:
     resolve: Callable[[], int] | None = None
     on_start: Callable[[], None] | None = None  # first scheduled
     on_first_token: Callable[[], None] | None = None  # the step that ends its prefill ended
+    on_token: Callable[[], None] | None = None  # a step that gave it a decode token ended
+    # decode tokens it takes after its first (max_tokens - 1), then it is finished in the step
+    # that gave the last, as vLLM's; None: it decodes until it leaves
+    decode_steps: int | None = None
+    decoded: int = 0
     computed: int = 0
     phase: Phase = Phase.WAITING
     arrival: int = 0  # set by add(): its place in arrival order
@@ -147,19 +160,12 @@ class StepScheduler:
             self.running.remove(request)
         request.phase = Phase.GONE
 
-    def has_prefill_work(self) -> bool:
-        """A step would compute a prompt token: decode-only steps are not simulated (a decoding
-        request's tokens come from its own clock; it only takes budget from prefill steps)."""
-        if any(r.phase is Phase.PREFILLING for r in self.running):
-            return True
-        room = len(self.running) < self.settings.max_num_seqs
-        return room and any(not r.loading for r in self.waiting)
-
-    def schedule(self, *, decode_only: bool = False) -> Step | None:
-        """The next step, or None when it would compute no prompt token (with `decode_only`,
-        when it would compute no token at all). Moves the requests it starts from waiting to
-        running."""
-        if not (self.has_prefill_work() or (decode_only and self.running)):
+    def schedule(self) -> Step | None:
+        """The next step, or None when it would compute no token: nothing runs, and nothing
+        waiting can start (all loading, or no seat under max_num_seqs). Moves the requests it
+        starts from waiting to running."""
+        seat = len(self.running) < self.settings.max_num_seqs
+        if not self.running and not (seat and any(not r.loading for r in self.waiting)):
             return None
         s = self.settings
         budget = s.max_num_batched_tokens
@@ -190,19 +196,30 @@ class StepScheduler:
             started.append(r)
             budget -= n
         total = sum(tokens.values())
-        return Step(tokens, tuple(started), s.step_s(total))
+        duration_s = s.step_s(total)
+        if not started and all(r.phase is Phase.DECODING for r in tokens):
+            duration_s = max(duration_s, s.decode_step_s)
+        return Step(tokens, tuple(started), duration_s)
 
     def complete(self, step: Step) -> list[StepRequest]:
         """The step's forward pass ended: its requests get their tokens; returns those whose
-        prefill it finished (now decoding). A request that left during the step gets nothing."""
+        prefill it finished. A request that left during the step gets nothing; one that got
+        its last token (decode_steps) is finished."""
         done: list[StepRequest] = []
         for r, n in step.tokens.items():
+            if r.phase is Phase.DECODING:
+                r.decoded += 1
+                if r.decode_steps is not None and r.decoded >= r.decode_steps:
+                    self.finish(r)
+                continue
             if r.phase is not Phase.PREFILLING:
                 continue
             r.computed += n
             if r.computed >= r.tokens:
                 r.phase = Phase.DECODING
                 done.append(r)
+                if r.decode_steps == 0:
+                    self.finish(r)
         return done
 
     def _policy_order(self) -> list[StepRequest]:
@@ -237,9 +254,8 @@ def replay(settings: StepSettings, arrivals: Sequence[Arrival]) -> list[float | 
     if any(a.tokens < 1 for a in arrivals):
         raise ValueError("a request computes at least one token (vLLM computes the last one)")
     sched = StepScheduler(settings)
-    requests = [StepRequest(a.tokens, a.priority) for a in arrivals]
+    requests = [StepRequest(a.tokens, a.priority, decode_steps=a.decode_steps) for a in arrivals]
     first: list[float | None] = [None] * len(arrivals)
-    decoded = [0] * len(arrivals)
     index = {id(r): i for i, r in enumerate(requests)}
     events: list[tuple[float, int, str]] = []  # (time, order, kind): arrivals before loads
     for i, a in enumerate(arrivals):
@@ -265,7 +281,7 @@ def replay(settings: StepSettings, arrivals: Sequence[Arrival]) -> list[float | 
 
     for _ in range(1_000_000):  # bounded: every step computes a token, every request ends
         apply_until(now)
-        step = sched.schedule(decode_only=True)
+        step = sched.schedule()
         if step is None:
             if not pending:
                 return first
@@ -273,16 +289,7 @@ def replay(settings: StepSettings, arrivals: Sequence[Arrival]) -> list[float | 
             continue
         end = now + step.duration_s
         apply_until(end - 1e-12)  # what happens during the step waits for the next one
-        for r, n in step.tokens.items():  # decode tokens: count them, release after the last
-            i = index[id(r)]
-            if r.phase is Phase.DECODING and n:
-                decoded[i] += 1
-                if decoded[i] >= arrivals[i].decode_steps:
-                    sched.finish(r)
         for r in sched.complete(step):
-            i = index[id(r)]
-            first[i] = end
-            if arrivals[i].decode_steps == 0:
-                sched.finish(r)
+            first[index[id(r)]] = end
         now = end
     raise RuntimeError("replay did not finish")

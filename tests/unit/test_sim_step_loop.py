@@ -4,6 +4,7 @@ sleep waits until the test lets it end, so no assertion depends on a wall clock.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from loadtest.sim.step_loop import StepLoop
 from loadtest.sim.steps import StepRequest, StepSettings
@@ -50,7 +51,10 @@ async def test_the_loop_idles_while_every_request_loads_and_wakes_when_one_is_lo
     assert len(steps.durations) == 1
     await steps.end_step()
     assert firsts == ["loading"]
-    assert len(steps.durations) == 1  # and idle again
+    assert len(steps.durations) == 2  # it decodes now: a step of its decode token
+    loop.leave(loading)
+    await steps.end_step()
+    assert len(steps.durations) == 2  # gone: idle again
 
 
 async def test_a_request_that_leaves_during_a_step_frees_the_next_step() -> None:
@@ -64,24 +68,42 @@ async def test_a_request_that_leaves_during_a_step_frees_the_next_step() -> None
     await steps.end_step()
     await steps.end_step()
     assert firsts == ["short"]
+    loop.leave(short)  # answered with its first token
+    await steps.end_step()
     assert steps.durations == [
         SETTINGS.step_s(100),  # the step under way keeps the long one's chunk
         SETTINGS.step_s(50),
+        SETTINGS.step_s(1),  # formed before the short one left: its decode token
     ]
-    assert (loop.steps, loop.step_tokens) == (2, 150)
+    assert (loop.steps, loop.step_tokens) == (3, 151)
 
 
-async def test_a_decoding_request_takes_a_token_until_it_leaves() -> None:
+async def test_a_decoding_request_gets_a_token_per_step_and_waits_for_a_prefill_step() -> None:
     steps, firsts = Steps(), list[str]()
-    loop = StepLoop(SETTINGS, steps.sleep)
+    loop = StepLoop(dataclasses.replace(SETTINGS, decode_step_s=0.02), steps.sleep)
+    tokens: list[str] = []
     first, second = request(10, firsts, "first"), request(150, firsts, "second")
+    first.on_token = lambda: tokens.append("first")
     loop.submit(first)
     await settle()
     await steps.end_step()
-    loop.submit(second)
+    assert firsts == ["first"] and tokens == []
+    loop.submit(second)  # arrives during first's decode step: waits for its end
     await settle()
+    await steps.end_step()
+    assert tokens == ["first"]
+    await steps.end_step()  # second's first chunk: first's next token waits for it
+    assert tokens == ["first", "first"]
     loop.leave(first)  # its response ends during the step that computed its decode token
     await steps.end_step()
-    await steps.end_step()
     assert firsts == ["first", "second"]
-    assert steps.durations == [SETTINGS.step_s(10), SETTINGS.step_s(100), SETTINGS.step_s(51)]
+    assert tokens == ["first", "first"]  # gone before the step ended: no token
+    loop.leave(second)
+    await steps.end_step()
+    assert steps.durations == [
+        SETTINGS.step_s(10),
+        0.02,  # decodes only: the decode step
+        SETTINGS.step_s(100),  # its decode and 99 of second's
+        SETTINGS.step_s(52),  # first's decode (it left during the step) and second's rest
+        0.02,  # second's decode token, formed before it left
+    ]

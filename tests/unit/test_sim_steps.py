@@ -51,7 +51,28 @@ def test_a_first_chunk_may_be_partial() -> None:
     sched.add(b)
     assert chunks(sched, a, b) == [70, 30]
     assert chunks(sched, a, b) == [1, 50]  # the first now decodes: one token a step
-    assert sched.schedule() is None  # decode-only steps are left to the decode clock
+    assert chunks(sched, a, b) == [1, 1]  # both decode
+    sched.finish(a)
+    sched.finish(b)
+    assert sched.schedule() is None  # nothing runs, nothing waits
+
+
+def test_a_step_of_decodes_only_lasts_the_decode_step() -> None:
+    sched = StepScheduler(settings(decode_step_s=0.05))
+    a = StepRequest(10)
+    sched.add(a)
+    first = sched.schedule()
+    assert first is not None and first.duration_s == pytest.approx(0.010)
+    sched.complete(first)
+    decode = sched.schedule()
+    assert decode is not None and decode.tokens == {a: 1}
+    assert decode.duration_s == 0.05  # memory-bound: not 1 token's prefill time
+    b = StepRequest(20)  # arrives during it: waits for its end, then shares the next with a
+    sched.add(b)
+    sched.complete(decode)
+    mixed = sched.schedule()
+    assert mixed is not None and mixed.tokens == {a: 1, b: 20}
+    assert mixed.duration_s == pytest.approx(0.021)
 
 
 def test_running_prefills_go_before_waiting_ones_whatever_their_priority() -> None:
@@ -214,6 +235,7 @@ def test_the_sim_command_takes_vllms_scheduler_flags() -> None:
         long_prefill_token_threshold=256,
         scheduling_policy="priority",
         max_num_seqs=64,
+        decode_step_s=spec.itl_s,
     )
     serial = ["--replicas", "1", "--engine-model", "serial", "--max-num-batched-tokens", "9"]
     (spec,), _ = fleet_specs(build_parser().parse_args(serial))
