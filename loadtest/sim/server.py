@@ -250,10 +250,12 @@ def create_sim_app(spec: SimReplicaSpec) -> FastAPI:
             if kind is Kind.CHAT:
                 yield out.role()
             async for i in req.decode(max_tokens):
-                last = i == max_tokens - 1
-                finish = FINISH_REASON if last and kind is Kind.COMPLETION else None
+                # the last token carries the finish reason, as vLLM's chat and completions
+                # streams do (vllm/entrypoints/openai/serving_chat.py): its client knows the
+                # decode is over before the KV write out ends the response
+                finish = FINISH_REASON if i == max_tokens - 1 else None
                 yield out.content(protocol.token_text(i), finish)
-        if kind is Kind.CHAT:
+        if kind is Kind.CHAT and max_tokens < 1:
             yield out.finish(FINISH_REASON)
         if include_usage:
             yield out.usage(_usage(result, max_tokens))
