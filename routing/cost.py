@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
-from routing.prefill_steps import schedule
+from routing.prefill_steps import decode_step_rest_s, schedule
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -174,6 +174,13 @@ class Load:
     # of pending_prefill_tokens (sent by other gateways, or callers that do not say) counts as
     # waiting for the prefill now.
     queue: tuple[Queued, ...] = ()
+    # The engine's steps as seen on its streams (vLLM gives every decoding request a token per
+    # step): how long ago the last one ended (None: not seen), how long a step of decodes alone
+    # lasts there (0: not measured, or nothing decodes), and for how long its streams decode at
+    # most (from their max_tokens; inf: unbounded).
+    step_ended_ago_s: float | None = None
+    decode_step_s: float = 0.0
+    decodes_for_s: float = 0.0
 
 
 class Overlap(NamedTuple):
@@ -213,6 +220,8 @@ class Estimate(NamedTuple):
     own_s: float = 0.0  # what its own tokens add to the steps it is in (uncached x s per token)
     steps: float = 0.0  # engine steps until its first token: those it waits for, then its own
     prefill_steps: int = 1  # its own steps (from its first chunk to its last)
+    # the part of queue_s that is the rest of a decode step under way (measured, not learned)
+    step_wait_s: float = 0.0
 
     @property
     def load_s(self) -> float:
@@ -265,10 +274,14 @@ def estimate(
     load_s = swap_s + remote_s if remote_fetch else swap_s  # a recompute is prefill work
     own = schedule(load, load_s, costs.engine, t, uncached, priority)
     queue_s, prefill_s, queue_steps, prefill_steps, co_tokens, overtakes = own
+    step_wait_s = 0.0
+    if queue_s <= 0.0 and load.pending_prefill_tokens <= 0:
+        step_wait_s = decode_step_rest_s(load, load_s)
+        queue_s = step_wait_s
     cuts_in_s = _cuts_in(load, load_s + queue_s, prefill_s) if load.queue else 0.0
     # positional: Estimate(fixed, queue, swap, remote, prefill, remote_fetch, queue_tokens,
-    # swap_tokens, overtakes, cuts_in_s, own_s, steps, prefill_steps), built once per candidate
-    # per request
+    # swap_tokens, overtakes, cuts_in_s, own_s, steps, prefill_steps, step_wait_s), built once
+    # per candidate per request
     return Estimate(
         t.fixed_s,
         queue_s,
@@ -283,6 +296,7 @@ def estimate(
         uncached * per_token,
         queue_steps + prefill_steps,
         prefill_steps,
+        step_wait_s,
     )
 
 

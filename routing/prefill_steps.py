@@ -22,7 +22,9 @@ gets its tokens when the step ends, so prefills sharing a step finish together. 
   stretched by the prefills sharing them (each taking up to the threshold per step).
 
 The replica's progress is `Load.busy_s`, the time since the head of its queue started; the step
-under way is placed by it as if every step since had been full.
+under way is placed by it as if every step since had been full. With nothing to prefill ahead
+and decodes running, a request waits for the decode step under way (`decode_step_rest_s`): its
+end is placed from the last step end the gateway saw on the replica's streams.
 """
 
 from __future__ import annotations
@@ -232,6 +234,29 @@ def queue_wait_s(
     as ahead."""
     shape = StepShape(1, 0, 0, 0.0, per_token_s, per_token_s, per_token_s)
     return replay_ahead(load, joins_in_s, shape, priority).wait_s
+
+
+STALE_STEPS = 1.5
+# No token on the replica's streams for this many decode steps while some decode: the step under
+# way is not a decode step the gateway can place (work it does not know of, tokens read late),
+# and no wait is counted for it.
+
+
+def decode_step_rest_s(load: Load, joins_in_s: float) -> float:
+    """What is left, when a request with no prefill ahead joins `joins_in_s` from now, of the
+    step under way on a replica that runs only decodes: vLLM forms a step from what waits when
+    the previous one ends, so a request that arrives during a decode step waits for its end
+    (vllm/v1/engine/core.py, EngineCore.step: schedule, execute, then the next schedule).
+    Steps follow one another, each `decode_step_s` long, from the last end seen, while the
+    streams decode (`decodes_for_s`)."""
+    step_s = load.decode_step_s
+    ago_s = load.step_ended_ago_s
+    if load.in_flight <= 0 or step_s <= 0.0 or ago_s is None or ago_s > STALE_STEPS * step_s:
+        return 0.0
+    joins_s = joins_in_s if joins_in_s > 0.0 else 0.0
+    if joins_s >= load.decodes_for_s:
+        return 0.0  # their last tokens will have come: nothing decodes when it joins
+    return step_s - (ago_s + joins_s) % step_s
 
 
 _NOTHING_AHEAD = Ahead(0.0, 0.0, 0.0, 0, (), ())

