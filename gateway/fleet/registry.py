@@ -195,11 +195,12 @@ class Reservation:
     done: bool = False
     listener: LoadListener | None = None
 
-    def first_byte(self) -> float:
-        """Mark the first byte from the replica; returns the observed TTFT in seconds."""
+    def first_byte(self, *, step_end: bool = True) -> float:
+        """Mark the first byte from the replica; returns the observed TTFT in seconds.
+        `step_end`: a first token, from a step's end (an answer read whole ends later)."""
         if self.first_byte_s is None:
             self.first_byte_s = time.perf_counter()
-            self._prefill_done(self.first_byte_s)
+            self._prefill_done(self.first_byte_s, step_end)
             if self.listener is not None:
                 self.listener.first_byte(self)
             self.on_drop()
@@ -210,22 +211,20 @@ class Reservation:
             return
         self.done = True
         if self.first_byte_s is None:
-            self._prefill_done(time.perf_counter())
+            self._prefill_done(time.perf_counter(), step_end=False)
             self.first_byte_s = -1.0
         self.replica.in_flight -= 1
         if self.listener is not None:
             self.listener.released(self)
         self.on_drop()
 
-    def _prefill_done(self, now_s: float) -> None:
+    def _prefill_done(self, now_s: float, step_end: bool) -> None:
         r = self.replica
         r.joining.pop(id(self), None)
         r.head_since_s = now_s  # a serial prefill moves on to the next request in its queue
-        if self.first_byte_s is not None and self.first_byte_s > 0:  # a first token: a step end
+        if step_end:
             r.token_seen(now_s, None)
-            # the next head joins the step formed at that step's end (the first token read of a
-            # step is nearest it: StepWatch keeps it)
-            r.head_since_s = r.steps.end_s if r.steps.end_s is not None else now_s
+            r.head_since_s = r.steps.end_s or now_s  # the next head joins the step formed then
 
 
 def replica_name(url: str) -> str:

@@ -363,7 +363,8 @@ class Proxy:
         reservation = lease.reservation
         replica = reservation.replica
         try:
-            ttft_s = reservation.first_byte()  # after the whole generation, unless prefill-only
+            # after the whole generation, unless prefill-only
+            ttft_s = reservation.first_byte(step_end=False)
             lease.release()
         finally:
             await resp.aclose()  # safe under cancellation (UpstreamResponse's contract)

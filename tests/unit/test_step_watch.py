@@ -82,3 +82,15 @@ def test_a_replica_learns_its_decode_step_only_while_none_of_its_requests_prefil
     assert 0.3 < load.decodes_for_s <= 0.4  # read a moment after `start`
     replica.steps.stream_ended()
     assert replica.load(0.0, 1.0).decode_step_s == 0.0 and replica.steps.until_s == 0.0
+
+
+def test_an_answer_read_whole_marks_no_step_end() -> None:
+    config = parse_config({"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"]}]})
+    registry = Registry(config)
+    replica = next(iter(registry.replicas.values()))
+    whole = registry.reserve(replica, prefill_tokens=100, swaps=0)
+    whole.first_byte(step_end=False)  # its end, after its last token (and any KV write out)
+    assert replica.steps.end_s is None and not replica.joining
+    gone = registry.reserve(replica, prefill_tokens=100, swaps=0)
+    gone.release()  # ended before its first byte: no token either
+    assert replica.steps.end_s is None
