@@ -198,7 +198,8 @@ def build_parser(
         "--itl-ms",
         type=float,
         default=ITL_S * 1000,
-        help="decode time per output token in ms (default: %(default)s)",
+        help="a step of decodes alone, the time per output token when nothing prefills, in ms"
+        " (default: %(default)s)",
     )
     add(
         "--prefill-tokens-per-s",
