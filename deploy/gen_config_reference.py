@@ -207,8 +207,9 @@ DESCRIPTIONS: dict[str, str] = {
     "connection, first byte: ~26 ms).",
     "pools[].sim": "Read only by `cachelane sim --config`: how the simulator behaves for this "
     "pool.",
-    "pools[].sim.itl_s": "Simulated decode time per output token. Unset: the simulator's default "
-    "(10 ms, loadtest/sim/config.py).",
+    "pools[].sim.itl_s": "Simulated decode time per output token: how long a step of decodes "
+    "alone lasts (a step with prompt chunks lasts what they cost, and its decodes wait for it). "
+    "Unset: the simulator's default (10 ms, loadtest/sim/config.py).",
     "pools[].sim.time_factor": "Multiplies every simulated delay (0.1 runs 10x faster).",
     "pools[].sim.scheduling_policy": "`fcfs` or `priority` (vLLM's --scheduling-policy): with "
     "`priority` the prefill queue is ordered by the request's `priority` (lower first), then "

@@ -2,8 +2,9 @@
 
 The loop runs while some step would compute a token (a prompt chunk or a decode) and stops
 itself otherwise; any change that may give it work (a request added, its KV loaded, a request
-gone, which frees a seat under max_num_seqs) starts it again. All the scheduling is the pure class's: this module only
-sleeps for each step's duration and calls the requests' callbacks at its start and end.
+gone, which frees a seat under max_num_seqs) starts it again. All the scheduling is the pure
+class's: this module only sleeps for each step's duration and calls the requests' callbacks at
+its start and end.
 """
 
 from __future__ import annotations
