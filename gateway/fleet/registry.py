@@ -122,8 +122,7 @@ class Replica:
             loaded = min([j.at_s for j in joining])
             busy_s = max(0.0, now - max(self.head_since_s, loaded))
             swapping = sum([1 for j in joining if j.swaps and j.at_s > now])
-        w = self.steps
-        ago_s, step_s, for_s = w.ago_s(now), w.decode_step_s, w.decodes_for_s(now)
+        ago_s, step_s, for_s = self.steps.seen(now)
         return Load(in_flight, pending, swapping, busy_s, queue, ago_s, step_s, for_s)
 
     def hbm_capacity_tokens(self) -> int:

@@ -42,8 +42,9 @@ class StepWatch:
         else:
             self.decode_s += DECODE_STEP_EWMA_WEIGHT * (gap - self.decode_s)
 
-    def ago_s(self, now_s: float) -> float | None:
-        return None if self.end_s is None else max(0.0, now_s - self.end_s)
+    def stream_started(self, at_s: float, tokens_left: float) -> None:
+        self.streams += 1
+        self.decoding(at_s, tokens_left)
 
     def decoding(self, at_s: float, tokens_left: float) -> None:
         """A stream has up to `tokens_left` tokens to come after the one at `at_s` (inf:
@@ -55,11 +56,26 @@ class StepWatch:
         if self.streams <= 0:
             self.until_s = 0.0
 
-    def decodes_for_s(self, now_s: float) -> float:
-        return max(0.0, self.until_s - now_s)
+    def seen(self, now_s: float) -> tuple[float | None, float, float]:
+        """What routing.cost.Load takes of it at `now_s`: how long ago the last step end was
+        seen (None: never), a decode step's length while some stream decodes (0 when none
+        does: answers not streamed are not seen, and count as not decoding), and for how long
+        the streams may still decode. One call: it is asked per candidate per decision."""
+        end_s = self.end_s
+        ago_s = None if end_s is None else max(0.0, now_s - end_s)
+        step_s = self.decode_s if self.streams > 0 else 0.0
+        return ago_s, step_s, max(0.0, self.until_s - now_s)
 
-    @property
-    def decode_step_s(self) -> float:
-        """A decode step's length while some stream decodes; 0 when none does (nothing to wait
-        for: answers not streamed are not seen, and count as not decoding)."""
-        return self.decode_s if self.streams > 0 else 0.0
+
+def mid_stream_token(chunk: bytes) -> bool:
+    """Does the chunk carry a token that does not end its choice? Such a token came at the end
+    of an engine step. The events after the last token (its finish, the usage, [DONE]) may come
+    much later (an engine writing the KV out first) and mark no step. vLLM and SGLang write
+    their chunks as compact JSON; a spaced writer is read too."""
+    return b'"finish_reason":null' in chunk or b'"finish_reason": null' in chunk
+
+
+def last_token(chunk: bytes) -> bool:
+    """Does the chunk end a choice (a finish reason)? Its stream decodes no more. With n > 1
+    choices the first to end counts for the stream."""
+    return b'"finish_reason":"' in chunk or b'"finish_reason": "' in chunk

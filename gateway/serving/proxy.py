@@ -345,9 +345,8 @@ class Proxy:
             settled.ttft_s = reservation.first_byte()
         answer = OpenStream(lease.hand_over(), resp, settled, self._settlement, accepting)
         first_byte_s = reservation.first_byte_s
-        if first is not None and first_byte_s is not None and not last_token(first):
-            # its tokens mark the replica's engine steps (gateway/fleet/step_watch.py)
-            answer.start_decoding(first_byte_s, output_limit_tokens(plan.body, None))
+        if first is not None and first_byte_s is not None:
+            answer.start_decoding(first, first_byte_s, output_limit_tokens(plan.body, None))
         return RelayResponse(
             self._relay(chunks, first, answer),
             stream=answer,
@@ -416,16 +415,9 @@ class Proxy:
                 if first_byte_s is not None:  # handed on: the way back is measured
                     self._relay_time.observe(time.perf_counter() - first_byte_s)
                 await answer.first_sent()
-                replica, previous_s = settled.replica, first_byte_s
                 async for chunk in chunks:
                     now_s = time.perf_counter()
-                    if answer.decoding:  # each token came at an engine step's end
-                        if mid_stream_token(chunk):
-                            replica.token_seen(now_s, previous_s)
-                            answer.token(now_s)
-                            previous_s = now_s
-                        if last_token(chunk):
-                            answer.stop_decoding()
+                    answer.read_tokens(chunk, now_s)  # the replica's engine steps
                     out = reader.relay(chunk, now_s)
                     if out:
                         yield out
@@ -445,20 +437,6 @@ class Proxy:
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
             await answer.finish()
-
-
-def mid_stream_token(chunk: bytes) -> bool:
-    """Does the chunk carry a token that does not end its choice? Such a token came at the end
-    of an engine step. The events after the last token (its finish, the usage, [DONE]) may come
-    much later (an engine writing the KV out first) and mark no step. vLLM and SGLang write
-    their chunks as compact JSON; a spaced writer is read too."""
-    return b'"finish_reason":null' in chunk or b'"finish_reason": null' in chunk
-
-
-def last_token(chunk: bytes) -> bool:
-    """Does the chunk end a choice (a finish reason)? Its stream decodes no more. With n > 1
-    choices the first to end counts for the stream."""
-    return b'"finish_reason":"' in chunk or b'"finish_reason": "' in chunk
 
 
 async def _close_abandoned(response: Response) -> None:

@@ -38,6 +38,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from gateway.fleet.step_watch import last_token, mid_stream_token
 from gateway.http.disconnect import DISCONNECT_POLL_S, TaskWatch
 from gateway.serving.lease import Lease
 from gateway.serving.settlement import Settled, Settlement
@@ -59,6 +60,7 @@ class OpenStream:
         "_accepting",
         "_first_byte_pending",
         "_lease",
+        "_previous_s",
         "_resp",
         "_settlement",
         "decoding",
@@ -84,6 +86,7 @@ class OpenStream:
         self.failed_status: int | None = None  # the error a stream that broke mid-way ended with
         self.decoding = False  # counted in its replica's decoding streams (StepWatch.streams)
         self.tokens_left = 0.0  # tokens it may still get after the last one seen (max_tokens)
+        self._previous_s = 0.0  # perf_counter of its last token
 
     @property
     def open(self) -> bool:
@@ -101,20 +104,29 @@ class OpenStream:
             assert s.ttft_s is not None  # pending only with a first byte
             await self._settlement.first_byte(s.plan, s.reservation, s.ttft_s)
 
-    def start_decoding(self, at_s: float, max_tokens: int | None) -> None:
-        """Its first token came at `at_s`; `max_tokens`: the most it may get (None: unbounded)."""
-        if not self.decoding:
-            self.decoding = True
-            self.tokens_left = math.inf if max_tokens is None else max(0, max_tokens - 1)
-            steps = self.settled.replica.steps
-            steps.streams += 1
-            steps.decoding(at_s, self.tokens_left)
+    def start_decoding(self, first: bytes, at_s: float, max_tokens: int | None) -> None:
+        """Its first chunk came at `at_s`; `max_tokens`: the most tokens it may get (None:
+        unbounded). Unless that chunk ended it, it decodes, and its tokens mark its replica's
+        engine steps (gateway/fleet/step_watch.py)."""
+        if self.decoding or last_token(first):
+            return
+        self.decoding = True
+        self._previous_s = at_s
+        self.tokens_left = math.inf if max_tokens is None else max(0, max_tokens - 1)
+        self.settled.replica.steps.stream_started(at_s, self.tokens_left)
 
-    def token(self, at_s: float) -> None:
-        """A token came at `at_s` (an engine step's end, step_watch.py)."""
-        replica = self.settled.replica
-        self.tokens_left = max(0.0, self.tokens_left - 1)
-        replica.steps.decoding(at_s, self.tokens_left)
+    def read_tokens(self, chunk: bytes, at_s: float) -> None:
+        """A chunk came at `at_s`: a token in it ended an engine step; a finish ends its decode."""
+        if not self.decoding:
+            return
+        if mid_stream_token(chunk):
+            replica = self.settled.replica
+            replica.token_seen(at_s, self._previous_s)
+            self._previous_s = at_s
+            self.tokens_left = max(0.0, self.tokens_left - 1)
+            replica.steps.decoding(at_s, self.tokens_left)
+        if last_token(chunk):
+            self.stop_decoding()
 
     def stop_decoding(self) -> None:
         """Its last token came (or it ended): its replica has one stream fewer decoding."""

@@ -276,8 +276,7 @@ class SimRequest:
         self.held_tokens = 0
         self.remote_write: asyncio.Task[int] | None = None  # the prompt's write to the remote tier
         self.step_request: StepRequest | None = None  # its place in the step loop (steps model)
-        self._decoded = 0  # decode tokens its steps gave it and decode() has not yet sent
-        self._token_ready = asyncio.Event()
+        self._decoded = asyncio.Semaphore(0)  # decode tokens its steps gave, not yet sent
 
     async def prefill(self, *, remote_write: bool = True) -> PrefillResult:
         """Load or compute the prompt's KV; returns when the first token could be sent."""
@@ -336,7 +335,7 @@ class SimRequest:
             resolve,
             on_start=on_start,
             on_first_token=on_first_token,
-            on_token=self._on_token,
+            on_token=self._decoded.release,
             decode_steps=None if self.max_tokens is None else max(0, self.max_tokens - 1),
         )
         self.step_request = request
@@ -486,16 +485,6 @@ class SimRequest:
             arrived_at_s=arrived_at_s,
         )
 
-    def _on_token(self) -> None:
-        self._decoded += 1
-        self._token_ready.set()
-
-    async def _next_step_token(self) -> None:
-        while not self._decoded:
-            self._token_ready.clear()
-            await self._token_ready.wait()
-        self._decoded -= 1
-
     async def decode(self, max_tokens: int) -> AsyncIterator[int]:
         """Yield token indices 0..max_tokens-1; the first right away, then one per step of the
         step loop (serial engine: one per itl_s). The step loop finishes the request with the step
@@ -507,7 +496,7 @@ class SimRequest:
                 if stepped is None:
                     await eng.sleep(eng.spec.itl_s)
                 else:
-                    await self._next_step_token()
+                    await self._decoded.acquire()
             self.held_tokens += 1
             eng.active_tokens += 1
             eng.stats.generation_tokens += 1

@@ -1,5 +1,5 @@
 """gateway/fleet/step_watch.py: a replica's engine steps, read from the tokens of its streams
-(gateway/serving/proxy.py `mid_stream_token` says which chunks carry one)."""
+(`mid_stream_token` says which chunks carry one)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 
 from gateway.config import parse_config
 from gateway.fleet.registry import Registry
-from gateway.fleet.step_watch import StepWatch
-from gateway.serving.proxy import last_token, mid_stream_token
+from gateway.fleet.step_watch import StepWatch, last_token, mid_stream_token
 from loadtest.sim.protocol import SSE_DONE, ChunkWriter, Kind
 
 
@@ -19,7 +18,7 @@ def test_tokens_of_one_step_on_several_streams_mark_one_step_end() -> None:
     watch.token(1.0012, None)  # another stream's token of the same step, read 1.2 ms later
     assert watch.end_s == 1.010
     assert watch.decode_s == pytest.approx(0.010)
-    assert watch.ago_s(1.013) == pytest.approx(0.003)
+    assert watch.seen(1.013)[0] == pytest.approx(0.003)
 
 
 def test_the_decode_step_is_a_moving_average_of_gaps_while_only_decodes_ran() -> None:
@@ -36,7 +35,7 @@ def test_the_decode_step_is_a_moving_average_of_gaps_while_only_decodes_ran() ->
 
 
 def test_nothing_seen_places_nothing() -> None:
-    assert StepWatch().ago_s(5.0) is None
+    assert StepWatch().seen(5.0)[0] is None
 
 
 def test_a_mid_stream_token_marks_a_step_and_the_closing_events_do_not() -> None:
