@@ -158,7 +158,7 @@ class Queued(NamedTuple):
     CPU."""
 
     joins_in_s: float  # when its KV is loaded and it waits for the prefill, from now (<= 0: it is)
-    tokens: int  # tokens it prefills: uncached, or its whole prompt once late (late_after_s)
+    tokens: int  # uncached tokens it prefills
     priority: int | None = None  # the engine priority it was sent with (lower first); None: none
 
 

@@ -24,9 +24,7 @@ gets its tokens when the step ends, so prefills sharing a step finish together. 
 The replica's progress is `Load.busy_s`, the time since the head of its queue started; the step
 under way is placed by it as if every step since had been full. With nothing to prefill ahead
 and decodes running, a request waits for the decode step under way (`decode_step_rest_s`): its
-end is placed from the last step end the gateway saw on the replica's streams. A known request
-still without its first token well past its estimate (`late_after_s`) is counted as computing its
-whole prompt: the prefix the index expected it to reuse was gone.
+end is placed from the last step end the gateway saw on the replica's streams.
 """
 
 from __future__ import annotations
@@ -236,26 +234,6 @@ def queue_wait_s(
     as ahead."""
     shape = StepShape(1, 0, 0, 0.0, per_token_s, per_token_s, per_token_s)
     return replay_ahead(load, joins_in_s, shape, priority).wait_s
-
-
-LATE_FACTOR = 1.5
-# Past 1.5x its estimated TTFT a request is beyond the estimate's spread: the p90 of
-# |est - obs| / obs was 0.23-0.29 at 10x before it was used (`python -m loadtest.bench.estimate
-# --speeds 3,10 --modes fit --no-true --seed 1|2|3`, b4c73ed, docs/bench/estimate.md).
-
-
-def late_after_s(ttft_s: float, cached_tokens: int, terms: CostTerms) -> float:
-    """How long after it is sent a request still without its first token is taken to compute
-    its whole prompt: the prefix the index expected it to reuse was gone (evicted since the
-    index last heard of it, or never there), so it, and every request queued behind it on that
-    replica, takes longer than estimated. The time is halfway between the two accounts of it
-    (its estimate, and its estimate with the `cached_tokens` it expected to reuse computed
-    too), once past the estimate's spread (LATE_FACTOR). Seen on the estimate benchmark as
-    runs of queue under-estimates behind one such request: a 1,953-token prompt expected to
-    compute 65 tokens took three full steps (833 ms against 22 estimated), and the six requests
-    sent to its replica in the next 400 ms waited 500-900 ms against 0-140 estimated."""
-    missed_s = cached_tokens * terms.prefill_s_per_token
-    return LATE_FACTOR * ttft_s + missed_s / 2
 
 
 STALE_STEPS = 1.5

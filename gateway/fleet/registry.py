@@ -9,18 +9,16 @@ it, even while the task is being cancelled.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import httpx
 
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.fleet import replica_auth
 from gateway.fleet.engine_load import EngineLoad
-from gateway.fleet.joining import Joining
 from gateway.fleet.outliers import Backoff, Ejection
 from gateway.fleet.step_watch import StepWatch
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
@@ -29,6 +27,15 @@ from routing.decide import Candidate, PoolRules
 log = logging.getLogger("cachelane.registry")
 
 PREFILL_EWMA_WEIGHT = 0.1  # ~the last 10 requests: follows a workload shift within seconds
+
+
+class Joining(NamedTuple):
+    """A request sent to a replica and awaiting its first byte."""
+
+    at_s: float  # perf_counter when its KV is loaded (the decision's swap and remote estimate)
+    tokens: int  # uncached tokens it prefills
+    swaps: bool  # it swaps KV in from the CPU tier
+    priority: int | None = None  # the engine priority it was sent with; None: none
 
 
 @dataclass
@@ -82,9 +89,8 @@ class Replica:
 
     @property
     def pending_prefill_tokens(self) -> int:
-        """Prompt tokens the requests awaiting their first byte compute (Joining.work)."""
-        now = time.perf_counter()
-        return sum([j.work(now) for j in self.joining.values()])  # a list: asked per decision
+        """Uncached prompt tokens of the requests awaiting their first byte."""
+        return sum([j.tokens for j in self.joining.values()])  # a list: asked per decision
 
     def token_seen(self, at_s: float, previous_s: float | None) -> None:
         """A token of one of its streams came at `at_s` (perf_counter), the stream's previous
@@ -100,8 +106,8 @@ class Replica:
         # list comprehensions, not generators: every decision asks every candidate's load
         now = time.perf_counter()
         joining = self.joining.values()
-        queue = tuple([Queued(j.at_s - now, j.work(now), j.priority) for j in joining])
-        in_flight, pending = self.in_flight, sum([q.tokens for q in queue])
+        queue = tuple([Queued(j.at_s - now, j.tokens, j.priority) for j in joining])
+        in_flight, pending = self.in_flight, self.pending_prefill_tokens
         e = self.engine
         if e is not None and now_s - e.scraped_at_s <= stale_after_s:
             in_flight = max(in_flight, round(e.running + e.waiting))
@@ -305,14 +311,10 @@ class Registry:
         swaps: int,
         load_s: float = 0.0,
         priority: int | None = None,
-        prompt_tokens: int = 0,
-        late_in_s: float = math.inf,
     ) -> Reservation:
         """Count a request sent to `replica` until its first byte (and its end); `load_s` is
         how long its KV takes to load (swap-in, remote fetch) before it waits for the prefill;
-        `priority`: the engine priority it carries, if its pool schedules by it; past
-        `late_in_s` without its first byte it counts its whole prompt (`prompt_tokens`) as its
-        work (Joining.work)."""
+        `priority`: the engine priority it carries, if its pool schedules by it."""
         now = time.perf_counter()
         if not replica.awaiting_first_byte:
             replica.head_since_s = now
@@ -321,9 +323,7 @@ class Registry:
             prefill_tokens - replica.mean_prefill_tokens
         )
         reservation = Reservation(replica, on_drop=self.on_load_change, listener=self.load_listener)
-        joining = Joining(
-            now + load_s, prefill_tokens, swaps > 0, priority, prompt_tokens, now + late_in_s
-        )
+        joining = Joining(now + load_s, prefill_tokens, swaps > 0, priority)
         replica.joining[id(reservation)] = joining
         if self.load_listener is not None:
             self.load_listener.reserved(reservation, joining)

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import errno
 import logging
-import math
 import os
 import socket
 import time
@@ -50,7 +49,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.fleet.joining import Joining
+from gateway.fleet.registry import Joining
 from routing.index import Index, MemoryIndex
 from routing.types import BlockHits, Location
 
@@ -263,17 +262,14 @@ class Siblings:
                 self._end(*key)
             return
         if kind == _JOIN:
-            name, rid, at_s, tokens, swaps, priority, prompt_tokens, late_s = orjson.loads(body)
+            name, rid, at_s, tokens, swaps, priority = orjson.loads(body)
             replica = self._registry.replicas.get(name)
             if replica is None:
                 return
             if not replica.awaiting_first_byte:
                 replica.head_since_s = time.perf_counter()
             replica.in_flight += 1
-            late_s = math.inf if late_s is None else late_s  # JSON has no infinity: null
-            replica.joining[self._key(pid, rid)] = Joining(
-                at_s, tokens, bool(swaps), priority, prompt_tokens, late_s
-            )
+            replica.joining[self._key(pid, rid)] = Joining(at_s, tokens, bool(swaps), priority)
             self._shadows[(pid, rid)] = (name, True)
             self._registry.on_load_change()
             return

@@ -55,8 +55,7 @@ from gateway.serving.upstream import (
 from gateway.serving.usage import StreamReader, ask_for_usage
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import Metrics
-from routing.cost import Estimate, seeded
-from routing.prefill_steps import late_after_s
+from routing.cost import Estimate
 
 log = logging.getLogger("cachelane.proxy")
 
@@ -389,15 +388,12 @@ class Proxy:
         score = plan.decision.score(replica.name)
         prefill = score.overlap.prompt_tokens - score.expected_cached_tokens
         swaps = 1 if score.overlap.cpu_tokens else 0
-        terms = replica.terms if replica.terms is not None else seeded(replica.costs)
         return self._registry.reserve(
             replica,
             prefill_tokens=prefill,
             swaps=swaps,
             load_s=score.estimate.load_s,
             priority=plan.engine_priority(replica),
-            prompt_tokens=score.overlap.prompt_tokens,
-            late_in_s=late_after_s(score.estimate.ttft_s, score.expected_cached_tokens, terms),
         )
 
     async def _relay(

@@ -4,11 +4,9 @@ import time
 import pytest
 
 from gateway.config import parse_config
-from gateway.fleet.joining import Joining
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Joining, Registry, Replica
 from gateway.fleet.scraper import EngineLoad, parse_engine_load
-from routing.cost import CostTerms, Load, PoolCosts
-from routing.prefill_steps import LATE_FACTOR, late_after_s
+from routing.cost import Load
 
 VLLM = """\
 # TYPE vllm:num_requests_running gauge
@@ -117,34 +115,3 @@ def test_reservations_tell_when_they_reach_the_prefill() -> None:
     after = r.load(now_s=0.0, stale_after_s=1.0)
     assert [q.tokens for q in after.queue] == [200]
     assert after.swaps_in_flight == 0
-
-
-def test_a_late_request_counts_its_whole_prompt() -> None:
-    """A request still without its first byte past its late time (routing.prefill_steps
-    `late_after_s`) is taken to compute its whole prompt: the prefix the index expected it to
-    reuse was gone, and the requests behind it wait for all of it. Before then, and for a request
-    that expected no cached prefix, its uncached tokens are its work."""
-    config = parse_config({"pools": [{"name": "p", "replicas": ["http://127.0.0.1:1"]}]})
-    registry = Registry(config)
-    r = next(iter(registry.replicas.values()))
-    kept = [  # a reservation is keyed by its id() while it lives
-        registry.reserve(r, prefill_tokens=65, swaps=0, prompt_tokens=1953, late_in_s=0.05),
-        registry.reserve(r, prefill_tokens=100, swaps=0, prompt_tokens=100, late_in_s=0.0),
-        registry.reserve(r, prefill_tokens=40, swaps=0, prompt_tokens=900, late_in_s=60.0),
-    ]
-    on_time = r.load(now_s=0.0, stale_after_s=1.0)
-    assert sorted(q.tokens for q in on_time.queue) == [40, 65, 100]
-    time.sleep(0.06)
-    late = r.load(now_s=0.0, stale_after_s=1.0)
-    assert sorted(q.tokens for q in late.queue) == [40, 100, 1953]
-    assert late.pending_prefill_tokens == r.pending_prefill_tokens == 2093
-    assert len(kept) == len(r.joining)
-
-
-def test_a_request_is_late_halfway_to_computing_its_cached_prefix() -> None:
-    """late_after_s: past the estimate's spread, halfway between the estimate and the estimate
-    with the expected cached prefix computed too."""
-    terms = CostTerms.seed(PoolCosts())
-    per = terms.prefill_s_per_token
-    assert late_after_s(0.2, 0, terms) == pytest.approx(LATE_FACTOR * 0.2)
-    assert late_after_s(0.2, 2000, terms) == pytest.approx(LATE_FACTOR * 0.2 + 1000 * per)

@@ -21,8 +21,7 @@ import pytest
 from fastapi import Request
 
 from gateway.config import parse_config
-from gateway.fleet.joining import Joining
-from gateway.fleet.registry import Registry, Reservation
+from gateway.fleet.registry import Joining, Registry, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError
 from gateway.http.serve import _hold

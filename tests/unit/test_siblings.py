@@ -92,20 +92,6 @@ async def test_a_reservation_counts_on_the_sibling_until_it_ends(
     assert two.siblings.status()["shadow_reservations"] == 0
 
 
-async def test_a_late_reservation_counts_its_whole_prompt_on_the_sibling(
-    pair: tuple[Worker, Worker],
-) -> None:
-    """The prompt and the late time cross too (routing.prefill_steps `late_after_s`)."""
-    one, two = pair
-    mine, theirs = one.registry.replicas[A], two.registry.replicas[A]
-    late = one.registry.reserve(mine, prefill_tokens=64, swaps=0, prompt_tokens=2000, late_in_s=0.0)
-    never = one.registry.reserve(mine, prefill_tokens=32, swaps=0, prompt_tokens=500)
-    await until(lambda: theirs.in_flight == 2)
-    assert theirs.pending_prefill_tokens == 2032
-    for reservation in (late, never):
-        reservation.release()
-
-
 async def test_a_sibling_that_is_gone_takes_its_load_with_it(tmp_path: Path) -> None:
     stand_in = await asyncio.create_subprocess_exec("sleep", "30")  # the dying worker's pid
     one = worker(tmp_path, stand_in.pid)
