@@ -47,7 +47,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +159,12 @@ def tenants_config() -> list[dict[str, str]]:
 def gateway_config(fleet: Fleet, arm: str, engine: Engine = ENGINES["default"]) -> dict[str, Any]:
     """Each arm's cachelane config: the fleet's facts, tenants and pools; defaults otherwise.
     Every arm declares the engines' flags (`engine:`, Engine.declared), facts of the fleet like
-    its capacities, as docs/critical.md's set-up does: with `priority` the pools send each
+    its capacities, as docs/critical.md's set-up does (with `--declare policy`, the policy
+    alone: Engine.pool_engine): with `priority` the pools send each
     request's class as its priority (gateway/config/pools.py engine_priority; without tenants
     every request is standard)."""
     tiers = [{"name": "kv", "url": fleet.remote}]
-    declared = {"engine": engine.declared()}
+    declared = {"engine": engine.pool_engine()}
     if arm == "pinned":  # default knobs: nothing but pinned: true and the tenants' classes
         return {
             "tenants": tenants_config(),
@@ -359,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"{','.join(ENGINES)}); overrides --engine",
     )
     add(
+        "--declare",
+        choices=["flags", "policy"],
+        default="flags",
+        help="what the cachelane arms' pools declare of the engines: every flag they run "
+        "(docs/critical.md's set-up), or the scheduling policy alone, the cost model then "
+        "taking vLLM's defaults for the rest (default: %(default)s)",
+    )
+    add(
         "--seeds",
         default=None,
         help="comma-separated trace seeds, each a run of every engine and arm, e.g. 1,2,3 "
@@ -472,7 +481,9 @@ def _choices(args: argparse.Namespace) -> tuple[list[str], list[Engine], list[in
     if not names or any(n not in ENGINES for n in names):
         raise ValueError(f"unknown engines in {names}; known: {', '.join(ENGINES)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds else [args.seed]
-    return arms, [ENGINES[n] for n in names], seeds
+    declared = args.declare == "flags"
+    engines = [replace(ENGINES[n], flags_declared=declared) for n in names]
+    return arms, engines, seeds
 
 
 def main(argv: Sequence[str] | None = None) -> int:

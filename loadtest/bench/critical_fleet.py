@@ -61,6 +61,9 @@ class Engine:
     model: Literal["steps", "serial"] = "steps"
     long_prefill_token_threshold: int = 0
     scheduling_policy: cost.SchedulingPolicy = "priority"
+    # what the cachelane pools declare of it: every flag (docs/critical.md's set-up), or the
+    # policy alone (a user who set none of the others: the cost model takes vLLM's defaults)
+    flags_declared: bool = True
 
     def step_settings(self) -> StepSettings | None:
         """The step loop's settings (None: the one-at-a-time engine): vLLM's defaults, the budget
@@ -102,11 +105,19 @@ class Engine:
             "max_num_seqs": s.max_num_seqs,
         }
 
+    def pool_engine(self) -> dict[str, Any]:
+        """The pools' `engine:` block: declared(), or the policy alone (flags_declared)."""
+        if self.flags_declared:
+            return self.declared()
+        return {"scheduling_policy": self.scheduling_policy}
+
     def to_dict(self) -> dict[str, Any]:
-        """The results' record: the flags (declared()), with the model and the step's cost."""
+        """The results' record: the flags (declared()), with the model and the step's cost, and
+        what the pools declared of them."""
         s = self.step_settings()
         overhead = {} if s is None else {"step_overhead_ms": s.step_overhead_s * 1000}
-        return {"engine_model": self.model, **self.declared(), **overhead}
+        declared = {"pools_declare": "flags" if self.flags_declared else "policy"}
+        return {"engine_model": self.model, **self.declared(), **overhead, **declared}
 
 
 ENGINES = {

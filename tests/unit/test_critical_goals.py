@@ -3,12 +3,14 @@ of issue 25 against the best peer router and against no tenants."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import cast
 
 import pytest
 
 from gateway.config import parse_config
+from gateway.config.engines import EngineConfig
 from loadtest.bench.critical import CACHELANE_ARMS, gateway_config
 from loadtest.bench.critical_fleet import ENGINES, Fleet
 from loadtest.bench.critical_results import ArmResult, CriticalResult, goal_ratios, meets
@@ -91,6 +93,18 @@ def test_every_cachelane_arm_declares_the_flags_the_replicas_run(name: str) -> N
                 assert declared.max_num_batched_tokens == steps.max_num_batched_tokens
                 assert declared.long_prefill_token_threshold == steps.long_prefill_token_threshold
                 assert declared.max_num_seqs == steps.max_num_seqs
+
+
+def test_with_the_policy_alone_declared_the_cost_model_takes_vllm_s_defaults() -> None:
+    """`--declare policy`: the pools name the scheduling policy and no other flag; the results
+    still record the flags the replicas run."""
+    engine = dataclasses.replace(ENGINES["threshold"], flags_declared=False)
+    for arm_name in CACHELANE_ARMS:
+        for pool in parse_config(gateway_config(FLEET, arm_name, engine)).pools:
+            assert pool.engine == EngineConfig(scheduling_policy=engine.scheduling_policy)
+    record = engine.to_dict()
+    assert record["pools_declare"] == "policy"
+    assert record["long_prefill_token_threshold"] == engine.long_prefill_token_threshold > 0
 
 
 def test_pooled_seeds_keep_each_request_s_own_floor() -> None:
