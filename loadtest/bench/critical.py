@@ -158,11 +158,10 @@ def tenants_config() -> list[dict[str, str]]:
 
 def gateway_config(fleet: Fleet, arm: str, engine: Engine = ENGINES["default"]) -> dict[str, Any]:
     """Each arm's cachelane config: the fleet's facts, tenants and pools; defaults otherwise.
-    Every arm declares the engines' flags (`engine:`, Engine.declared), facts of the fleet like
-    its capacities, as docs/critical.md's set-up does (with `--declare policy`, the policy
-    alone: Engine.pool_engine): with `priority` the pools send each
-    request's class as its priority (gateway/config/pools.py engine_priority; without tenants
-    every request is standard)."""
+    Every arm declares the engines' flags (`engine:`, Engine.pool_engine: with `--declare
+    policy` the policy alone), facts of the fleet like its capacities, as docs/critical.md's
+    set-up does: with `priority` the pools send each request's class as its priority
+    (gateway/config/pools.py engine_priority; without tenants every request is standard)."""
     tiers = [{"name": "kv", "url": fleet.remote}]
     declared = {"engine": engine.pool_engine()}
     if arm == "pinned":  # default knobs: nothing but pinned: true and the tenants' classes
