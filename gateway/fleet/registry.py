@@ -223,7 +223,8 @@ class Reservation:
         r.head_since_s = now_s  # a serial prefill moves on to the next request in its queue
         if step_end:
             r.token_seen(now_s, None)
-            r.head_since_s = r.steps.end_s or now_s  # the next head joins the step formed then
+            end_s = r.steps.end_s  # the next head joins the step formed then
+            r.head_since_s = end_s if end_s is not None else now_s
 
 
 def replica_name(url: str) -> str:

@@ -92,9 +92,10 @@ class Engine:
         ]  # fmt: skip
 
     def declared(self) -> dict[str, Any]:
-        """The pools' `engine:` block, as docs/critical.md's set-up has it: the flags the
-        replicas run, by vLLM's names. The serial engine has no step budget: only its policy
-        (the cost model then takes a prompt in one step of vLLM's default budget, whole)."""
+        """The flags the replicas run, by vLLM's names: the pools' `engine:` block as
+        docs/critical.md's set-up has it (pool_engine). The serial engine has no step budget:
+        only its policy (the cost model then takes a prompt in one step of vLLM's default
+        budget, whole)."""
         s = self.step_settings()
         if s is None:
             return {"scheduling_policy": self.scheduling_policy}
@@ -106,7 +107,7 @@ class Engine:
         }
 
     def pool_engine(self) -> dict[str, Any]:
-        """The pools' `engine:` block: declared(), or the policy alone (flags_declared)."""
+        """The pools' `engine:` block: every flag (declared()), or the policy alone."""
         if self.flags_declared:
             return self.declared()
         return {"scheduling_policy": self.scheduling_policy}
