@@ -139,22 +139,22 @@ def _routing(config: GatewayConfig, metrics: Metrics) -> _Routing:
         metrics.index_degraded.set_function(lambda: float(resilient.degraded))
     # cachelane serve --workers N: the other workers hear of this one's records and load
     siblings = Siblings.from_env(registry, partial(exposition, metrics, registry))
-    routing_index: Index = index
+    shared: Index = index
     if siblings is not None:
         registry.load_listener = siblings
         if config.index.backend == "memory" and config.routing.mode != "precise":
-            routing_index = siblings.share_index(index)  # precise: the engines' events
-    speculative: SpeculativeIndex | None = None
+            shared = siblings.share_index(index)  # precise: the engines' events
     kv_events: KvEvents | None = None
+    # routing also sees what was just sent, until the engines' events (precise mode) or the
+    # gateway's record when its prefill is scheduled (approximate mode) settle it
+    speculative = SpeculativeIndex(shared)
     if config.routing.mode == "precise":
         from gateway.engines.feed import KvEvents
 
-        # routing also sees what was just sent, until the engines' events settle it
-        speculative = routing_index = SpeculativeIndex(index)
         replicas = [(r.name, r.url, r.pool) for r in registry.replicas.values()]
-        kv_events = KvEvents(config, replicas, routing_index, metrics)
+        kv_events = KvEvents(config, replicas, speculative, metrics)
     on_change.index, on_change.speculative, on_change.kv_events = index, speculative, kv_events
-    return _Routing(registry, costs, index, routing_index, speculative, kv_events, siblings)
+    return _Routing(registry, costs, index, speculative, speculative, kv_events, siblings)
 
 
 def _parts(config: GatewayConfig, client: httpx.AsyncClient, upstream: Upstream) -> Gateway:

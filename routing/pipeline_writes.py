@@ -1,15 +1,19 @@
 """After the choice (routing/pipeline.py): the remote tier's admission, and what the index
 records, where and when. Pure.
 
-Approximate mode: once a replica accepted the request it holds the prompt's blocks in HBM,
-except, for a streamed request, the blocks it loads from the CPU or remote tier: vLLM caches a
-block that a KV transfer fills only when the transfer is done (the scheduler allocates it with
-delay_cache_blocks while the request waits in WAITING_FOR_REMOTE_KVS:
-vllm/v1/core/kv_cache_manager.py `allocate_slots`, vllm/v1/core/sched/scheduler.py), so a
-request with the same prefix that arrives meanwhile loads them too. Those enter the index at the
-request's first byte, when its prefill is done. The blocks it computes are cached when its
-prefill is scheduled: a request queued behind it finds them. A whole answer's first byte comes
-after the generation: everything is recorded at once.
+Approximate mode: the replica holds the prompt's blocks in HBM from when its engine schedules the
+request's prefill, estimated as its load plus its queue after the send (`start_after_s`): vLLM
+caches a block as the step that computes it is scheduled (`allocate_slots`,
+vllm/v1/core/kv_cache_manager.py), and pushes the least recently freed blocks out for it then,
+not when the request arrives; a block a KV transfer fills is cached only when the transfer is done
+(the scheduler allocates it with delay_cache_blocks while the request waits in
+WAITING_FOR_REMOTE_KVS, vllm/v1/core/sched/scheduler.py), so a request with the same prefix that
+arrives meanwhile loads it too. The CPU tier's copies of the blocks it swaps in are used then
+(vLLM's offloading manager touches what a request loads: vllm/v1/kv_offload/abstract.py
+`touch`, an LRU in lru_manager.py). Until then the blocks it does not load are marked speculative
+(routing/speculative.py): a request with the same prefix is sent where the first one went, but
+the index evicts in the engine's order. At once on an idle replica; at the request's first byte
+if that comes first.
 
 Precise mode: the engines' KV events are the truth, so nothing is written of the replica's own:
 the hit prefix is refreshed (blocks the events said are there, which this request now touches)
@@ -76,8 +80,13 @@ class Write(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class IndexWrites:
     at_send: tuple[Write, ...] = ()  # once the replica accepted the request, in this order
-    at_first_byte: tuple[Write, ...] = ()  # at a streamed request's first byte
-    speculative: Write | None = None  # precise mode: until the engine's event confirms it
+    # approximate mode: when its prefill is estimated to be scheduled, `start_after_s` after the
+    # send (0: at once), or at its first byte if that comes first
+    at_start: tuple[Write, ...] = ()
+    start_after_s: float = 0.0
+    at_first_byte: tuple[Write, ...] = ()  # at a streamed request's first byte, after at_start
+    # until the engine's event confirms it (precise mode) or until at_start (approximate mode)
+    speculative: Write | None = None
 
 
 def index_writes(
@@ -102,14 +111,16 @@ def index_writes(
         now = (Write(hbm_at, prompt[:hit_blocks]),) if hit_blocks else ()
         speculative = Write(hbm_at, prompt[hit_blocks:])
         if stream:
-            return IndexWrites(now, remote, speculative)
-        return IndexWrites(now + remote, (), speculative)
-    loading = score.loaded_blocks(block) if stream else None
-    if loading is None:
-        now = (Write(hbm_at, prompt),) if prompt else ()
-        if stream:
-            return IndexWrites(now, remote)
-        return IndexWrites(now + remote)
-    rest = prompt[: loading.start] + prompt[loading.stop :]
-    now = (Write(hbm_at, rest),) if rest else ()
-    return IndexWrites(now, (Write(hbm_at, prompt), *remote))
+            return IndexWrites(now, at_first_byte=remote, speculative=speculative)
+        return IndexWrites(now + remote, speculative=speculative)
+    start = (Write(hbm_at, prompt),) if prompt else ()
+    swapped = score.swapped_blocks(block)
+    if swapped is not None:
+        start = (Write(Location(score.replica, Tier.CPU), prompt[swapped]), *start)
+    start_after_s = score.estimate.load_s + score.estimate.queue_s
+    loading = score.loaded_blocks(block)
+    rest = prompt[: loading.start] + prompt[loading.stop :] if loading is not None else prompt
+    marked = Write(hbm_at, rest) if rest and start_after_s > 0.0 else None
+    if stream:
+        return IndexWrites((), start, start_after_s, remote, marked)
+    return IndexWrites(remote, start, start_after_s, speculative=marked)

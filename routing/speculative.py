@@ -1,16 +1,19 @@
-"""Speculative entries for precise mode: what a replica was just sent, until its engine says so.
+"""Speculative entries: what a replica was just sent, until its engine holds it.
 
-In precise mode the index holds only what the engines' KV events report. Between sending a
-request and the engine's BlockStored for its prompt (the prefill, then the next engine step) the
-index does not know the replica is about to hold those blocks, and a follow-up that shares the
-prefix (the next turn of a chat, a burst on one system prompt) is routed as if nobody had it.
-Approximate mode records what it sends at once, which is why it could win on such traffic.
+Precise mode: the index holds only what the engines' KV events report. Between sending a request
+and the engine's BlockStored for its prompt (the prefill, then the next engine step) the index
+does not know the replica is about to hold those blocks, and a follow-up that shares the prefix
+(the next turn of a chat, a burst on one system prompt) would be routed as if nobody had it.
+Approximate mode: the gateway records a prompt when the engine is estimated to schedule it
+(routing/pipeline_writes.py), so that the index evicts in the engine's order; until then the
+marks send a follow-up where the first request went.
 
 `SpeculativeIndex` wraps the index: `speculate()` marks a prompt's blocks as held by the replica
-for SPECULATIVE_TTL_S; lookups see those marks as hits; the engine's events settle them: a stored
-block becomes a real entry (the mark is dropped), an evicted one drops the mark, and a replica
-that goes away loses all of its marks. An unconfirmed mark (a template or tokenizer mismatch, a
-request that failed) simply expires, so a guess can never outlive the TTL.
+for SPECULATIVE_TTL_S (or a given time); lookups see those marks as hits; a record settles them
+(an engine's event, or the gateway's own record): a stored block becomes a real entry (the mark
+is dropped), an evicted one drops the mark, and a replica that goes away loses all of its marks.
+An unconfirmed mark (a template or tokenizer mismatch, a request that failed) simply expires, so
+a guess can never outlive its TTL.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from routing.index import Index
+from routing.index import Index, MemoryIndex
 from routing.types import BlockHits, Location
 
 SPECULATIVE_TTL_S = 10.0
@@ -52,10 +55,13 @@ class SpeculativeIndex:
         self._marks: dict[Key, dict[Location, float]] = {}  # key -> location -> expiry
         self._order: dict[Location, deque[tuple[float, Key]]] = {}  # per location, oldest first
 
-    def speculate(self, model: str, hashes: Sequence[int], location: Location) -> None:
-        """The replica at `location` is being sent a prompt with these blocks."""
+    def speculate(
+        self, model: str, hashes: Sequence[int], location: Location, ttl_s: float | None = None
+    ) -> None:
+        """The replica at `location` is being sent a prompt with these blocks; the marks last
+        `ttl_s` (None: the index's TTL)."""
         now = self._clock()
-        expiry = now + self._ttl_s
+        expiry = now + (self._ttl_s if ttl_s is None else ttl_s)
         order = self._order.setdefault(location, deque())
         for h in hashes:
             key = (model, h)
@@ -67,7 +73,19 @@ class SpeculativeIndex:
         return sum(len(v) for v in self._marks.values())
 
     async def lookup(self, model: str, hashes: Sequence[int]) -> BlockHits:
-        hits = await self.inner.lookup(model, hashes)
+        return self._marked(model, hashes, await self.inner.lookup(model, hashes))
+
+    def lookup_now(self, model: str, hashes: Sequence[int]) -> BlockHits:
+        """`lookup` without awaiting, over an in-memory index (the what-if replay's)."""
+        assert isinstance(self.inner, MemoryIndex)
+        return self._marked(model, hashes, self.inner.lookup_now(model, hashes))
+
+    def record_now(self, model: str, hashes: Sequence[int], location: Location) -> None:
+        assert isinstance(self.inner, MemoryIndex)
+        self.inner.record_now(model, hashes, location)
+        self._settle(model, hashes, location)
+
+    def _marked(self, model: str, hashes: Sequence[int], hits: BlockHits) -> BlockHits:
         if not self._marks:
             return hits
         now = self._clock()

@@ -11,16 +11,19 @@ Precise mode (routing.mode: precise): the engines' KV events are the index's tru
 no index entries of its own; it refreshes the hit prefix on the chosen replica and marks the rest
 of the prompt as speculative (routing/speculative.py) until the engine's BlockStored confirms it,
 so that a follow-up sent before the event arrives still finds it (routing/pipeline_writes.py).
+Approximate mode records the prompt when its prefill is estimated to be scheduled (a timer, or
+its first byte if that comes first), and marks it speculative until then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import GatewayConfig
 from gateway.fleet.registry import Registry, Replica
@@ -61,7 +64,7 @@ from routing.pipeline import (
     index_writes,
     route,
 )
-from routing.speculative import SpeculativeIndex
+from routing.speculative import SPECULATIVE_TTL_S, SpeculativeIndex
 from routing.types import BlockHits, TenantClass
 
 if TYPE_CHECKING:  # precise mode only: jinja2 and tokenizers are the [precise] extra
@@ -108,6 +111,17 @@ def _pool_settings(config: GatewayConfig) -> dict[str, Any]:
     }
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+CallLater = Callable[..., Timer]  # (delay_s, callback, *args), as asyncio's loop.call_later
+
+
+def call_later_on_loop(delay_s: float, callback: Callable[..., None], *args: Any) -> Timer:
+    return asyncio.get_running_loop().call_later(delay_s, callback, *args)
+
+
 class Planner:
     def __init__(
         self,
@@ -117,9 +131,14 @@ class Planner:
         reuse: ReuseCounter,
         metrics: Metrics,
         speculative: SpeculativeIndex | None = None,
+        call_later: CallLater = call_later_on_loop,
     ) -> None:
         self._config = config
         self._speculative = speculative
+        self._call_later = call_later
+        # writes waiting for a request's prefill to be scheduled: id(plan) -> (timer, model, writes)
+        self._starts: dict[int, tuple[Timer, str, tuple[Write, ...]]] = {}
+        self._recording: set[asyncio.Future[None]] = set()
         self._registry = registry
         self._index = index
         self._reuse = reuse
@@ -366,19 +385,51 @@ class Planner:
 
     async def record_sent(self, plan: Plan, replica: Replica) -> None:
         """Once `replica` accepted the request: the index writes routing/pipeline_writes.py
-        plans for then (a streamed request's loaded blocks and remote write wait for its first
-        byte: record_loaded); precise mode marks the rest of the prompt speculative."""
+        plans for then. Those for when its prefill is scheduled wait that long, or for its first
+        byte (record_loaded), or its end (settle_start); the prompt is marked speculative until
+        then, as it is in precise mode until the engine's event."""
         writes = self._writes(plan, replica)
         if writes.speculative is not None and self._speculative is not None:
             where, hashes = writes.speculative
-            self._speculative.speculate(plan.model, list(hashes), where)
+            ttl_s = SPECULATIVE_TTL_S + writes.start_after_s if writes.start_after_s else None
+            self._speculative.speculate(plan.model, list(hashes), where, ttl_s)
         await self._record(plan.model, writes.at_send)
+        if not writes.at_start:
+            return
+        if writes.start_after_s <= 0.0:
+            await self._record(plan.model, writes.at_start)
+            return
+        key, model = id(plan), plan.model
+        handle = self._call_later(writes.start_after_s, self._start, key, model, writes.at_start)
+        self._starts[key] = (handle, model, writes.at_start)
 
     async def record_loaded(self, plan: Plan, replica: Replica) -> None:
-        """At a streamed request's first byte: its prefill is done, every block of its prompt
-        is in the replica's HBM, the loaded ones too (record_sent left them out), and in the
-        remote tier if it was to write them there."""
+        """At a streamed request's first byte: its prefill was scheduled (if the estimate had
+        it later, its blocks are recorded now), every block of its prompt is in the replica's
+        HBM, and in the remote tier if it was to write them there."""
+        pending = self._starts.pop(id(plan), None)
+        if pending is not None:
+            handle, model, at_start = pending
+            handle.cancel()
+            await self._record(model, at_start)
         await self._record(plan.model, self._writes(plan, replica).at_first_byte)
+
+    def settle_start(self, plan: Plan, *, answered: bool) -> None:
+        """A request ended with its prefill's writes still waiting: an answer's were scheduled
+        (recorded now), a failed request's engine may never have scheduled it (dropped)."""
+        pending = self._starts.pop(id(plan), None)
+        if pending is None:
+            return
+        handle, model, at_start = pending
+        handle.cancel()
+        if answered:
+            self._start(id(plan), model, at_start)
+
+    def _start(self, key: int, model: str, writes: tuple[Write, ...]) -> None:
+        self._starts.pop(key, None)
+        task = asyncio.ensure_future(self._record(model, writes))
+        self._recording.add(task)  # a reference until it is done: the loop keeps only weak ones
+        task.add_done_callback(self._recording.discard)
 
     def _writes(self, plan: Plan, replica: Replica) -> IndexWrites:
         return index_writes(

@@ -199,8 +199,9 @@ def _overrides(observer: Observer, hook: str) -> bool:
 
 
 class IndexConfirmation(Observer):
-    """The index learns where the prompt now lives: at acceptance (Planner.record_sent), and
-    the blocks a stream loads at its first byte, when its prefill is done (record_loaded)."""
+    """The index learns where the prompt now lives: at acceptance (Planner.record_sent), when
+    its prefill is estimated to be scheduled, at the latest at its first byte (record_loaded) or
+    its end (settle_start)."""
 
     def __init__(self, planner: Planner) -> None:
         self._planner = planner
@@ -210,6 +211,9 @@ class IndexConfirmation(Observer):
 
     async def on_first_byte(self, plan: Plan, reservation: Reservation, ttft_s: float) -> None:
         await self._planner.record_loaded(plan, reservation.replica)
+
+    def on_settled(self, settled: Settled) -> None:
+        self._planner.settle_start(settled.plan, answered=settled.answered)
 
 
 class TtftMetrics(Observer):

@@ -93,6 +93,14 @@ class Score(NamedTuple):  # a tuple: one per candidate per request (see routing/
             o.hbm_tokens // block_size_tokens, -(-(o.hbm_tokens + loaded) // block_size_tokens)
         )
 
+    def swapped_blocks(self, block_size_tokens: int) -> slice | None:
+        """The prompt's blocks the request swaps in from the CPU tier; None when none."""
+        o = self.overlap
+        if not o.cpu_tokens:
+            return None
+        start = o.hbm_tokens // block_size_tokens
+        return slice(start, -(-(o.hbm_tokens + o.cpu_tokens) // block_size_tokens))
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

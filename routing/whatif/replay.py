@@ -8,22 +8,19 @@ engine priority, remote admission on the family's reuse count, the index-write p
 module only gives it its inputs: the candidates' loads as the gateway's registry keeps them
 (requests sent and not past their first token, each with its estimated join time and engine
 priority; the head's progress), the gateway's own index of where prompts went (approximate mode:
-routing/index.py's MemoryIndex with the HBM capacity spilling to the CPU tier, written as the
-pipeline's plan says; precise mode: the engines' caches as they are), and the pinned pool's
-lending reclaimed for as long as the pipeline says after a critical request left it for lack of
-headroom (pinned_first only).
-A request the gateway would refuse (no eligible replica, or batch traffic shed) is counted in
-`Outcome.rejected`.
+routing/index.py's MemoryIndex with the HBM capacity spilling to the CPU tier, written when the
+pipeline's plan says, speculative marks until then; precise mode: the engines' caches as they
+are), and the pinned pool's lending reclaimed for as long as the pipeline says after a critical
+request left it for lack of headroom (pinned_first only). A request the gateway would refuse (no
+eligible replica, or batch traffic shed) is counted in `Outcome.rejected`.
 
 On the chosen replica the request then runs as a replica runs it (loadtest/sim/engine.py models
 the same steps for a vLLM-like engine):
 
   1. its prompt's blocks are looked up in the replica's HBM, CPU tier and remote tier
-     (routing/whatif/cache.py);
-     (the lookup takes the set-up's `remote_lookup_s`, which the cost model has no term for);
+     (routing/whatif/cache.py; the set-up's `remote_lookup_s`, no term of the cost model);
   2. CPU blocks are swapped in (PCIe shared with the swap-ins in flight) and remote blocks
-     fetched, or recomputed when that is cheaper: routing/cost.py's swap and remote terms at the
-     pool's cost terms;
+     fetched, or recomputed when cheaper: routing/cost.py's swap and remote terms;
   3. it joins the replica's prefill queue, one prefill at a time in join order (a discrete-event
      queue per replica; a pool with engine_priority serves a lower priority first, as vLLM's
      priority scheduling does): what it waits there is the TTFT's queueing term;
@@ -32,11 +29,10 @@ the same steps for a vLLM-like engine):
   5. its blocks are placed (HBM, demotion to CPU) and, if admitted, written to the remote tier;
      its first token goes out; it then decodes for as long as it did in the capture.
 
-TTFT = the fitted fixed overhead + the time from arrival to the end of its prefill.
-
-Not modelled: decode steps sharing the prefill's steps (the fitted prefill rate absorbs their
-average on a real engine), the gateway's flow control (requests are sent at once), requests
-sent by other gateways, engine preemption.
+TTFT = the fitted fixed overhead + the time from arrival to the end of its prefill. Not modelled:
+decode steps sharing the prefill's steps (the fitted prefill rate absorbs their average on a
+real engine), the gateway's flow control (requests are sent at once), requests sent by other
+gateways, engine preemption.
 """
 
 from __future__ import annotations
@@ -63,6 +59,7 @@ from routing.pipeline import (
     reclaims_lending,
     route,
 )
+from routing.speculative import SPECULATIVE_TTL_S, SpeculativeIndex
 from routing.types import ENGINE_PRIORITY, BlockHits, Location, TenantClass, Tier
 from routing.whatif.cache import RemoteStats, RemoteTier, ReplicaCache
 from routing.whatif.capture import CapturedRequest, PoolSetup
@@ -118,6 +115,7 @@ class _Job:
     started_s: float = 0.0
     hbm_blocks: int = 0
     computed: int = 0
+    start_writes: tuple[Write, ...] = ()  # what the index records when its prefill is scheduled
     first_byte_writes: tuple[Write, ...] = ()  # what the index records at its first byte
 
 
@@ -163,7 +161,7 @@ class _Replica:
         )
 
 
-_ARRIVE, _SWAPPED, _JOIN, _PREFILLED, _FINISH = range(5)
+_ARRIVE, _SWAPPED, _JOIN, _PREFILLED, _FINISH, _STARTED = range(6)
 
 
 class Arrival(NamedTuple):
@@ -171,7 +169,7 @@ class Arrival(NamedTuple):
 
     routed: Routed
     write: bool = False  # the remote tier's admission
-    first_byte_writes: tuple[Write, ...] = ()  # left for the index at its first byte
+    first_byte_writes: tuple[Write, ...] = ()  # left for its first byte (its start's included)
 
 
 class Fleet:
@@ -217,12 +215,13 @@ class Fleet:
                 )
         self.by_name = {r.name: r for r in self.replicas}
         self.pinned_exists = any(p.pinned for p in setup.pools)
-        self.index = MemoryIndex(
+        recorded = MemoryIndex(
             ttl_s=setup.index_ttl_s,
             capacity_blocks=self._capacity,
             spill_to=self._spill_to,
             clock=lambda: self.now,
         )
+        self.index = SpeculativeIndex(recorded, clock=lambda: self.now)  # as gateway/wiring.py
         self.reuse = ReuseWindow(setup.reuse_window_s)
         self.events: list[tuple[float, int, int, object]] = []
         self._order = itertools.count()
@@ -293,6 +292,10 @@ class Fleet:
             elif kind == _PREFILLED:
                 assert isinstance(data, _Job)
                 self.prefilled(data)
+            elif kind == _STARTED:
+                assert isinstance(data, _Job)
+                self.record_index(data.req.model, data.start_writes)
+                data.start_writes = ()
             else:
                 assert isinstance(data, _Job)
                 data.replica.in_flight -= 1
@@ -370,13 +373,22 @@ class Fleet:
             stream=req.stream,
             settings=self.settings,
         )
-        if self.setup.mode != "precise":  # precise: the engines' caches are the index
-            self.record_index(req.model, writes.at_send)
         job = _Job(job_key, req, klass.value, r, write=write, arrived_s=self.now)
         job.priority = priority or 0
         job.first_byte_writes = writes.at_first_byte
+        if self.setup.mode != "precise":  # precise: the engines' caches are the index
+            if writes.speculative is not None:
+                where, hashes = writes.speculative
+                ttl_s = SPECULATIVE_TTL_S + writes.start_after_s
+                self.index.speculate(req.model, hashes, where, ttl_s)
+            self.record_index(req.model, writes.at_send)
+            if writes.start_after_s > 0.0:  # Planner.record_sent's timer
+                job.start_writes = writes.at_start
+                self.push(self.now + writes.start_after_s, _STARTED, job)
+            else:
+                self.record_index(req.model, writes.at_start)
         self._load(job)
-        return Arrival(routed, write, writes.at_first_byte)
+        return Arrival(routed, write, job.start_writes + writes.at_first_byte)
 
     def _load(self, job: _Job) -> None:
         """The engine: where the request's KV is, and how long loading it takes."""
@@ -422,8 +434,9 @@ class Fleet:
 
     def prefilled(self, job: _Job) -> None:
         r, req, bs = job.replica, job.req, self.bs
-        if self.setup.mode != "precise":
-            self.record_index(req.model, job.first_byte_writes)
+        if self.setup.mode != "precise":  # its start's writes, if the estimate had it later
+            self.record_index(req.model, job.start_writes + job.first_byte_writes)
+            job.start_writes = ()
         placed = r.cache.place(req.hashes, job.reusable[job.g : job.g + job.c])
         self.hbm_evicted += placed.evicted_hbm
         written = 0

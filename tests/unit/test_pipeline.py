@@ -267,33 +267,37 @@ def test_no_admission_without_a_remote_tier() -> None:
     assert admit(replica("shared-0"), 5, [], TOKENS, SETTINGS) is None
 
 
-def score(hbm_blocks: int, cpu_blocks: int = 0) -> Score:
+def score(hbm_blocks: int, cpu_blocks: int = 0, queue_s: float = 0.0) -> Score:
     overlap = Overlap(TOKENS, hbm_blocks * BLOCK, cpu_blocks * BLOCK, 0)
-    return Score("r", overlap, Estimate(0.0, 0.0, 0.01 if cpu_blocks else 0.0, 0.0, 0.0, False))
+    swap_s = 0.01 if cpu_blocks else 0.0
+    return Score("r", overlap, Estimate(0.0, queue_s, swap_s, 0.0, 0.0, False))
 
 
 HBM = Location("r", Tier.HBM)
+CPU = Location("r", Tier.CPU)
 P = tuple(HASHES)
+Writes = tuple[tuple[Location, tuple[int, ...]], ...]
+SWAPPED_IN = ((CPU, P[20:30]), (HBM, P))  # its CPU copies are used, then it is in HBM
 
 
 @pytest.mark.parametrize(
-    ("precise", "stream", "cpu_blocks", "write", "at_send", "at_first_byte"),
+    ("precise", "stream", "cpu_blocks", "write", "at_send", "at_start", "at_first_byte"),
     [
-        (False, False, 0, False, ((HBM, P),), ()),
-        (False, False, 0, True, ((HBM, P), (REMOTE, P)), ()),
-        (False, True, 0, True, ((HBM, P),), ((REMOTE, P),)),
-        (False, False, 10, False, ((HBM, P),), ()),
-        (False, True, 10, False, ((HBM, P[:20] + P[30:]),), ((HBM, P),)),
-        (False, True, 10, True, ((HBM, P[:20] + P[30:]),), ((HBM, P), (REMOTE, P))),
-        (True, False, 0, True, ((HBM, P[:20]), (REMOTE, P)), ()),
-        (True, True, 10, True, ((HBM, P[:20]),), ((REMOTE, P),)),
+        (False, False, 0, False, (), ((HBM, P),), ()),
+        (False, False, 0, True, ((REMOTE, P),), ((HBM, P),), ()),
+        (False, True, 0, True, (), ((HBM, P),), ((REMOTE, P),)),
+        (False, False, 10, False, (), SWAPPED_IN, ()),
+        (False, True, 10, False, (), SWAPPED_IN, ()),
+        (False, True, 10, True, (), SWAPPED_IN, ((REMOTE, P),)),
+        (True, False, 0, True, ((HBM, P[:20]), (REMOTE, P)), (), ()),
+        (True, True, 10, True, ((HBM, P[:20]),), (), ((REMOTE, P),)),
     ],
     ids=[
         "whole",
         "whole-remote",
         "streamed-remote-at-first-byte",
-        "whole-swapped-at-once",
-        "streamed-swapped-at-first-byte",
+        "whole-swapped",
+        "streamed-swapped",
         "streamed-swapped-and-remote",
         "precise-whole",
         "precise-streamed",
@@ -304,8 +308,9 @@ def test_the_index_write_plan(
     stream: bool,
     cpu_blocks: int,
     write: bool,
-    at_send: tuple[tuple[Location, tuple[int, ...]], ...],
-    at_first_byte: tuple[tuple[Location, tuple[int, ...]], ...],
+    at_send: Writes,
+    at_start: Writes,
+    at_first_byte: Writes,
 ) -> None:
     settings = replace(SETTINGS, precise=precise)
     writes = index_writes(
@@ -317,8 +322,29 @@ def test_the_index_write_plan(
         settings=settings,
     )
     assert writes.at_send == tuple(Write(*w) for w in at_send)
+    assert writes.at_start == tuple(Write(*w) for w in at_start)
     assert writes.at_first_byte == tuple(Write(*w) for w in at_first_byte)
-    assert (writes.speculative == Write(HBM, P[20:])) if precise else writes.speculative is None
+    if precise:
+        assert writes.speculative == Write(HBM, P[20:])
+    elif cpu_blocks:  # until its swap-in is done, what it does not load is marked
+        assert writes.start_after_s == pytest.approx(0.01)
+        assert writes.speculative == Write(HBM, P[:20] + P[30:])
+    else:  # an idle replica schedules it at once
+        assert writes.start_after_s == 0.0 and writes.speculative is None
+
+
+def test_a_queued_request_is_in_hbm_once_its_prefill_is_estimated_to_start() -> None:
+    writes = index_writes(
+        score(20, 10, queue_s=0.2),
+        HASHES,
+        remote_tier=None,
+        write_remote=False,
+        stream=True,
+        settings=SETTINGS,
+    )
+    assert writes.start_after_s == pytest.approx(0.21)  # its swap-in, then the queue after it
+    assert writes.at_start == tuple(Write(*w) for w in SWAPPED_IN)
+    assert writes.speculative == Write(HBM, P[:20] + P[30:])
 
 
 def with_objective(

@@ -29,6 +29,7 @@ from gateway.serving.request_input import PromptHasher, engine_salt
 from gateway.telemetry.metrics import Metrics
 from gateway.tenancy.tenants import Tenant
 from routing.index import MemoryIndex, record_prompt
+from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
 from routing.whatif.capture import CapturedRequest, HitTiers, parse_capture
 from routing.whatif.replay import Arrival, Fleet
@@ -211,12 +212,27 @@ class Routed:
     remote_write: bool
 
 
+class StillTimer:
+    def cancel(self) -> None:
+        pass
+
+
+def still_timer(*_: object) -> StillTimer:
+    """The gateway's timers at one instant: none fires (the index writes planned for a
+    request's estimated start wait for its first byte, as in the replay, whose events do not
+    run within arrivals)."""
+    return StillTimer()
+
+
 class Gateway:
     def __init__(self, cfg: GatewayConfig) -> None:
         metrics = Metrics()
         self.registry = Registry(cfg)
-        self.index = MemoryIndex()
-        self.planner = Planner(cfg, self.registry, self.index, ReuseCounter(metrics), metrics)
+        self.index = SpeculativeIndex(MemoryIndex())  # what routing reads, as gateway/wiring.py
+        reuse = ReuseCounter(metrics)
+        self.planner = Planner(
+            cfg, self.registry, self.index, reuse, metrics, self.index, call_later=still_timer
+        )
         self.hasher = PromptHasher(cfg, self.registry, metrics, {})
         self.sent: list[Plan] = []
 

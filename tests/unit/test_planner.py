@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 from typing import Any
@@ -18,7 +19,8 @@ from gateway.tenancy.tenants import Tenant
 from routing.admission import AdmissionVerdict
 from routing.decide import Reason
 from routing.filters import Fallback
-from routing.index import MemoryIndex, record_prompt
+from routing.index import Index, MemoryIndex, record_prompt
+from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
 
 MODEL = "m"
@@ -59,10 +61,10 @@ class Setup:
         self.config = cfg
         self.metrics = Metrics()
         self.registry = Registry(cfg)
-        self.index = MemoryIndex()
-        self.planner = Planner(
-            cfg, self.registry, self.index, ReuseCounter(self.metrics), self.metrics
-        )
+        self.index = MemoryIndex()  # what the gateway recorded
+        self.routing = SpeculativeIndex(self.index)  # what routing reads, as gateway/wiring.py
+        reuse = ReuseCounter(self.metrics)
+        self.planner = Planner(cfg, self.registry, self.routing, reuse, self.metrics, self.routing)
 
     async def admit_all(self) -> Setup:
         for replica in self.registry.replicas.values():
@@ -250,28 +252,61 @@ async def test_record_sent_indexes_the_prompt_on_the_chosen_replica() -> None:
     assert follow_up.decision.reason is Reason.HBM_HIT
 
 
-@pytest.mark.parametrize("stream", [True, False])
-async def test_blocks_a_streamed_request_loads_reach_hbm_at_its_first_byte(stream: bool) -> None:
-    s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
+async def swapping_in(s: Setup, *, stream: bool) -> tuple[Plan, list[int]]:
+    """A request sent where 40 blocks of its system prompt wait in the CPU tier."""
     cold = await s.plan(chat())
     name = SHARED[1].removeprefix("http://")
-    swapped = cold.hashes[:40]  # the system prompt's first 40 blocks wait in the CPU tier
+    swapped = cold.hashes[:40]
     await record_prompt(s.index, MODEL, swapped, Location(name, Tier.CPU))
     plan = await s.plan(chat() | {"stream": stream})
     assert plan.decision.replica == name
     assert plan.decision.reason is Reason.CPU_HIT
-    hbm = Location(name, Tier.HBM)
-
-    def in_hbm() -> list[bool]:
-        return [hbm in held for held in s.index.lookup_now(MODEL, plan.hashes)]
-
     await s.planner.record_sent(plan, s.registry.replicas[name])
-    # a streamed request swaps those in before its prefill: until its first byte, a request with
-    # the same prefix finds them in the CPU tier, not in HBM; what it computes is in HBM at once
-    loaded = len(swapped) if stream else 0
-    assert in_hbm() == [False] * loaded + [True] * (len(plan.hashes) - loaded)
-    await s.planner.record_loaded(plan, s.registry.replicas[name])
-    assert in_hbm() == [True] * len(plan.hashes)
+    return plan, swapped
+
+
+def in_hbm(index: Index, plan: Plan) -> list[bool]:
+    hbm = Location(plan.decision.replica, Tier.HBM)
+    return [hbm in held for held in index.lookup_now(MODEL, plan.hashes)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_prompt_is_in_hbm_once_its_prefill_is_scheduled(stream: bool) -> None:
+    s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
+    plan, swapped = await swapping_in(s, stream=stream)
+    # until its swap-in is done, the engine has not cached its prompt: nothing is recorded in
+    # HBM, but routing sees the blocks it does not load as there (a follow-up goes there too)
+    assert not any(in_hbm(s.index, plan))
+    marked = await s.routing.lookup(MODEL, plan.hashes)
+    hbm = Location(plan.decision.replica, Tier.HBM)
+    assert [hbm in held for held in marked] == [False] * len(swapped) + [True] * (
+        len(plan.hashes) - len(swapped)
+    )
+    start_after_s = plan.decision.score().estimate.load_s
+    assert 0.0 < start_after_s < 0.05
+    await asyncio.sleep(start_after_s + 0.05)  # the timer, at the estimated start
+    assert all(in_hbm(s.index, plan))
+    await s.planner.record_loaded(plan, s.registry.replicas[plan.decision.replica])
+    assert all(in_hbm(s.index, plan))
+
+
+async def test_a_first_byte_before_the_estimated_start_records_the_prompt() -> None:
+    s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
+    plan, _ = await swapping_in(s, stream=True)
+    assert not any(in_hbm(s.index, plan))
+    await s.planner.record_loaded(plan, s.registry.replicas[plan.decision.replica])
+    assert all(in_hbm(s.index, plan))
+
+
+@pytest.mark.parametrize("answered", [True, False])
+async def test_a_request_that_ends_before_its_estimated_start(answered: bool) -> None:
+    s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
+    plan, _ = await swapping_in(s, stream=False)
+    s.planner.settle_start(plan, answered=answered)
+    await asyncio.sleep(0.01)  # the record runs as a task
+    # an answer's prompt was cached; a failed request's engine may never have scheduled it
+    assert all(in_hbm(s.index, plan)) is answered
+    assert any(in_hbm(s.index, plan)) is answered
 
 
 @pytest.mark.parametrize("stream", [True, False])
