@@ -136,7 +136,8 @@ class ExposureConfig(Strict):
     estimate_headers: Literal["all", "admin", "none"] = Field(
         default="all",
         description="Who sees the estimate on an answer (x-cachelane-est-ttft-ms, "
-        "-est-terms-ms, -expected-cached-tokens), with the same choices as decision_headers.",
+        "-est-terms-ms, -expected-cached-tokens, -expected-tiers), with the same choices as "
+        "decision_headers.",
     )
     api_key_sha256: str | None = Field(
         default=None, pattern=r"^[0-9a-f]{64}$", description="The monitoring key's SHA-256."

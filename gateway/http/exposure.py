@@ -256,6 +256,7 @@ ESTIMATE_HEADERS = (
     "x-cachelane-est-ttft-ms",
     "x-cachelane-est-terms-ms",
     "x-cachelane-expected-cached-tokens",
+    "x-cachelane-expected-tiers",
 )
 
 

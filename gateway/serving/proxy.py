@@ -56,6 +56,7 @@ from gateway.serving.usage import StreamReader, ask_for_usage
 from gateway.telemetry import logs, tracing
 from gateway.telemetry.metrics import Metrics
 from routing.cost import Estimate
+from routing.decide import Score
 
 log = logging.getLogger("cachelane.proxy")
 
@@ -87,6 +88,7 @@ def decision_headers(
         "x-cachelane-est-ttft-ms": f"{est_s * 1000:.1f}",
         "x-cachelane-est-terms-ms": estimate_terms(score.estimate, gateway_s, relay_s),
         "x-cachelane-expected-cached-tokens": str(score.expected_cached_tokens),
+        "x-cachelane-expected-tiers": expected_tiers(score),
         "x-cachelane-tenant-class": plan.tenant.tenant_class.value,
     }
     if plan.fallback is not None:
@@ -94,6 +96,13 @@ def decision_headers(
     if plan.admission is not None:
         headers[REMOTE_WRITE_HEADER] = "1" if plan.admission.write else "0"
     return headers
+
+
+def expected_tiers(score: Score) -> str:
+    """Where the estimate expects the reused tokens, e.g. "hbm=1200,cpu=640,remote=0" (remote:
+    those it fetches; the sum is x-cachelane-expected-cached-tokens)."""
+    o, fetched = score.overlap, score.estimate.remote_fetch
+    return f"hbm={o.hbm_tokens},cpu={o.cpu_tokens},remote={o.remote_tokens if fetched else 0}"
 
 
 def estimate_terms(e: Estimate, gateway_s: float = 0.0, relay_s: float = 0.0) -> str:

@@ -86,6 +86,7 @@ from routing.cost import (
     PoolCosts,
     estimate,
 )
+from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
 from routing.prompt import approx_tokens
 from routing.whatif.summary import percentile
 
@@ -93,6 +94,7 @@ EST_HEADER = "x-cachelane-est-ttft-ms"
 JSON_HEADERS = {"content-type": "application/json"}
 TERMS_HEADER = "x-cachelane-est-terms-ms"
 EXPECTED_HEADER = "x-cachelane-expected-cached-tokens"
+TIERS_HEADER = "x-cachelane-expected-tiers"
 
 SPEEDS = (3.0, 10.0)
 MODES = ("none", "correction", "fit")  # routing.calibration
@@ -337,6 +339,7 @@ class Sample:
     cached_tokens: int = 0
     expected_cached_tokens: int = 0  # what the gateway's index expected the engine to reuse
     est_terms_ms: dict[str, float] = field(default_factory=dict)  # x-cachelane-est-terms-ms
+    expected_tiers: dict[str, float] = field(default_factory=dict)  # x-cachelane-expected-tiers
     sim: dict[str, float] = field(default_factory=dict)  # the sim's usage extension
     error: str | None = None
 
@@ -372,6 +375,7 @@ async def _send(client: aiohttp.ClientSession, record: TraceRecord, s: Sample) -
         s.est_s = float(est) / 1000 if est else None
         s.est_terms_ms = _terms(resp.headers.get(TERMS_HEADER, ""))
         s.expected_cached_tokens = int(resp.headers.get(EXPECTED_HEADER) or 0)
+        s.expected_tiers = _terms(resp.headers.get(TIERS_HEADER, ""))
         if resp.status != 200:
             text = (await resp.read()).decode(errors="replace")
             s.error = f"HTTP {resp.status}: {text[:300]}"
@@ -501,6 +505,7 @@ class ArmResult:
                 "prompt_tokens": [s.prompt_tokens for s in self.samples],
                 "expected_cached_tokens": [s.expected_cached_tokens for s in self.samples],
                 "est_terms_ms": [s.est_terms_ms for s in self.samples],
+                "expected_tiers": [s.expected_tiers for s in self.samples],
                 "sim": [s.sim for s in self.samples],
             },
             "errors_seen": sorted({s.error for s in self.samples if s.error})[:5],
@@ -645,6 +650,25 @@ def future_floor(arm: ArmResult, goal_samples: Sequence[Sample]) -> dict[str, An
     }
 
 
+TIERS = ("hbm", "cpu", "remote")
+
+
+def tiers_as_sims(samples: Sequence[Sample]) -> list[int]:
+    """[requests whose expected HBM / CPU / remote split (x-cachelane-expected-tiers) is, block
+    for block, where the sim found the prompt on arrival, requests compared]: how well the
+    gateway's index follows the engines' caches (its recorded tiers against theirs)."""
+    block = DEFAULT_BLOCK_SIZE_TOKENS  # the sims and the gateway here
+    pairs = [
+        [
+            (int(s.expected_tiers.get(t, 0)) // block, int(s.sim.get(f"{t}_tokens", 0)) // block)
+            for t in TIERS
+        ]
+        for s in samples
+        if s.ok and s.expected_tiers and s.sim
+    ]
+    return [sum(all(a == b for a, b in p) for p in pairs), len(pairs)]
+
+
 def arm_stats(arm: ArmResult) -> dict[str, Any]:
     ok = [s for s in arm.samples if s.ok]
     first, after = _errors(arm.samples[:FIRST_N]), _errors(arm.samples[FIRST_N:])
@@ -721,6 +745,7 @@ def arm_stats(arm: ArmResult) -> dict[str, Any]:
         "after_load_obs_ms_mean": statistics.fmean([w[1] for w in waited]) if waited else math.nan,
         "after_load_err_p90_after": percentile([abs(e - w) / o for e, w, o in waited], 90),
         "send_lag_p99_ms": percentile([s.send_lag_s * 1000 for s in arm.samples], 99),
+        "tiers_as_sims": tiers_as_sims(arm.samples),
         "prefill_utilisation": busy_s / (arm.replicas * span_s),
         "tier_share": {
             "hbm": share(hbm),
@@ -787,7 +812,8 @@ def run_speed(
                 f"{_pct(st['err_p90_after_goal_sim_load_wait'])}; knowing all but the future "
                 f"{_pct(st['err_p90_after_goal_no_future'])} (x{st['no_future_best_scale']:.2f} "
                 f"in hindsight {_pct(st['err_p90_after_goal_no_future_best_scale'])}; "
-                f"replay off by {_pct(st['replay_err_p90_after_goal'])})"
+                f"replay off by {_pct(st['replay_err_p90_after_goal'])}); the index's tiers "
+                f"as the sims' for {'/'.join(map(str, st['tiers_as_sims']))} requests"
             )
     return out
 

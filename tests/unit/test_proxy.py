@@ -22,7 +22,7 @@ from gateway.fleet.registry import Registry, Replica
 from gateway.http.errors import ApiError
 from gateway.index.reuse import ReuseCounter
 from gateway.serving.planner import Plan, Planner
-from gateway.serving.proxy import Proxy
+from gateway.serving.proxy import Proxy, expected_tiers
 from gateway.serving.settlement import observers
 from gateway.serving.upstream import (
     UpstreamConnectError,
@@ -32,6 +32,8 @@ from gateway.serving.upstream import (
 )
 from gateway.telemetry.metrics import Metrics
 from gateway.tenancy.tenants import Tenant
+from routing.cost import Estimate, Overlap
+from routing.decide import Score
 from routing.index import MemoryIndex
 from routing.types import Location, TenantClass, Tier
 
@@ -554,6 +556,19 @@ async def test_the_decision_headers_name_the_replica_and_its_estimate(stream: bo
     assert est_ms == pytest.approx(terms["gateway"] + plan.decision.est_ttft_s * 1000, abs=0.15)
     assert sum(terms.values()) == pytest.approx(est_ms, abs=0.25)
     assert h["x-cachelane-tenant-class"] == "standard"
+    # where the reused tokens are expected to come from; a cold fleet: nowhere
+    split = (p.split("=") for p in h["x-cachelane-expected-tiers"].split(","))
+    tiers = {k: int(v) for k, v in split}
+    assert tiers == {"hbm": 0, "cpu": 0, "remote": 0}
+    assert sum(tiers.values()) == int(h["x-cachelane-expected-cached-tokens"])
+
+
+@pytest.mark.parametrize(("fetch", "header"), [(True, "remote=320"), (False, "remote=0")])
+def test_the_expected_tiers_are_the_estimates_split(fetch: bool, header: str) -> None:
+    """A remote prefix the estimate would recompute is not expected to be reused."""
+    e = Estimate(0.0, 0.0, 0.01, 0.02 if fetch else 0.0, 0.03, fetch)
+    score = Score("r", Overlap(1000, 480, 160, 320), e)
+    assert expected_tiers(score) == f"hbm=480,cpu=160,{header}"
 
 
 async def test_a_streamed_estimate_adds_the_measured_way_back() -> None:
