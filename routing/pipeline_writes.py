@@ -1,19 +1,21 @@
 """After the choice (routing/pipeline.py): the remote tier's admission, and what the index
 records, where and when. Pure.
 
-Approximate mode: the replica holds the prompt's blocks in HBM from when its engine schedules the
-request's prefill, estimated as its load plus its queue after the send (`start_after_s`): vLLM
-caches a block as the step that computes it is scheduled (`allocate_slots`,
-vllm/v1/core/kv_cache_manager.py), and pushes the least recently freed blocks out for it then,
-not when the request arrives; a block a KV transfer fills is cached only when the transfer is done
-(the scheduler allocates it with delay_cache_blocks while the request waits in
-WAITING_FOR_REMOTE_KVS, vllm/v1/core/sched/scheduler.py), so a request with the same prefix that
-arrives meanwhile loads it too. The CPU tier's copies of the blocks it swaps in are used then
-(vLLM's offloading manager touches what a request loads: vllm/v1/kv_offload/abstract.py
-`touch`, an LRU in lru_manager.py). Until then the blocks it does not load are marked speculative
-(routing/speculative.py): a request with the same prefix is sent where the first one went, but
-the index evicts in the engine's order. At once on an idle replica; at the request's first byte
-if that comes first.
+Approximate mode: a request that loads none of its prompt is recorded in HBM once the replica
+accepted it. vLLM caches a block as the step that computes it is scheduled (`allocate_slots`,
+vllm/v1/core/kv_cache_manager.py) and serves its waiting queue in order, looking a request's
+prefix up when it first schedules it (vllm/v1/core/sched/scheduler.py): recorded in the order
+they are sent, the index holds what a request routed now finds when its turn comes. A request
+that loads part of its prompt from the CPU or remote tier is recorded when its load is estimated
+to be done (`start_after_s`, the estimate's load time; at its first byte if that comes first):
+vLLM caches a block that a KV transfer fills only when the transfer is done (the scheduler
+allocates it with delay_cache_blocks while the request waits in WAITING_FOR_REMOTE_KVS), so a
+request with the same prefix that arrives meanwhile loads it too, and its whole prompt would push
+out of the index, a load's time early, blocks the engine still holds. The CPU tier's copies of the
+blocks it swapped in are used then (vLLM's offloading manager touches what a request loads:
+vllm/v1/kv_offload/abstract.py `touch`, an LRU in lru_manager.py). Until then the blocks it does
+not load are marked speculative (routing/speculative.py): a request with the same prefix is sent
+where it went.
 
 Precise mode: the engines' KV events are the truth, so nothing is written of the replica's own:
 the hit prefix is refreshed (blocks the events said are there, which this request now touches)
@@ -80,8 +82,8 @@ class Write(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class IndexWrites:
     at_send: tuple[Write, ...] = ()  # once the replica accepted the request, in this order
-    # approximate mode: when its prefill is estimated to be scheduled, `start_after_s` after the
-    # send (0: at once), or at its first byte if that comes first
+    # approximate mode: when its KV load is estimated to be done, `start_after_s` after the send
+    # (0: at once), or at its first byte if that comes first
     at_start: tuple[Write, ...] = ()
     start_after_s: float = 0.0
     at_first_byte: tuple[Write, ...] = ()  # at a streamed request's first byte, after at_start
@@ -117,7 +119,7 @@ def index_writes(
     swapped = score.swapped_blocks(block)
     if swapped is not None:
         start = (Write(Location(score.replica, Tier.CPU), prompt[swapped]), *start)
-    start_after_s = score.estimate.load_s + score.estimate.queue_s
+    start_after_s = score.estimate.load_s
     loading = score.loaded_blocks(block)
     rest = prompt[: loading.start] + prompt[loading.stop :] if loading is not None else prompt
     marked = Write(hbm_at, rest) if rest and start_after_s > 0.0 else None

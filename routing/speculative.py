@@ -4,9 +4,9 @@ Precise mode: the index holds only what the engines' KV events report. Between s
 and the engine's BlockStored for its prompt (the prefill, then the next engine step) the index
 does not know the replica is about to hold those blocks, and a follow-up that shares the prefix
 (the next turn of a chat, a burst on one system prompt) would be routed as if nobody had it.
-Approximate mode: the gateway records a prompt when the engine is estimated to schedule it
-(routing/pipeline_writes.py), so that the index evicts in the engine's order; until then the
-marks send a follow-up where the first request went.
+Approximate mode: the gateway records a prompt that loads KV from the CPU or remote tier when
+its load is estimated to be done (routing/pipeline_writes.py), as the engine caches it; until
+then the marks send a follow-up where the first request went.
 
 `SpeculativeIndex` wraps the index: `speculate()` marks a prompt's blocks as held by the replica
 for SPECULATIVE_TTL_S (or a given time); lookups see those marks as hits; a record settles them

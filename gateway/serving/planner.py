@@ -11,8 +11,9 @@ Precise mode (routing.mode: precise): the engines' KV events are the index's tru
 no index entries of its own; it refreshes the hit prefix on the chosen replica and marks the rest
 of the prompt as speculative (routing/speculative.py) until the engine's BlockStored confirms it,
 so that a follow-up sent before the event arrives still finds it (routing/pipeline_writes.py).
-Approximate mode records the prompt when its prefill is estimated to be scheduled (a timer, or
-its first byte if that comes first), and marks it speculative until then.
+Approximate mode records a prompt that loads KV from the CPU or remote tier when its load is
+estimated to be done (a timer, or its first byte if that comes first), and marks it speculative
+until then; any other prompt once the replica accepted it.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class Planner:
         self._config = config
         self._speculative = speculative
         self._call_later = call_later
-        # writes waiting for a request's prefill to be scheduled: id(plan) -> (timer, model, writes)
+        # writes waiting for a request's KV load to be done: id(plan) -> (timer, model, writes)
         self._starts: dict[int, tuple[Timer, str, tuple[Write, ...]]] = {}
         self._recording: set[asyncio.Future[None]] = set()
         self._registry = registry
@@ -385,7 +386,7 @@ class Planner:
 
     async def record_sent(self, plan: Plan, replica: Replica) -> None:
         """Once `replica` accepted the request: the index writes routing/pipeline_writes.py
-        plans for then. Those for when its prefill is scheduled wait that long, or for its first
+        plans for then. Those for when its KV load is done wait that long, or for its first
         byte (record_loaded), or its end (settle_start); the prompt is marked speculative until
         then, as it is in precise mode until the engine's event."""
         writes = self._writes(plan, replica)
@@ -404,9 +405,9 @@ class Planner:
         self._starts[key] = (handle, model, writes.at_start)
 
     async def record_loaded(self, plan: Plan, replica: Replica) -> None:
-        """At a streamed request's first byte: its prefill was scheduled (if the estimate had
-        it later, its blocks are recorded now), every block of its prompt is in the replica's
-        HBM, and in the remote tier if it was to write them there."""
+        """At a streamed request's first byte: its load was done (if the estimate had it later,
+        its blocks are recorded now), every block of its prompt is in the replica's HBM, and in
+        the remote tier if it was to write them there."""
         pending = self._starts.pop(id(plan), None)
         if pending is not None:
             handle, model, at_start = pending
@@ -415,8 +416,8 @@ class Planner:
         await self._record(plan.model, self._writes(plan, replica).at_first_byte)
 
     def settle_start(self, plan: Plan, *, answered: bool) -> None:
-        """A request ended with its prefill's writes still waiting: an answer's were scheduled
-        (recorded now), a failed request's engine may never have scheduled it (dropped)."""
+        """A request ended with the writes for its load's end still waiting: an answer's engine
+        cached its prompt (recorded now), a failed request's may never have (dropped)."""
         pending = self._starts.pop(id(plan), None)
         if pending is None:
             return

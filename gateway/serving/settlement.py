@@ -199,8 +199,8 @@ def _overrides(observer: Observer, hook: str) -> bool:
 
 
 class IndexConfirmation(Observer):
-    """The index learns where the prompt now lives: at acceptance (Planner.record_sent), when
-    its prefill is estimated to be scheduled, at the latest at its first byte (record_loaded) or
+    """The index learns where the prompt now lives: at acceptance (Planner.record_sent), or
+    when its KV load is estimated to be done, at the latest at its first byte (record_loaded) or
     its end (settle_start)."""
 
     def __init__(self, planner: Planner) -> None:

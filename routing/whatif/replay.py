@@ -115,7 +115,7 @@ class _Job:
     started_s: float = 0.0
     hbm_blocks: int = 0
     computed: int = 0
-    start_writes: tuple[Write, ...] = ()  # what the index records when its prefill is scheduled
+    start_writes: tuple[Write, ...] = ()  # what the index records when its KV load is done
     first_byte_writes: tuple[Write, ...] = ()  # what the index records at its first byte
 
 

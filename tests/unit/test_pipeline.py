@@ -333,18 +333,20 @@ def test_the_index_write_plan(
         assert writes.start_after_s == 0.0 and writes.speculative is None
 
 
-def test_a_queued_request_is_in_hbm_once_its_prefill_is_estimated_to_start() -> None:
+@pytest.mark.parametrize("cpu_blocks", [0, 10])
+def test_a_queued_request_waits_for_its_load_alone(cpu_blocks: int) -> None:
+    """The requests queued ahead of it are recorded already: the engine caches them first."""
     writes = index_writes(
-        score(20, 10, queue_s=0.2),
+        score(20, cpu_blocks, queue_s=0.2),
         HASHES,
         remote_tier=None,
         write_remote=False,
         stream=True,
         settings=SETTINGS,
     )
-    assert writes.start_after_s == pytest.approx(0.21)  # its swap-in, then the queue after it
-    assert writes.at_start == tuple(Write(*w) for w in SWAPPED_IN)
-    assert writes.speculative == Write(HBM, P[:20] + P[30:])
+    assert writes.start_after_s == pytest.approx(0.01 if cpu_blocks else 0.0)
+    assert writes.at_start == tuple(Write(*w) for w in (SWAPPED_IN if cpu_blocks else ((HBM, P),)))
+    assert writes.speculative == (Write(HBM, P[:20] + P[30:]) if cpu_blocks else None)
 
 
 def with_objective(

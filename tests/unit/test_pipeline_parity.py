@@ -219,7 +219,7 @@ class StillTimer:
 
 def still_timer(*_: object) -> StillTimer:
     """The gateway's timers at one instant: none fires (the index writes planned for a
-    request's estimated start wait for its first byte, as in the replay, whose events do not
+    end of a request's KV load wait for its first byte, as in the replay, whose events do not
     run within arrivals)."""
     return StillTimer()
 

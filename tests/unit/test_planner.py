@@ -271,7 +271,7 @@ def in_hbm(index: Index, plan: Plan) -> list[bool]:
 
 
 @pytest.mark.parametrize("stream", [True, False])
-async def test_a_prompt_is_in_hbm_once_its_prefill_is_scheduled(stream: bool) -> None:
+async def test_a_prompt_is_in_hbm_once_its_swap_in_is_done(stream: bool) -> None:
     s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
     plan, swapped = await swapping_in(s, stream=stream)
     # until its swap-in is done, the engine has not cached its prompt: nothing is recorded in
@@ -284,13 +284,13 @@ async def test_a_prompt_is_in_hbm_once_its_prefill_is_scheduled(stream: bool) ->
     )
     start_after_s = plan.decision.score().estimate.load_s
     assert 0.0 < start_after_s < 0.05
-    await asyncio.sleep(start_after_s + 0.05)  # the timer, at the estimated start
+    await asyncio.sleep(start_after_s + 0.05)  # the timer, at the swap-in's estimated end
     assert all(in_hbm(s.index, plan))
     await s.planner.record_loaded(plan, s.registry.replicas[plan.decision.replica])
     assert all(in_hbm(s.index, plan))
 
 
-async def test_a_first_byte_before_the_estimated_start_records_the_prompt() -> None:
+async def test_a_first_byte_before_the_loads_estimated_end_records_the_prompt() -> None:
     s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
     plan, _ = await swapping_in(s, stream=True)
     assert not any(in_hbm(s.index, plan))
@@ -299,7 +299,7 @@ async def test_a_first_byte_before_the_estimated_start_records_the_prompt() -> N
 
 
 @pytest.mark.parametrize("answered", [True, False])
-async def test_a_request_that_ends_before_its_estimated_start(answered: bool) -> None:
+async def test_a_request_that_ends_before_its_loads_estimated_end(answered: bool) -> None:
     s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
     plan, _ = await swapping_in(s, stream=False)
     s.planner.settle_start(plan, answered=answered)
