@@ -7,7 +7,7 @@ vllm/v1/core/kv_cache_manager.py) and serves its waiting queue in order, looking
 prefix up when it first schedules it (vllm/v1/core/sched/scheduler.py): recorded in the order
 they are sent, the index holds what a request routed now finds when its turn comes. A request
 that loads part of its prompt from the CPU or remote tier is recorded when its load is estimated
-to be done (`start_after_s`, the estimate's load time; at its first byte if that comes first):
+to be done (`loaded_after_s`, the estimate's load time; at its first byte if that comes first):
 vLLM caches a block that a KV transfer fills only when the transfer is done (the scheduler
 allocates it with delay_cache_blocks while the request waits in WAITING_FOR_REMOTE_KVS), so a
 request with the same prefix that arrives meanwhile loads it too, and its whole prompt would push
@@ -82,12 +82,12 @@ class Write(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class IndexWrites:
     at_send: tuple[Write, ...] = ()  # once the replica accepted the request, in this order
-    # approximate mode: when its KV load is estimated to be done, `start_after_s` after the send
+    # approximate mode: when its KV load is estimated to be done, `loaded_after_s` after the send
     # (0: at once), or at its first byte if that comes first
-    at_start: tuple[Write, ...] = ()
-    start_after_s: float = 0.0
-    at_first_byte: tuple[Write, ...] = ()  # at a streamed request's first byte, after at_start
-    # until the engine's event confirms it (precise mode) or until at_start (approximate mode)
+    at_loaded: tuple[Write, ...] = ()
+    loaded_after_s: float = 0.0
+    at_first_byte: tuple[Write, ...] = ()  # at a streamed request's first byte, after at_loaded
+    # until the engine's event confirms it (precise mode) or until at_loaded (approximate mode)
     speculative: Write | None = None
 
 
@@ -115,14 +115,14 @@ def index_writes(
         if stream:
             return IndexWrites(now, at_first_byte=remote, speculative=speculative)
         return IndexWrites(now + remote, speculative=speculative)
-    start = (Write(hbm_at, prompt),) if prompt else ()
+    in_hbm = (Write(hbm_at, prompt),) if prompt else ()
     swapped = score.swapped_blocks(block)
-    if swapped is not None:
-        start = (Write(Location(score.replica, Tier.CPU), prompt[swapped]), *start)
-    start_after_s = score.estimate.load_s
+    if swapped is not None:  # its CPU copies are used first
+        in_hbm = (Write(Location(score.replica, Tier.CPU), prompt[swapped]), *in_hbm)
+    loaded_after_s = score.estimate.load_s
     loading = score.loaded_blocks(block)
     rest = prompt[: loading.start] + prompt[loading.stop :] if loading is not None else prompt
-    marked = Write(hbm_at, rest) if rest and start_after_s > 0.0 else None
+    marked = Write(hbm_at, rest) if rest and loaded_after_s > 0.0 else None
     if stream:
-        return IndexWrites((), start, start_after_s, remote, marked)
-    return IndexWrites(remote, start, start_after_s, speculative=marked)
+        return IndexWrites((), in_hbm, loaded_after_s, remote, marked)
+    return IndexWrites(remote, in_hbm, loaded_after_s, speculative=marked)

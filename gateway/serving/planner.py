@@ -138,7 +138,7 @@ class Planner:
         self._speculative = speculative
         self._call_later = call_later
         # writes waiting for a request's KV load to be done: id(plan) -> (timer, model, writes)
-        self._starts: dict[int, tuple[Timer, str, tuple[Write, ...]]] = {}
+        self._loading: dict[int, tuple[Timer, str, tuple[Write, ...]]] = {}
         self._recording: set[asyncio.Future[None]] = set()
         self._registry = registry
         self._index = index
@@ -387,47 +387,51 @@ class Planner:
     async def record_sent(self, plan: Plan, replica: Replica) -> None:
         """Once `replica` accepted the request: the index writes routing/pipeline_writes.py
         plans for then. Those for when its KV load is done wait that long, or for its first
-        byte (record_loaded), or its end (settle_start); the prompt is marked speculative until
+        byte (record_loaded), or its end (settle_loaded); the prompt is marked speculative until
         then, as it is in precise mode until the engine's event."""
+        earlier = self._loading.pop(id(plan), None)
+        if earlier is not None:  # sent again (a retry): the replica it left never loaded it
+            earlier[0].cancel()
         writes = self._writes(plan, replica)
         if writes.speculative is not None and self._speculative is not None:
             where, hashes = writes.speculative
-            ttl_s = SPECULATIVE_TTL_S + writes.start_after_s if writes.start_after_s else None
+            ttl_s = SPECULATIVE_TTL_S + writes.loaded_after_s if writes.loaded_after_s else None
             self._speculative.speculate(plan.model, list(hashes), where, ttl_s)
         await self._record(plan.model, writes.at_send)
-        if not writes.at_start:
+        if not writes.at_loaded:
             return
-        if writes.start_after_s <= 0.0:
-            await self._record(plan.model, writes.at_start)
+        if writes.loaded_after_s <= 0.0:
+            await self._record(plan.model, writes.at_loaded)
             return
-        key, model = id(plan), plan.model
-        handle = self._call_later(writes.start_after_s, self._start, key, model, writes.at_start)
-        self._starts[key] = (handle, model, writes.at_start)
+        key, model, at_loaded = id(plan), plan.model, writes.at_loaded
+        handle = self._call_later(writes.loaded_after_s, self._record_later, key, model, at_loaded)
+        self._loading[key] = (handle, model, at_loaded)
 
     async def record_loaded(self, plan: Plan, replica: Replica) -> None:
         """At a streamed request's first byte: its load was done (if the estimate had it later,
         its blocks are recorded now), every block of its prompt is in the replica's HBM, and in
         the remote tier if it was to write them there."""
-        pending = self._starts.pop(id(plan), None)
+        pending = self._loading.pop(id(plan), None)
         if pending is not None:
-            handle, model, at_start = pending
+            handle, model, at_loaded = pending
             handle.cancel()
-            await self._record(model, at_start)
+            await self._record(model, at_loaded)
         await self._record(plan.model, self._writes(plan, replica).at_first_byte)
 
-    def settle_start(self, plan: Plan, *, answered: bool) -> None:
+    def settle_loaded(self, plan: Plan, *, answered: bool) -> None:
         """A request ended with the writes for its load's end still waiting: an answer's engine
         cached its prompt (recorded now), a failed request's may never have (dropped)."""
-        pending = self._starts.pop(id(plan), None)
+        pending = self._loading.pop(id(plan), None)
         if pending is None:
             return
-        handle, model, at_start = pending
+        handle, model, at_loaded = pending
         handle.cancel()
         if answered:
-            self._start(id(plan), model, at_start)
+            self._record_later(id(plan), model, at_loaded)
 
-    def _start(self, key: int, model: str, writes: tuple[Write, ...]) -> None:
-        self._starts.pop(key, None)
+    def _record_later(self, key: int, model: str, writes: tuple[Write, ...]) -> None:
+        """The timer's callback: record `writes` in a task of its own."""
+        self._loading.pop(key, None)
         task = asyncio.ensure_future(self._record(model, writes))
         self._recording.add(task)  # a reference until it is done: the loop keeps only weak ones
         task.add_done_callback(self._recording.discard)

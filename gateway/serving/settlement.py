@@ -201,7 +201,7 @@ def _overrides(observer: Observer, hook: str) -> bool:
 class IndexConfirmation(Observer):
     """The index learns where the prompt now lives: at acceptance (Planner.record_sent), or
     when its KV load is estimated to be done, at the latest at its first byte (record_loaded) or
-    its end (settle_start)."""
+    its end (settle_loaded)."""
 
     def __init__(self, planner: Planner) -> None:
         self._planner = planner
@@ -213,7 +213,7 @@ class IndexConfirmation(Observer):
         await self._planner.record_loaded(plan, reservation.replica)
 
     def on_settled(self, settled: Settled) -> None:
-        self._planner.settle_start(settled.plan, answered=settled.answered)
+        self._planner.settle_loaded(settled.plan, answered=settled.answered)
 
 
 class TtftMetrics(Observer):

@@ -115,7 +115,7 @@ class _Job:
     started_s: float = 0.0
     hbm_blocks: int = 0
     computed: int = 0
-    start_writes: tuple[Write, ...] = ()  # what the index records when its KV load is done
+    loaded_writes: tuple[Write, ...] = ()  # what the index records when its KV load is done
     first_byte_writes: tuple[Write, ...] = ()  # what the index records at its first byte
 
 
@@ -161,7 +161,7 @@ class _Replica:
         )
 
 
-_ARRIVE, _SWAPPED, _JOIN, _PREFILLED, _FINISH, _STARTED = range(6)
+_ARRIVE, _SWAPPED, _JOIN, _PREFILLED, _FINISH, _LOADED = range(6)
 
 
 class Arrival(NamedTuple):
@@ -292,10 +292,10 @@ class Fleet:
             elif kind == _PREFILLED:
                 assert isinstance(data, _Job)
                 self.prefilled(data)
-            elif kind == _STARTED:
+            elif kind == _LOADED:
                 assert isinstance(data, _Job)
-                self.record_index(data.req.model, data.start_writes)
-                data.start_writes = ()
+                self.record_index(data.req.model, data.loaded_writes)
+                data.loaded_writes = ()
             else:
                 assert isinstance(data, _Job)
                 data.replica.in_flight -= 1
@@ -379,16 +379,16 @@ class Fleet:
         if self.setup.mode != "precise":  # precise: the engines' caches are the index
             if writes.speculative is not None:
                 where, hashes = writes.speculative
-                ttl_s = SPECULATIVE_TTL_S + writes.start_after_s
+                ttl_s = SPECULATIVE_TTL_S + writes.loaded_after_s
                 self.index.speculate(req.model, hashes, where, ttl_s)
             self.record_index(req.model, writes.at_send)
-            if writes.start_after_s > 0.0:  # Planner.record_sent's timer
-                job.start_writes = writes.at_start
-                self.push(self.now + writes.start_after_s, _STARTED, job)
+            if writes.loaded_after_s > 0.0:  # Planner.record_sent's timer
+                job.loaded_writes = writes.at_loaded
+                self.push(self.now + writes.loaded_after_s, _LOADED, job)
             else:
-                self.record_index(req.model, writes.at_start)
+                self.record_index(req.model, writes.at_loaded)
         self._load(job)
-        return Arrival(routed, write, job.start_writes + writes.at_first_byte)
+        return Arrival(routed, write, job.loaded_writes + writes.at_first_byte)
 
     def _load(self, job: _Job) -> None:
         """The engine: where the request's KV is, and how long loading it takes."""
@@ -435,8 +435,8 @@ class Fleet:
     def prefilled(self, job: _Job) -> None:
         r, req, bs = job.replica, job.req, self.bs
         if self.setup.mode != "precise":  # its start's writes, if the estimate had it later
-            self.record_index(req.model, job.start_writes + job.first_byte_writes)
-            job.start_writes = ()
+            self.record_index(req.model, job.loaded_writes + job.first_byte_writes)
+            job.loaded_writes = ()
         placed = r.cache.place(req.hashes, job.reusable[job.g : job.g + job.c])
         self.hbm_evicted += placed.evicted_hbm
         written = 0

@@ -281,7 +281,7 @@ SWAPPED_IN = ((CPU, P[20:30]), (HBM, P))  # its CPU copies are used, then it is 
 
 
 @pytest.mark.parametrize(
-    ("precise", "stream", "cpu_blocks", "write", "at_send", "at_start", "at_first_byte"),
+    ("precise", "stream", "cpu_blocks", "write", "at_send", "at_loaded", "at_first_byte"),
     [
         (False, False, 0, False, (), ((HBM, P),), ()),
         (False, False, 0, True, ((REMOTE, P),), ((HBM, P),), ()),
@@ -309,7 +309,7 @@ def test_the_index_write_plan(
     cpu_blocks: int,
     write: bool,
     at_send: Writes,
-    at_start: Writes,
+    at_loaded: Writes,
     at_first_byte: Writes,
 ) -> None:
     settings = replace(SETTINGS, precise=precise)
@@ -322,15 +322,15 @@ def test_the_index_write_plan(
         settings=settings,
     )
     assert writes.at_send == tuple(Write(*w) for w in at_send)
-    assert writes.at_start == tuple(Write(*w) for w in at_start)
+    assert writes.at_loaded == tuple(Write(*w) for w in at_loaded)
     assert writes.at_first_byte == tuple(Write(*w) for w in at_first_byte)
     if precise:
         assert writes.speculative == Write(HBM, P[20:])
     elif cpu_blocks:  # until its swap-in is done, what it does not load is marked
-        assert writes.start_after_s == pytest.approx(0.01)
+        assert writes.loaded_after_s == pytest.approx(0.01)
         assert writes.speculative == Write(HBM, P[:20] + P[30:])
     else:  # an idle replica schedules it at once
-        assert writes.start_after_s == 0.0 and writes.speculative is None
+        assert writes.loaded_after_s == 0.0 and writes.speculative is None
 
 
 @pytest.mark.parametrize("cpu_blocks", [0, 10])
@@ -344,8 +344,8 @@ def test_a_queued_request_waits_for_its_load_alone(cpu_blocks: int) -> None:
         stream=True,
         settings=SETTINGS,
     )
-    assert writes.start_after_s == pytest.approx(0.01 if cpu_blocks else 0.0)
-    assert writes.at_start == tuple(Write(*w) for w in (SWAPPED_IN if cpu_blocks else ((HBM, P),)))
+    assert writes.loaded_after_s == pytest.approx(0.01 if cpu_blocks else 0.0)
+    assert writes.at_loaded == tuple(Write(*w) for w in (SWAPPED_IN if cpu_blocks else ((HBM, P),)))
     assert writes.speculative == (Write(HBM, P[:20] + P[30:]) if cpu_blocks else None)
 
 

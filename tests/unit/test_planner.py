@@ -282,9 +282,9 @@ async def test_a_prompt_is_in_hbm_once_its_swap_in_is_done(stream: bool) -> None
     assert [hbm in held for held in marked] == [False] * len(swapped) + [True] * (
         len(plan.hashes) - len(swapped)
     )
-    start_after_s = plan.decision.score().estimate.load_s
-    assert 0.0 < start_after_s < 0.05
-    await asyncio.sleep(start_after_s + 0.05)  # the timer, at the swap-in's estimated end
+    loaded_after_s = plan.decision.score().estimate.load_s
+    assert 0.0 < loaded_after_s < 0.05
+    await asyncio.sleep(loaded_after_s + 0.05)  # the timer, at the swap-in's estimated end
     assert all(in_hbm(s.index, plan))
     await s.planner.record_loaded(plan, s.registry.replicas[plan.decision.replica])
     assert all(in_hbm(s.index, plan))
@@ -298,11 +298,23 @@ async def test_a_first_byte_before_the_loads_estimated_end_records_the_prompt() 
     assert all(in_hbm(s.index, plan))
 
 
+async def test_a_request_sent_again_is_recorded_where_it_went_last() -> None:
+    s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
+    plan, _ = await swapping_in(s, stream=True)
+    first = plan.decision.replica
+    other = next(r for r in s.registry.replicas.values() if r.name != first)
+    await s.planner.record_sent(plan, other)  # a retry, before the first one's load was done
+    await asyncio.sleep(plan.decision.score().estimate.load_s + 0.05)
+    assert not any(in_hbm(s.index, plan))  # the replica it left: nothing
+    hbm = Location(other.name, Tier.HBM)
+    assert all(hbm in held for held in s.index.lookup_now(MODEL, plan.hashes))
+
+
 @pytest.mark.parametrize("answered", [True, False])
 async def test_a_request_that_ends_before_its_loads_estimated_end(answered: bool) -> None:
     s = await setup(config(pool("shared", SHARED, cpu_capacity_tokens=100_000)))
     plan, _ = await swapping_in(s, stream=False)
-    s.planner.settle_start(plan, answered=answered)
+    s.planner.settle_loaded(plan, answered=answered)
     await asyncio.sleep(0.01)  # the record runs as a task
     # an answer's prompt was cached; a failed request's engine may never have scheduled it
     assert all(in_hbm(s.index, plan)) is answered
