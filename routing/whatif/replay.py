@@ -169,7 +169,7 @@ class Arrival(NamedTuple):
 
     routed: Routed
     write: bool = False  # the remote tier's admission
-    first_byte_writes: tuple[Write, ...] = ()  # left for its first byte (its start's included)
+    first_byte_writes: tuple[Write, ...] = ()  # left for its first byte (its load's included)
 
 
 class Fleet:
@@ -434,7 +434,7 @@ class Fleet:
 
     def prefilled(self, job: _Job) -> None:
         r, req, bs = job.replica, job.req, self.bs
-        if self.setup.mode != "precise":  # its start's writes, if the estimate had it later
+        if self.setup.mode != "precise":  # its load's writes, if the estimate had them later
             self.record_index(req.model, job.loaded_writes + job.first_byte_writes)
             job.loaded_writes = ()
         placed = r.cache.place(req.hashes, job.reusable[job.g : job.g + job.c])
