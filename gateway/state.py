@@ -80,7 +80,7 @@ class Gateway:
     flow: FlowControl | None = None
     siblings: Siblings | None = None  # cachelane serve --workers N
     kv_events: KvEvents | None = None  # precise mode
-    speculative: SpeculativeIndex | None = None  # precise mode: what was just sent
+    speculative: SpeculativeIndex | None = None  # what was just sent, not yet recorded
     fit_store: FitStore | None = None
     cost_store: CostStore | None = None
     worker_costs: WorkerCosts | None = None

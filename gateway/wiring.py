@@ -117,8 +117,8 @@ class _Routing:
     registry: Registry
     costs: CostAccounting
     index: Index  # what this gateway records
-    routing_index: Index  # what routing reads: shared with sibling workers, or speculative
-    speculative: SpeculativeIndex | None
+    # what routing reads: the index (shared with sibling workers) and what was just sent
+    speculative: SpeculativeIndex
     kv_events: KvEvents | None
     siblings: Siblings | None
 
@@ -146,7 +146,7 @@ def _routing(config: GatewayConfig, metrics: Metrics) -> _Routing:
             shared = siblings.share_index(index)  # precise: the engines' events
     kv_events: KvEvents | None = None
     # routing also sees what was just sent, until the engines' events (precise mode) or the
-    # gateway's record when its prefill is scheduled (approximate mode) settle it
+    # gateway's own record (approximate mode: a KV load's blocks once it is done) settle it
     speculative = SpeculativeIndex(shared)
     if config.routing.mode == "precise":
         from gateway.engines.feed import KvEvents
@@ -154,7 +154,7 @@ def _routing(config: GatewayConfig, metrics: Metrics) -> _Routing:
         replicas = [(r.name, r.url, r.pool) for r in registry.replicas.values()]
         kv_events = KvEvents(config, replicas, speculative, metrics)
     on_change.index, on_change.speculative, on_change.kv_events = index, speculative, kv_events
-    return _Routing(registry, costs, index, speculative, speculative, kv_events, siblings)
+    return _Routing(registry, costs, index, speculative, kv_events, siblings)
 
 
 def _parts(config: GatewayConfig, client: httpx.AsyncClient, upstream: Upstream) -> Gateway:
@@ -163,7 +163,7 @@ def _parts(config: GatewayConfig, client: httpx.AsyncClient, upstream: Upstream)
     redis = shared_redis(config)
     limits = RateLimiter(config.rate_limits, metrics, redis=redis)
     reuse = ReuseCounter(metrics, redis=redis)
-    planner = Planner(config, r.registry, r.routing_index, reuse, metrics, r.speculative)
+    planner = Planner(config, r.registry, r.speculative, reuse, metrics, r.speculative)
     learner = CostLearner(config.routing.calibration, r.registry.replicas.values(), metrics)
     capture = _capture_of(config, r.registry, metrics, learner)
     settlement = observers(  # what happens after an answer: the one list of observers
@@ -185,7 +185,7 @@ def _parts(config: GatewayConfig, client: httpx.AsyncClient, upstream: Upstream)
         config.pools,
         r.registry,
         learner,
-        r.routing_index,
+        r.speculative,
         metrics,
         health,
         r.kv_events,

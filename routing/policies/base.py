@@ -86,20 +86,20 @@ class Score(NamedTuple):  # a tuple: one per candidate per request (see routing/
         """The prompt's blocks the request loads from the CPU or remote tier (those after its HBM
         prefix, a partial last block included); None when it loads none."""
         o = self.overlap
-        loaded = o.cpu_tokens + (o.remote_tokens if self.estimate.remote_fetch else 0)
-        if not loaded:
-            return None
-        return slice(
-            o.hbm_tokens // block_size_tokens, -(-(o.hbm_tokens + loaded) // block_size_tokens)
-        )
+        fetched = o.remote_tokens if self.estimate.remote_fetch else 0
+        return _after_hbm(o.hbm_tokens, o.cpu_tokens + fetched, block_size_tokens)
 
     def swapped_blocks(self, block_size_tokens: int) -> slice | None:
         """The prompt's blocks the request swaps in from the CPU tier; None when none."""
         o = self.overlap
-        if not o.cpu_tokens:
-            return None
-        start = o.hbm_tokens // block_size_tokens
-        return slice(start, -(-(o.hbm_tokens + o.cpu_tokens) // block_size_tokens))
+        return _after_hbm(o.hbm_tokens, o.cpu_tokens, block_size_tokens)
+
+
+def _after_hbm(hbm_tokens: int, tokens: int, block_size_tokens: int) -> slice | None:
+    """The blocks of the `tokens` that follow an HBM prefix of `hbm_tokens`; None for none."""
+    if not tokens:
+        return None
+    return slice(hbm_tokens // block_size_tokens, -(-(hbm_tokens + tokens) // block_size_tokens))
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from gateway.tenancy.tenants import Tenant
 from routing.admission import AdmissionVerdict
 from routing.decide import Reason
 from routing.filters import Fallback
-from routing.index import Index, MemoryIndex, record_prompt
+from routing.index import MemoryIndex, record_prompt
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
 
@@ -265,9 +265,9 @@ async def swapping_in(s: Setup, *, stream: bool) -> tuple[Plan, list[int]]:
     return plan, swapped
 
 
-def in_hbm(index: Index, plan: Plan) -> list[bool]:
+def in_hbm(index: MemoryIndex, plan: Plan) -> list[bool]:
     hbm = Location(plan.decision.replica, Tier.HBM)
-    return [hbm in held for held in index.lookup_now(MODEL, plan.hashes)]  # type: ignore[attr-defined]
+    return [hbm in held for held in index.lookup_now(MODEL, plan.hashes)]
 
 
 @pytest.mark.parametrize("stream", [True, False])
