@@ -28,6 +28,7 @@ EXTERNAL_POLICIES = {
     "sglang": ("cache_aware", "round_robin", "power_of_two"),
     "vllm": ("cache_aware", "round_robin", "consistent_hash"),
 }
+# vllm-router's kv_aware also needs the engines' KV event sockets: kv_aware_args().
 BARE_POLICIES = ("round_robin", "cache_aware")  # the bare proxy; cache_aware: its --route
 READY_PATHS = {"cachelane": "/ready", "bare": "/health"}  # the Rust routers: /v1/models
 CACHELANE_POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
@@ -44,6 +45,7 @@ class RouterSpec:
     label_suffix: str = ""
     source: Path | None = None  # cachelane only: another checkout's tree to run (a baseline)
     workers: int = 1  # cachelane only: `serve --workers N`
+    extra_args: tuple[str, ...] = ()  # appended to the router's command line
 
     @property
     def label(self) -> str:
@@ -121,10 +123,23 @@ def router_args(spec: RouterSpec, replica_urls: Sequence[str], port: int) -> lis
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
     ]  # fmt: skip
     if spec.kind == "sglang":
-        return [exe, "launch", *common, "--log-level", "warn"]
+        return [exe, "launch", *common, "--log-level", "warn", *spec.extra_args]
     if spec.kind == "vllm":
-        return [exe, *common, "--log-level", "warning"]
+        return [exe, *common, "--log-level", "warning", *spec.extra_args]
     raise ValueError(f"unknown router kind {spec.kind!r}")
+
+
+def kv_aware_args(events: dict[str, str], block_size_tokens: int, model: str) -> tuple[str, ...]:
+    """vllm-router kv_aware's flags: each worker's KV event endpoint (worker URL -> tcp://...),
+    the engines' block size and model name (vllm-router 0.1.17 `--help`)."""
+    sources = [
+        a for url, endpoint in events.items() for a in ("--kv-event-source", f"{url}={endpoint}")
+    ]
+    return (
+        *sources,
+        "--kv-event-block-size", str(block_size_tokens),
+        "--kv-event-model", model,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from gateway.engines.tokenizer import PromptTokenizer
 from loadtest.sim.accounting import EngineStats, PrefillResult
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.prefill_queue import PrefillQueue
+from loadtest.sim.protocol import fake_token_ids
 from loadtest.sim.remote import RemoteClient
 from loadtest.sim.step_loop import StepLoop
 from loadtest.sim.steps import StepRequest
@@ -128,7 +129,13 @@ class SimEngine:
         hashes = block_hashes(
             text, block_size_tokens=self.spec.block_size_tokens, namespace=namespace
         )
-        return Prompt(text=text, prompt_tokens=approx_tokens(text), hashes=tuple(hashes))
+        # With events on and no tokenizer, the blocks carry the stand-in token ids the /render
+        # endpoints return (protocol.fake_token_ids, one per CHARS_PER_TOKEN characters), so a
+        # router that matches KV events by token ids (vllm-router's kv_aware) sees the sharing.
+        ids = tuple(fake_token_ids(text)) if self.events is not None else ()
+        return Prompt(
+            text=text, prompt_tokens=approx_tokens(text), hashes=tuple(hashes), token_ids=ids
+        )
 
     def token_prompt(self, chat: bool, body: Mapping[str, Any]) -> Prompt:
         """The prompt as the engine sees it: token ids from the tokenizer (precise mode)."""

@@ -453,6 +453,8 @@ def ideal_floor(
             continue
         ms = alone_ms(n - reused * bs, prefill_tokens_per_s, steps)
         per_request[i] = ms
-        out.setdefault(TENANTS[record["tenant"]].tenant_class, []).append(ms)
+        tenant = TENANTS.get(record["tenant"])  # a trace of other tenants: "all" only
+        if tenant is not None:
+            out.setdefault(tenant.tenant_class, []).append(ms)
         out["all"].append(ms)
     return Floor(out, per_request)
