@@ -435,7 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="folder of Mooncake's FAST'25 traces (<name>_trace.jsonl); none: project traces only",
     )
-    p.add_argument("--trace", default=None, help="every member on this trace name instead")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="every member on this trace instead: a name (mixed, chat, rag, agentic, "
+        "shared_system, mooncake:conversation, ...) or mooncake:PATH[@START:COUNT], a file",
+    )
     harness.add_names(p, "--arms", ARMS, "arms")
     harness.add_seed_and_out(p, OUT)
     return p

@@ -160,13 +160,19 @@ def build_trace(
 ) -> list[traces.TraceRecord]:
     """`requests` records of the named trace at about `rate_per_s`."""
     if name.startswith("mooncake:"):
-        if mooncake_dir is None:
-            raise ValueError(f"{name} needs --mooncake-dir")
-        path = mooncake_dir / f"{name.removeprefix('mooncake:')}_trace.jsonl"
-        with path.open() as f:
-            total = sum(1 for _ in f)
-        start = random.Random(f"{seed}-{name}-start").randrange(0, max(1, total - requests))
-        records = mooncake.read_records(mooncake.Spec(path, start, requests))
+        rest = name.removeprefix("mooncake:")
+        if rest in MOONCAKE_TRACES:  # a name in --mooncake-dir, at a seeded offset
+            if mooncake_dir is None:
+                raise ValueError(f"{name} needs --mooncake-dir")
+            path = mooncake_dir / f"{rest}_trace.jsonl"
+            with path.open() as f:
+                total = sum(1 for _ in f)
+            start = random.Random(f"{seed}-{name}-start").randrange(0, max(1, total - requests))
+            spec = mooncake.Spec(path, start, requests)
+        else:  # a file, as --trace takes it: PATH[@START:COUNT]
+            spec = mooncake.Spec.parse(rest)
+            spec = mooncake.Spec(spec.path, spec.start, min(spec.count or requests, requests))
+        records = mooncake.read_records(spec)
         span = max(mooncake.span_s(records), 1e-3)
         return mooncake.to_trace(records, time_scale=len(records) / rate_per_s / span)
     duration_s = requests / rate_per_s
@@ -219,7 +225,7 @@ def draw_member(
 ) -> Member:
     rng = random.Random(f"family-{seed}-{index}")
     name = trace_name or ROTATION[index % len(ROTATION)]
-    if name.startswith("mooncake:") and mooncake_dir is None:
+    if name.removeprefix("mooncake:") in MOONCAKE_TRACES and mooncake_dir is None:
         name = PROJECT_TRACES[index % len(PROJECT_TRACES)]
     rate = rng.uniform(*RATE_PER_S)
     load = rng.uniform(*LOAD)

@@ -4,6 +4,10 @@ From an installed package (any directory), `cachelane locust` runs Locust on thi
 rest of its arguments (loadtest/locust/run.py); `cachelane locust --help` lists the options
 below with Locust's. From a checkout, `locust -f loadtest/locust/locustfile.py` as here:
 
+A trace instead of the shapes (Mooncake's production traces, or a JSONL trace of this project's):
+    locust -f loadtest/locust/locustfile.py --headless -u 64 -r 64 -t 120s --host ... \
+        --trace mooncake:conversation_trace.jsonl@0:600 --trace-time-scale 0.1
+
 Headless, every shape, weighted (chat 3, agent 3, rag 2, unique 1, shared_system 1, voice 1):
     locust -f loadtest/locust/locustfile.py --headless -u 20 -r 5 -t 60s --host http://127.0.0.1:8000
 
@@ -48,12 +52,21 @@ from loadtest.locust.users import (
     ChatUser,
     RagUser,
     SharedSystemUser,
+    TraceUser,
     UniqueUser,
     VoiceUser,
 )
 from loadtest.workloads.traces import DEFAULT_MODEL
 
-__all__ = ["AgentUser", "ChatUser", "RagUser", "SharedSystemUser", "UniqueUser", "VoiceUser"]
+__all__ = [
+    "AgentUser",
+    "ChatUser",
+    "RagUser",
+    "SharedSystemUser",
+    "TraceUser",
+    "UniqueUser",
+    "VoiceUser",
+]
 
 TENANT_KEY_OPTIONS = ("chat", "agent", "rag", "unique", "voice")
 
@@ -70,6 +83,16 @@ def _add_options(parser: Any) -> None:
         help="seed of the shared prompts and the sessions' text (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
+        "--trace", default="", env_var="CACHELANE_TRACE",
+        help="replay this trace instead of the shapes: mooncake:PATH[@START:COUNT] (Mooncake's "
+        "FAST'25 format, scaled as loadtest/workloads/mooncake.py says) or a JSONL trace; one "
+        "process (not distributed), -u at least the requests in flight",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace-time-scale", type=float, default=1.0, env_var="CACHELANE_TRACE_TIME_SCALE",
+        help="multiply the trace's arrival offsets by this (0.5: twice the rate)",
+    )  # fmt: skip
+    parser.add_argument(
         "--api-key", default="", env_var="CACHELANE_API_KEY", is_secret=True,
         help="bearer token for every user without a tenant key of its own",
     )  # fmt: skip
@@ -81,6 +104,16 @@ def _add_options(parser: Any) -> None:
             is_secret=True,
             help=f"bearer token of the {tenant} tenant (default: --api-key)",
         )
+
+
+def _trace_or_shapes(environment: Environment, **_: Any) -> None:
+    """--trace: replay it with TraceUser alone; without it, TraceUser never spawns."""
+    options = environment.parsed_options
+    trace = getattr(options, "trace", "") if options is not None else ""
+    if trace:
+        environment.user_classes[:] = [TraceUser]
+    else:
+        environment.user_classes[:] = [u for u in environment.user_classes if u is not TraceUser]
 
 
 def _drop_users_without_tasks(environment: Environment, **_: Any) -> None:
@@ -143,6 +176,7 @@ def _report_outcomes(environment: Environment, **_: Any) -> None:
 
 
 events.init_command_line_parser.add_listener(_add_options)  # type: ignore[no-untyped-call]
+events.init.add_listener(_trace_or_shapes)  # type: ignore[no-untyped-call]
 events.init.add_listener(_drop_users_without_tasks)  # type: ignore[no-untyped-call]
 events.init.add_listener(_serve_outcomes)  # type: ignore[no-untyped-call]
 events.report_to_master.add_listener(_send_outcomes)  # type: ignore[no-untyped-call]

@@ -20,15 +20,16 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from locust import HttpUser, between, tag, task
+from locust import HttpUser, between, constant, tag, task
+from locust.exception import StopUser
 from requests.exceptions import RequestException
 
 from loadtest.bench.replay import PATHS, has_text, streaming_body
 from loadtest.locust.outcomes import OUTCOMES, failure_name, retry_after_s
-from loadtest.workloads import traces
+from loadtest.workloads import mooncake, traces
 from loadtest.workloads.scenarios import voice_session
 
 VOICE_MAX_TOKENS = 16  # a voice answer starts speaking after a few tokens; TTFT is what counts
@@ -217,6 +218,66 @@ class VoiceUser(StreamingUser):
     @task
     def speak(self) -> None:
         self.send_turn()
+
+
+class TraceSchedule:
+    """One process's replay of a trace: each record is handed out once, at its offset from the
+    first hand-out (every TraceUser of the process shares it)."""
+
+    def __init__(self, records: Sequence[traces.TraceRecord]) -> None:
+        self.records = records
+        self.next = 0
+        self.started: float | None = None
+
+    def take(self) -> tuple[traces.TraceRecord, float] | None:
+        """The next record and the perf_counter time it is due at; None once all are out."""
+        if self.next >= len(self.records):
+            return None
+        if self.started is None:
+            self.started = time.perf_counter()
+        record = self.records[self.next]
+        self.next += 1
+        return record, self.started + record["t_s"]
+
+
+_schedules: dict[tuple[str, float], TraceSchedule] = {}
+
+
+def trace_schedule(spec: str, time_scale: float) -> TraceSchedule:
+    """The process's schedule of `--trace` (loadtest/workloads/mooncake.py's `load`)."""
+    key = (spec, time_scale)
+    if key not in _schedules:
+        _schedules[key] = TraceSchedule(mooncake.load(spec, time_scale=time_scale))
+    return _schedules[key]
+
+
+class TraceUser(StreamingUser):
+    """Replays `--trace` (a Mooncake file, `mooncake:PATH[@START:COUNT]`, or a JSONL trace of
+    this project's): each user sends the next record at its offset, so the trace's arrivals
+    set the pace as long as enough users are free (-u at least the requests in flight). The
+    only user class when --trace is given, and never otherwise (locustfile.py)."""
+
+    shape = "trace"
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        super().on_start()
+        options = self.environment.parsed_options
+        scale = float(getattr(options, "trace_time_scale", 1.0))
+        self.schedule = trace_schedule(str(getattr(options, "trace", "")), scale)
+
+    @tag("trace")
+    @task
+    def replay(self) -> None:
+        taken = self.schedule.take()
+        if taken is None:
+            raise StopUser()
+        record, due = taken
+        delay = due - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)  # cooperative: Locust runs users on gevent's patched time
+        body = streaming_body(record, self.model, record["max_tokens"])
+        self.stream(PATHS[record["endpoint"]], record["endpoint"], body)
 
 
 STANDARD_USERS: tuple[type[StreamingUser], ...] = (

@@ -144,3 +144,32 @@ def test_locust_headless_records_ttft_and_cached_tokens(tmp_path: Path) -> None:
     stats = json.loads((tmp_path / "locust.json").read_text())
     assert {s["method"] for s in stats} == {"POST"}
     assert "prefix hit rate" in done.stderr and "TTFT p50" in done.stderr
+
+
+@pytest.mark.timeout(LOCUST_TIMEOUT_S + 60)
+def test_locust_replays_a_mooncake_trace_once_at_its_offsets(tmp_path: Path) -> None:
+    """--trace replays every record of a Mooncake-format file exactly once (TraceUser alone),
+    and the records that share block ids hit the cache."""
+    trace = tmp_path / "conversation_trace.jsonl"
+    records = [
+        {"timestamp": 100 * i, "input_length": 1200, "output_length": 16, "hash_ids": [7, 8, i]}
+        for i in range(12)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    settings = SimFleetSettings(replicas=2, hbm_capacity_tokens=200_000, time_factor=0.02)
+    with sim_fleet(settings, tmp_path) as fleet, gateway(fleet.urls, "cache_aware", tmp_path) as gw:
+        done = _cachelane_locust(
+            "--headless", "-u", "4", "-r", "4", "-t", f"{RUN_S}s",
+            "--stop-timeout", "5",
+            "--host", gw.url,
+            "--csv", str(tmp_path / "locust"),
+            "--only-summary",
+            "--trace", f"mooncake:{trace}@2:10",
+            env=_installed_copy(tmp_path), cwd=tmp_path,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with (tmp_path / "locust_outcomes.csv").open() as f:
+        outcomes = {r["shape"]: r for r in csv.DictReader(f)}
+    assert set(outcomes) == {"trace"}  # the shapes' users did not spawn
+    assert int(outcomes["trace"]["requests"]) == 10  # records 2..11, each once
+    assert float(outcomes["trace"]["hit_rate"]) > 0.3  # blocks 7 and 8 are shared
