@@ -230,6 +230,7 @@ class CostLearner:
 
     def _observe_error(self, ob: Observation) -> None:
         est_s, name = ob.score.estimate.ttft_s, ob.replica.name
+        ob.replica.estimate_error.observe(est_s, ob.observed_s)
         if ob.observed_s > 0:
             self._metrics.estimate_error.labels(name).observe(
                 abs(est_s - ob.observed_s) / ob.observed_s

@@ -21,6 +21,7 @@ from gateway.fleet import replica_auth
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.outliers import Backoff, Ejection
 from gateway.fleet.step_watch import StepWatch
+from routing.authority import EstimateError
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
 from routing.decide import Candidate, PoolRules
 
@@ -62,13 +63,12 @@ class Replica:
     last_error: str | None = None
     retired: bool = False  # removed from the fleet (discovery, reload): its requests finish
     correction: float = 1.0  # routing.calibration: correction (gateway/accounting/calibration.py)
-    terms: CostTerms | None = (
-        None  # cost terms in use (gateway/accounting/calibration.py); None: the seed
-    )
+    terms: CostTerms | None = None  # in use (gateway/accounting/calibration.py); None: the seed
     engine: EngineLoad | None = None  # last scrape of the engine's own metrics
     mean_prefill_tokens: float = 0.0  # moving average of uncached tokens per request sent
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
     steps: StepWatch = field(default_factory=StepWatch)  # its engine steps, seen on streams
+    estimate_error: EstimateError = field(default_factory=EstimateError)  # routing/authority.py
     # Requests awaiting their first byte, keyed by id() of the reservation.
     joining: dict[int, Joining] = field(default_factory=dict)
 
@@ -168,6 +168,7 @@ class Replica:
             remote_tier=None if self.pool.hbm_only else self.pool.remote_tier,
             terms=self.terms,
             pool=self.rules,
+            estimate_band=self.estimate_error.band(),
         )
 
 

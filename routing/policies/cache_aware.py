@@ -5,11 +5,18 @@ loading their KV (swap-in, remote fetch) that would join the queue while it pref
 within NEAR_TIE of the best are ties, broken by fewer in-flight requests, then by rng. Queueing
 is in the estimate, so a replica that holds the prefix but has a long prefill queue loses to a
 cold idle one: one shared system prompt does not pile every request onto one replica.
+
+The estimate decides only as far as it has been right (routing/authority.py): where a
+candidate's recent misses span more than a near-tie, the candidates whose cost is within the
+best's band (the wider of the two replicas' misses) are ordered by the robust rule instead: a
+replica out of balance last, then the most tokens expected cached, then fewer in flight, then
+rng; the others follow by cost.
 """
 
 from __future__ import annotations
 
-from routing.policies.base import Choice, Policy, Reason, RoutingPolicy, Score
+from routing.authority import BALANCE_SLACK
+from routing.policies.base import Candidate, Choice, Policy, Reason, RoutingPolicy, Score
 
 NEAR_TIE_S = 0.002
 NEAR_TIE_FRACTION = 0.05
@@ -34,17 +41,38 @@ class CacheAware(RoutingPolicy):
     def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:
         candidates, scores = choice.candidates, choice.scores
         costs = [cost_s(s) for s in scores]  # scores are in the candidates' order
-        best_s = min(costs)
-        tie_s = best_s + max(NEAR_TIE_S, NEAR_TIE_FRACTION * best_s)
-        rand = choice.rng.random
-        # rank: the cost, where near-ties count as the best, then fewer in flight, then rng
-        keys = [
-            (best_s if cost <= tie_s else cost, c.load.in_flight, rand(), i)
-            for i, (cost, c) in enumerate(zip(costs, candidates, strict=True))
+        best = min(range(len(costs)), key=costs.__getitem__)
+        best_s = costs[best]
+        best_band = _band(candidates[best])
+        in_band = [
+            cost <= best_s + max(NEAR_TIE_S, best_s * max(best_band, _band(c)))
+            for cost, c in zip(costs, candidates, strict=True)
         ]
+        banded = [c for c, b in zip(candidates, in_band, strict=True) if b]
+        # a model that has been right leaves only near-ties, taken by load as ever; a wider band
+        # is the model's doubt, where the robust rule orders
+        robust = max(_band(c) for c in banded) > NEAR_TIE_FRACTION
+        least = min(c.load.in_flight for c in banded)
+        bs = choice.request.block_size_tokens
+        rand = choice.rng.random
+        keys: list[tuple[float, ...]] = []
+        for i, (cost, c, s) in enumerate(zip(costs, candidates, scores, strict=True)):
+            if not in_band[i]:
+                keys.append((1, cost, 0, c.load.in_flight, rand(), i))
+            elif robust:  # balance, then cached blocks, then load
+                over = c.load.in_flight > least + BALANCE_SLACK
+                cached_blocks = s.expected_cached_tokens // max(1, bs)
+                keys.append((0, over, -cached_blocks, c.load.in_flight, rand(), i))
+            else:
+                keys.append((0, 0, 0, c.load.in_flight, rand(), i))
         keys.sort()
-        ordered = [scores[k[3]] for k in keys]
+        ordered = [scores[int(k[-1])] for k in keys]
         return tuple(s.replica for s in ordered), _reason(ordered[0], scores)
+
+
+def _band(c: Candidate) -> float:
+    """The share of the best cost within which `c`'s estimate cannot be told from it."""
+    return NEAR_TIE_FRACTION if c.estimate_band is None else max(NEAR_TIE_FRACTION, c.estimate_band)
 
 
 def cost_s(s: Score) -> float:

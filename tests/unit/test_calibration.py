@@ -304,3 +304,20 @@ def test_an_observation_is_learned_at_the_terms_in_use_when_it_is_learned() -> N
     assert again.estimate.queue_tokens > score.estimate.queue_tokens
     rescored_already.observe(Observation(r2, again, 3.0, None))
     assert with_snapshot.terms_of(r.name) == rescored_already.terms_of(r2.name)
+
+
+def test_a_fleet_the_fit_learns_earns_its_estimates_authority() -> None:
+    """A fleet 10x slower than the defaults: its estimates miss widely at first, so a decision
+    leans on the robust rule there (a wide band); as the fit learns it, the band narrows."""
+    rs = replicas()
+    learner = CostLearner("fit", rs, Metrics())
+    rng = random.Random(1)
+    assert rs[0].candidate(0.0, 5.0).estimate_band == pytest.approx(2.0)  # the prior: 3x
+    bands = {}
+    for i in range(160):
+        overlap = Overlap(rng.randrange(200, 4000))
+        observe(learner, rs[i % 2], overlap, slow_ttft(overlap, 10.0))
+        bands[i // 2 + 1] = rs[0].candidate(0.0, 5.0).estimate_band
+    assert rs[0].estimate_error.samples == 80
+    assert bands[3] > 1.0  # the first answers missed by up to 10x
+    assert bands[80] < 0.1 < bands[20] < bands[3]  # then the fit learnt the fleet
