@@ -111,11 +111,15 @@ async def hold(gw: Gateway, plan: Plan) -> Dispatch:
 
 
 def _flow_for(gw: Gateway, plan: Plan) -> tuple[FlowControl, Callable[[], bool]] | None:
-    """Flow control and the request's ready() predicate, or None when its class is never
-    held (no TTFT budget, or flow control off)."""
+    """Flow control and the request's ready() predicate, or None when it is not held now (no
+    TTFT budget for its class, flow control off, or no more urgent class active to hold it
+    for and none of its own waiting: FlowControl.holds)."""
     klass = plan.tenant.tenant_class
     budget_ms = getattr(gw.config.classes, klass.value).ttft_budget_ms
-    if gw.flow is None or budget_ms is None:
+    if gw.flow is None:
+        return None
+    gw.flow.arrived(klass)
+    if budget_ms is None or not gw.flow.holds(klass):
         return None
     flow, budget_s, planner = gw.flow, budget_ms / 1000, gw.planner
 

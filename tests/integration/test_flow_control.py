@@ -337,7 +337,43 @@ async def sim_fleet(pools: list[SimPool], **overrides: Any) -> AsyncIterator[Tie
         yield TieredFleet(url, app, names, None, stacks)
 
 
+async def critical_active(h: httpx.AsyncClient) -> None:
+    """One short critical request: standard is held only while a more urgent class is active
+    (gateway/serving/flow.py ACTIVE_WINDOW_S)."""
+    resp = await h.post(
+        "/v1/chat/completions", json=body(prompt("wake", 10)), headers=auth("voice")
+    )
+    assert resp.status_code == 200, resp.text
+
+
 # --- 1. critical first -------------------------------------------------------------------------
+
+
+async def test_standard_is_not_held_while_no_more_urgent_class_is_active() -> None:
+    """Over its budget behind a busy replica, a standard request goes to the replica at once
+    while no critical request has come (holding it would only delay it); once one has, the
+    next is held."""
+    async with tiered_fleet(ONE_SLOW_REPLICA, tenants=TENANTS, classes=TIGHT) as f:
+        (replica,) = f.pools["shared"]
+        async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            busy = await open_stream(h, "web", prompt("busy", 30_000), first_token=False)
+            await until(lambda: in_flight(f, replica) == 1, "the first request to be sent")
+            sent = asyncio.create_task(
+                h.post("/v1/chat/completions", json=body(prompt("now", 1000)), headers=auth("web"))
+            )
+            await until(lambda: in_flight(f, replica) == 2, "the second request sent at once")
+            assert (await flow_stats(h))["standard"]["depth"] == 0
+            critical = asyncio.create_task(
+                h.post("/v1/chat/completions", json=body(prompt("c", 10)), headers=auth("voice"))
+            )
+            await until(lambda: in_flight(f, replica) == 3, "the critical request sent")
+            held = asyncio.create_task(
+                h.post("/v1/chat/completions", json=body(prompt("held", 1000)), headers=auth("web"))
+            )
+            await until(lambda: depth_is(h, "standard", 1), "the third request held")
+            await busy.aclose()
+            results = await asyncio.gather(sent, critical, held)
+        assert [r.status_code for r in results] == [200, 200, 200]
 
 
 async def test_critical_dispatched_before_held_standard_requests() -> None:
@@ -347,6 +383,7 @@ async def test_critical_dispatched_before_held_standard_requests() -> None:
         (replica,) = f.pools["shared"]
         order: list[str] = []
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            await critical_active(h)  # standard is held only for a more urgent class
             send = sender(f.gateway_url, order, tokens=3000)
             busy = send("web", "busy", BUSY_TOKENS)
             await until(lambda: in_flight(f, replica) == 1, "the first request to be sent")
@@ -375,6 +412,7 @@ async def test_held_requests_released_standard_first_round_robin_between_tenants
         (replica,) = f.pools["shared"]
         order: list[str] = []
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            await critical_active(h)  # standard is held only for a more urgent class
             send = sender(f.gateway_url, order, tokens=2000)
             tasks = [send("web", "busy", BUSY_TOKENS)]
             await until(lambda: in_flight(f, replica) == 1, "the first request to be sent")
@@ -398,6 +436,7 @@ async def test_full_queue_sheds_at_once_with_retry_after_and_is_counted() -> Non
     async with tiered_fleet(ONE_SLOW_REPLICA, tenants=TENANTS, classes=classes) as f:
         (replica,) = f.pools["shared"]
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            await critical_active(h)  # standard is held only for a more urgent class
 
             def send(tag: str, tokens: int = 1000) -> asyncio.Task[httpx.Response]:
                 coro = h.post(
@@ -441,6 +480,7 @@ async def test_request_held_past_max_wait_is_shed_with_retry_after() -> None:
     async with tiered_fleet(ONE_SLOW_REPLICA, tenants=TENANTS, classes=classes) as f:
         (replica,) = f.pools["shared"]
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            await critical_active(h)  # standard is held only for a more urgent class
             # 3 s of prefill: it is still in the replica's queue when the held one is shed
             busy = await open_stream(h, "web", prompt("busy", 30_000), first_token=False)
             await until(lambda: in_flight(f, replica) == 1, "the first request to be sent")
@@ -472,6 +512,7 @@ async def test_client_gone_while_held_leaves_the_queue() -> None:
     async with tiered_fleet(ONE_SLOW_REPLICA, tenants=TENANTS, classes=TIGHT) as f:
         (replica,) = f.pools["shared"]
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            await critical_active(h)  # standard is held only for a more urgent class
             # 3 s of prefill, closed by the test once it has looked at the queue
             busy = await open_stream(h, "web", prompt("busy", 30_000), first_token=False)
             await until(lambda: in_flight(f, replica) == 1, "the first request to be sent")
@@ -786,6 +827,7 @@ async def test_batch_not_released_together_with_a_standard_request() -> None:
     ) as f:
         (replica,) = f.pools["shared"]
         async with httpx.AsyncClient(base_url=f.gateway_url, timeout=WAIT_S) as h:
+            await critical_active(h)  # standard is held only for a more urgent class
 
             def send(tenant: str, tag: str, tokens: int = 2000) -> asyncio.Task[httpx.Response]:
                 coro = h.post(
