@@ -3,16 +3,17 @@
 The estimate is the product, but only where it is true. Each replica keeps the recent size of
 its estimate's miss, `EstimateError`: an exponentially weighted mean of |ln(observed / estimated
 TTFT)|, which starts at a prior of a 3x miss (a replica nobody has measured) and earns its way
-down as answers arrive. `band()` turns it into the margin within which two estimates cannot be
-told apart: a typical miss by a factor k makes costs within (k - 1) x the best indistinguishable.
+down as answers arrive. Its `band()` is the share of an estimate that the miss spans.
 
-Within that band, the policy (routing/policies/cache_aware.py) orders by a robust rule, the one the
-peers' cache-aware policies follow (sglang-router's and vllm-router's cache_aware: the longest
-prefix match unless the load is out of balance): most tokens expected cached, a replica whose
-in-flight requests exceed the band's least loaded by more than `BALANCE_SLACK` last, then fewer
-in flight. A new replica, a changed engine (its estimates miss until the fit follows it) or a
-fit gone wrong widen the band, so the robust rule decides more; an estimate that has been right
-narrows it to the near-tie of a perfect model.
+`doubt_of(band)` says how much a decision leans on a robust cost instead (0: the model alone;
+1: the robust cost alone), and `robust_s` is that cost: the tokens the replica would prefill
+before this request's first token (its own uncached ones by the index, and those already sent
+there and not yet prefilled) at its prefill rate. It is what the peers' cache-aware policies
+weigh (a prefix match against the load), in seconds so the two can be blended: it does not
+model steps, decodes, loads or the tiers' costs, so it cannot be wrong about them, and between
+replicas of one pool a wrong prefill rate scales every candidate alike. A new replica, a changed
+engine (its estimates miss until the fit follows it) or a fit gone wrong widen the band and the
+robust cost decides more; an estimate that has been right decides alone.
 
 Pure: the gateway feeds `observe` from its answers (gateway/accounting/calibration.py).
 """
@@ -21,6 +22,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the types only: the policies import this module
+    from routing.policies.base import Candidate, Score
 
 PRIOR_LOG_ERROR = math.log(3.0)
 # A replica with no answers yet: its estimate may be off by 3x either way. The fleets the family
@@ -36,11 +41,11 @@ MIN_OBSERVED_S = 0.02
 # large share of them, and no routing choice turns on them.
 MAX_LOG_ERROR = math.log(20.0)  # one answer moves the mean by at most WEIGHT x ln 20
 
-BALANCE_SLACK = 2
-# In-flight requests a replica may carry over the band's least loaded before the robust rule
-# takes it for out of balance. sglang-router's cache_aware uses an absolute 64 and a ratio of
-# 1.5625 (its --balance-abs-threshold / --balance-rel-threshold defaults), sized for fleets of
-# large GPUs; on the replicas of a small fleet, 2 requests ahead are already a prefill's wait.
+TRUSTED_BAND = 0.25
+DOUBTED_BAND = 1.0
+# The doubt rises from 0 at a typical miss of 25% (the estimate's goal, its p90 within 20-25% on
+# the project's estimate benchmark: docs/bench/estimate.md) to 1 at a miss of 2x, linear in
+# between: past a 2x miss an estimate cannot rank replicas whose queues differ by less.
 
 
 @dataclass(slots=True)
@@ -60,3 +65,21 @@ class EstimateError:
     def band(self) -> float:
         """The share of the best cost within which estimates are taken as equal."""
         return math.expm1(self.log_error)
+
+
+def doubt_of(band: float) -> float:
+    """How much a decision leans on the robust cost for an estimate whose misses span `band`."""
+    return min(1.0, max(0.0, (band - TRUSTED_BAND) / (DOUBTED_BAND - TRUSTED_BAND)))
+
+
+def robust_s(score: Score, candidate: Candidate) -> float:
+    """The prefill ahead of the request's first token on the candidate, in tokens it would
+    compute (its own uncached by the index, and the prefills sent there before it) at the
+    candidate's prefill rate, plus the fixed cost of a request."""
+    terms = candidate.terms
+    if terms is None:
+        per_token, fixed_s = 1.0 / candidate.costs.prefill_tokens_per_s, candidate.costs.fixed_s
+    else:
+        per_token, fixed_s = terms.prefill_s_per_token, terms.fixed_s
+    own = score.overlap.prompt_tokens - score.expected_cached_tokens
+    return fixed_s + per_token * (candidate.load.pending_prefill_tokens + own)

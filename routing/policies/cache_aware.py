@@ -6,16 +6,14 @@ within NEAR_TIE of the best are ties, broken by fewer in-flight requests, then b
 is in the estimate, so a replica that holds the prefix but has a long prefill queue loses to a
 cold idle one: one shared system prompt does not pile every request onto one replica.
 
-The estimate decides only as far as it has been right (routing/authority.py): where a
-candidate's recent misses span more than a near-tie, the candidates whose cost is within the
-best's band (the wider of the two replicas' misses) are ordered by the robust rule instead: a
-replica out of balance last, then the most tokens expected cached, then fewer in flight, then
-rng; the others follow by cost.
+The estimate decides only as far as it has been right (routing/authority.py): a candidate's cost
+is the model's blended with a robust one (the tokens it would prefill, its own uncached and the
+prefills already sent there, at its prefill rate) by the doubt its recent misses earn.
 """
 
 from __future__ import annotations
 
-from routing.authority import BALANCE_SLACK
+from routing.authority import doubt_of, robust_s
 from routing.policies.base import Candidate, Choice, Policy, Reason, RoutingPolicy, Score
 
 NEAR_TIE_S = 0.002
@@ -40,47 +38,34 @@ class CacheAware(RoutingPolicy):
 
     def rank(self, choice: Choice) -> tuple[tuple[str, ...], Reason]:
         candidates, scores = choice.candidates, choice.scores
-        costs = [cost_s(s) for s in scores]  # scores are in the candidates' order
-        best = min(range(len(costs)), key=costs.__getitem__)
-        best_s = costs[best]
-        best_band = _band(candidates[best])
-        in_band = [
-            cost <= best_s + max(NEAR_TIE_S, best_s * max(best_band, _band(c)))
-            for cost, c in zip(costs, candidates, strict=True)
-        ]
-        banded = [c for c, b in zip(candidates, in_band, strict=True) if b]
-        # a model that has been right leaves only near-ties, taken by load as ever; a wider band
-        # is the model's doubt, where the robust rule orders
-        robust = max(_band(c) for c in banded) > NEAR_TIE_FRACTION
-        least = min(c.load.in_flight for c in banded)
-        bs = choice.request.block_size_tokens
+        # scores are in the candidates' order
+        costs = [cost_s(s, c) for s, c in zip(scores, candidates, strict=True)]
+        best_s = min(costs)
+        tie_s = best_s + max(NEAR_TIE_S, NEAR_TIE_FRACTION * best_s)
         rand = choice.rng.random
-        keys: list[tuple[float, ...]] = []
-        for i, (cost, c, s) in enumerate(zip(costs, candidates, scores, strict=True)):
-            if not in_band[i]:
-                keys.append((1, cost, 0, c.load.in_flight, rand(), i))
-            elif robust:  # balance, then cached blocks, then load
-                over = c.load.in_flight > least + BALANCE_SLACK
-                cached_blocks = s.expected_cached_tokens // max(1, bs)
-                keys.append((0, over, -cached_blocks, c.load.in_flight, rand(), i))
-            else:
-                keys.append((0, 0, 0, c.load.in_flight, rand(), i))
+        # rank: the cost, where near-ties count as the best, then fewer in flight, then rng
+        keys = [
+            (best_s if cost <= tie_s else cost, c.load.in_flight, rand(), i)
+            for i, (cost, c) in enumerate(zip(costs, candidates, strict=True))
+        ]
         keys.sort()
-        ordered = [scores[int(k[-1])] for k in keys]
+        ordered = [scores[k[3]] for k in keys]
         return tuple(s.replica for s in ordered), _reason(ordered[0], scores)
 
 
-def _band(c: Candidate) -> float:
-    """The share of the best cost within which `c`'s estimate cannot be told from it."""
-    return NEAR_TIE_FRACTION if c.estimate_band is None else max(NEAR_TIE_FRACTION, c.estimate_band)
-
-
-def cost_s(s: Score) -> float:
+def cost_s(s: Score, c: Candidate | None = None) -> float:
     """What placing the request there costs: its estimated TTFT, and the wait it adds to the
     requests it would go before: the less urgent ones it overtakes, and those still loading
-    their KV that would join the queue while it prefills."""
+    their KV that would join the queue while it prefills. Blended with the robust cost by the
+    doubt in `c`'s estimates (routing/authority.py); without `c`, the model's cost alone."""
     e = s.estimate
-    return e.ttft_s + OVERTAKE_WEIGHT * e.others_wait_s
+    model_s = e.ttft_s + OVERTAKE_WEIGHT * e.others_wait_s
+    if c is None or c.estimate_band is None:
+        return model_s
+    doubt = doubt_of(c.estimate_band)
+    if not doubt:
+        return model_s
+    return (1 - doubt) * model_s + doubt * robust_s(s, c)
 
 
 def _reason(chosen: Score, scores: tuple[Score, ...]) -> Reason:

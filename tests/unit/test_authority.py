@@ -8,10 +8,16 @@ import random
 
 import pytest
 
-from routing.authority import PRIOR_LOG_ERROR, EstimateError
+from routing.authority import (
+    DOUBTED_BAND,
+    PRIOR_LOG_ERROR,
+    TRUSTED_BAND,
+    EstimateError,
+    doubt_of,
+)
 from routing.cost import Estimate, Load, Overlap
 from routing.policies.base import Candidate, Choice, RouteRequest, Score
-from routing.policies.cache_aware import NEAR_TIE_FRACTION, CacheAware
+from routing.policies.cache_aware import CacheAware
 
 BS = 16
 
@@ -24,8 +30,12 @@ def score(name: str, ttft_s: float, cached_tokens: int) -> Score:
 
 
 def first(*rows: tuple[str, float, int, int, float | None]) -> str:
-    """The chosen replica among rows of (name, estimated TTFT, cached tokens, in flight, band)."""
-    candidates = [Candidate(n, load=Load(in_flight=f), estimate_band=b) for n, _, _, f, b in rows]
+    """The chosen replica among rows of (name, estimated TTFT, cached tokens of its 2,000,
+    prefill tokens already sent there, band)."""
+    candidates = [
+        Candidate(n, load=Load(in_flight=p // 1000, pending_prefill_tokens=p), estimate_band=b)
+        for n, _, _, p, b in rows
+    ]
     scores = tuple(score(n, t, c) for n, t, c, _, _ in rows)
     choice = Choice(RouteRequest((), 2_000, BS), candidates, scores, 0, random.Random(1))
     return CacheAware().rank(choice)[0][0]
@@ -58,19 +68,17 @@ def test_one_stalled_answer_moves_the_error_a_bounded_step() -> None:
     ("rows", "expected"),
     [
         # a model that has been right: its cheaper estimate wins, though the other holds more
-        ([("a", 0.100, 1_600, 0, 0.0), ("b", 0.080, 0, 0, 0.0)], "b"),
-        # the same estimates from a model in doubt: the cached prefix wins
+        ([("a", 0.100, 1_600, 0, 0.1), ("b", 0.080, 0, 0, 0.1)], "b"),
+        # the same estimates from a model in doubt: the robust cost, and the prefix, win
         ([("a", 0.100, 1_600, 0, 2.0), ("b", 0.080, 0, 0, 2.0)], "a"),
-        # in doubt, a holder out of balance loses to one in balance
-        ([("a", 0.100, 1_600, 5, 2.0), ("b", 0.080, 0, 1, 2.0)], "b"),
-        # in doubt, but far cheaper than the band: the estimate still decides
-        ([("a", 0.900, 1_600, 0, 2.0), ("b", 0.080, 0, 0, 2.0)], "b"),
-        # one replica in doubt is enough to doubt a comparison with it
-        ([("a", 0.100, 1_600, 0, 2.0), ("b", 0.080, 0, 0, 0.0)], "a"),
-        # no band given (the what-if replay): near-ties only, then fewer in flight
-        ([("a", 0.081, 1_600, 2, None), ("b", 0.080, 0, 1, None)], "b"),
+        # in doubt, a holder with 6,000 tokens of prefill already sent there loses
+        ([("a", 0.100, 1_600, 6_000, 2.0), ("b", 0.080, 0, 0, 2.0)], "b"),
+        # half in doubt: a large enough gap in the estimate still decides
+        ([("a", 0.400, 1_600, 0, 0.6), ("b", 0.080, 0, 0, 0.6)], "b"),
+        # no band given (the what-if replay): the model's cost alone
+        ([("a", 0.100, 1_600, 0, None), ("b", 0.080, 0, 0, None)], "b"),
     ],
-    ids=["right", "doubt-prefix", "doubt-balance", "doubt-far", "one-in-doubt", "replay"],
+    ids=["right", "doubt-prefix", "doubt-load", "half-doubt", "replay"],
 )
 def test_cache_aware_leans_on_the_estimate_as_far_as_it_has_been_right(
     rows: list[tuple[str, float, int, int, float | None]], expected: str
@@ -78,6 +86,9 @@ def test_cache_aware_leans_on_the_estimate_as_far_as_it_has_been_right(
     assert first(*rows) == expected
 
 
-def test_a_band_below_a_near_tie_is_a_near_tie() -> None:
-    rows = [("a", 0.1 * (1 + NEAR_TIE_FRACTION / 2), 1_600, 3, 0.01), ("b", 0.1, 0, 1, 0.01)]
-    assert first(*rows) == "b"  # a near-tie, taken by load as ever
+@pytest.mark.parametrize(
+    ("band", "doubt"), [(0.0, 0.0), (TRUSTED_BAND, 0.0), (DOUBTED_BAND, 1.0), (5.0, 1.0)]
+)
+def test_doubt_runs_from_a_trusted_to_a_doubted_band(band: float, doubt: float) -> None:
+    assert doubt_of(band) == doubt
+    assert 0 < doubt_of((TRUSTED_BAND + DOUBTED_BAND) / 2) < 1
