@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from gateway.fleet.registry import Replica
 from gateway.telemetry.metrics import Metrics
+from routing.authority import doubt_of
 from routing.cost import CostTerms
 from routing.decide import Score, rescored
 from routing.learn import MIN_EXCITED, TERMS, OnlineFit, Sample, load_under_queue
@@ -230,7 +231,10 @@ class CostLearner:
 
     def _observe_error(self, ob: Observation) -> None:
         est_s, name = ob.score.estimate.ttft_s, ob.replica.name
-        ob.replica.estimate_error.observe(est_s, ob.observed_s)
+        error = ob.replica.estimate_error
+        error.observe(est_s, ob.observed_s)
+        self._metrics.estimate_miss.labels(name).set(error.band())
+        self._metrics.estimate_robust_share.labels(name).set(doubt_of(error.band()))
         if ob.observed_s > 0:
             self._metrics.estimate_error.labels(name).observe(
                 abs(est_s - ob.observed_s) / ob.observed_s
@@ -330,6 +334,10 @@ class CostLearner:
                 "swap_tokens_per_s": round(1 / terms.swap_s_per_token, 1),
                 "fetch_tokens_per_s": round(1 / terms.fetch_s_per_token, 1),
                 "step_ms": round(terms.step_s * 1000, 3),
+                # how far its decisions lean on these terms (routing/authority.py)
+                "estimate_miss_ratio": round(r.estimate_error.band(), 3),
+                "estimate_misses_seen": r.estimate_error.samples,
+                "robust_share": round(doubt_of(r.estimate_error.band()), 3),
             }
         return out
 

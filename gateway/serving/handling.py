@@ -64,13 +64,11 @@ def dispatch_now(gw: Gateway, plan: Plan) -> Dispatch | None:
     lets the request go at once (its class has no budget, or it fits the budget with no one
     of its class or above waiting); None when it must wait (hold)."""
     held = _flow_for(gw, plan)
-    if held is None:
-        return dispatch(gw, plan)
-    flow, ready = held
     klass = plan.tenant.tenant_class
-    if not flow.admit_now(klass, ready):
+    if held is not None and not held[0].admit_now(klass, held[1]):
         return None
-    gw.metrics.flow_wait_seconds.labels(klass.value).observe(0.0)
+    if gw.flow is not None:
+        gw.metrics.flow_wait_seconds.labels(klass.value).observe(0.0)
     note_queue_wait(0.0)
     return dispatch(gw, plan)
 

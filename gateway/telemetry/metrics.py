@@ -258,6 +258,18 @@ class Metrics:
         "replica",
         buckets=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0),
     )
+    estimate_miss = gauge(
+        "cachelane_estimate_miss_ratio",
+        "The replica's typical recent estimate miss (exp of the mean |ln(observed/estimated)|, "
+        "minus 1; starts at 2: a 3x miss), routing/authority.py",
+        "replica",
+    )
+    estimate_robust_share = gauge(
+        "cachelane_estimate_robust_share_ratio",
+        "How much the replica's routing cost leans on the robust cost instead of the estimate "
+        "(0: the estimate alone; 1: the robust cost alone), routing/authority.py",
+        "replica",
+    )
     estimated_queue = histogram(
         "cachelane_estimated_queue_seconds",
         "The queue term of the chosen replica's estimate at dispatch (compare with the "

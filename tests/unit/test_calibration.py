@@ -249,6 +249,11 @@ def test_metrics_show_the_fitted_terms_and_the_error() -> None:
     value = metrics.registry.get_sample_value
     labels = {"replica": rs[0].name}
     assert value("cachelane_ttft_estimate_error_ratio_count", labels) == 1
+    # a 10x miss after a 3x prior: the typical miss grew, decisions lean on the robust cost
+    assert value("cachelane_estimate_miss_ratio", labels) > 2.0
+    assert value("cachelane_estimate_robust_share_ratio", labels) == 1.0
+    costs = learner.describe()["replicas"][rs[0].name]
+    assert costs["estimate_misses_seen"] == 1 and costs["robust_share"] == 1.0
     fitted = value(
         "cachelane_cost_fit_seconds_per_token", {"replica": rs[0].name, "term": "prefill"}
     )

@@ -33,6 +33,7 @@ from gateway.serving.settlement import Observer, Settled, Settlement, observers
 from gateway.serving.upstream import UpstreamDisconnected
 from gateway.state import Gateway
 from gateway.wiring import build_gateway
+from routing.types import TenantClass
 from tests.unit.test_proxy import (
     ASGI_23,
     ASKS_USAGE,
@@ -327,6 +328,8 @@ async def held_gateway() -> AsyncIterator[Gateway]:
         gw = build_gateway(parse_config(data), http, FakeFleet())
         for replica in gw.registry.replicas.values():
             await gw.registry.mark_ok(replica, frozenset())
+        assert gw.flow is not None
+        gw.flow.arrived(TenantClass.CRITICAL)  # standard is held only for a more urgent class
         yield gw
 
 
