@@ -421,6 +421,44 @@ def draw(path: Path, names: Sequence[str], per_member: Sequence[Mapping[str, Any
     )
 
 
+def markdown(payload: Mapping[str, Any]) -> str:
+    """The run as the tables docs/bench/family.md shows: per member and arm, then the family."""
+    lines = [
+        "| member | fleet | arm | hit (ideal) | TTFT p50 / p90 / p99 | excess p90 / p99 "
+        "| est. miss p90 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in payload["members"]:
+        f = m["fleet"]
+        tiers = "+".join(["hbm"] + ["cpu"] * bool(f["cpu_tokens"]) + ["remote"] * f["remote"])
+        threshold = f["long_prefill_token_threshold"]
+        fleet = (
+            f"{f['replicas']} x {f['prefill_tokens_per_s']:,.0f} tok/s, {tiers}, budget "
+            f"{f['max_num_batched_tokens']}{f' thr {threshold}' * bool(threshold)}, "
+            f"{f['scheduling_policy']}, decode {f['decode_step_s'] * 1000:.0f} ms, "
+            f"load {m['load']:.2f}"
+        )
+        for i, (arm, a) in enumerate(m["arms"].items()):
+            t, e = a["ttft_ms"], a["excess_ms"]
+            est = "" if a["est_error_p90"] is None else f"{a['est_error_p90']:.2f}"
+            lines.append(
+                f"| {m['name'] if i == 0 else ''} | {fleet if i == 0 else ''} | {arm} | "
+                f"{a['hit']:.3f} ({m['ideal_hit']:.3f}) | {t['p50']:,.0f} / {t['p90']:,.0f} / "
+                f"{t['p99']:,.0f} | {e['p90']:,.0f} / {e['p99']:,.0f} | {est} |"
+            )
+    lines += [
+        "",
+        "| arm | ratio to the better peer | median | worst decile | worst |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for arm, row in payload["summary"].items():
+        for key, v in row.items():
+            fmt = "{:+.1f}" if key == "hit_points" else "{:.2f}x"
+            cells = " | ".join(fmt.format(v[s]) for s in ("median", "worst_decile", "worst"))
+            lines.append(f"| {arm} | {key.replace('_', ' ')} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -521,6 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
         "not_run": not_run,
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(markdown(payload))
     harness.write_results(
         out,
         args.out,

@@ -55,3 +55,5 @@ def test_bench_family_quick_runs_and_writes_results(tmp_path: Path) -> None:
         assert member["ratios_to_better_peer"] == {}  # no peer ran
     assert data["summary"] == {} and data["goals"] == []
     assert out.with_suffix(".png").stat().st_size > 0
+    table = out.with_suffix(".md").read_text()  # the tables docs/bench/family.md shows
+    assert table.count("| quickstart |") == 2 and "m02-mc-synthetic" in table
