@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.bench.critical_results import ArmResult
 from loadtest.sim.config import MAX_MODEL_LEN_TOKENS
+from loadtest.sim.fleet import step_flags
 from loadtest.sim.steps import StepSettings, default_max_num_batched_tokens
 from routing import cost
 from routing.whatif.summary import percentile
@@ -82,14 +83,7 @@ class Engine:
         s = self.step_settings()
         if s is None:
             return ["--engine-model", "serial", "--scheduling-policy", self.scheduling_policy]
-        return [
-            "--engine-model", "steps",
-            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-            "--long-prefill-token-threshold", str(s.long_prefill_token_threshold),
-            "--scheduling-policy", s.scheduling_policy,
-            "--max-num-seqs", str(s.max_num_seqs),
-            "--step-overhead-ms", f"{s.step_overhead_s * 1000:g}",
-        ]  # fmt: skip
+        return step_flags(s)
 
     def declared(self) -> dict[str, Any]:
         """The flags the replicas run, by vLLM's names: the pools' `engine:` block as

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.sim.fleet import step_flags
 from loadtest.sim.steps import StepSettings
 from loadtest.workloads import mooncake, traces
 from loadtest.workloads.critical_traces import Floor, ideal_floor
@@ -89,15 +90,7 @@ class FleetDraw:
         )
 
     def sim_args(self) -> list[str]:
-        s = self.steps()
-        return [
-            "--engine-model", "steps",
-            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-            "--long-prefill-token-threshold", str(s.long_prefill_token_threshold),
-            "--scheduling-policy", s.scheduling_policy,
-            "--max-num-seqs", str(s.max_num_seqs),
-            "--step-overhead-ms", f"{s.step_overhead_s * 1000:g}",
-        ]  # fmt: skip
+        return step_flags(self.steps())
 
     @property
     def tiers(self) -> str:

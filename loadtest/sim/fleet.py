@@ -39,6 +39,7 @@ from loadtest.sim.steps import (
     VLLM_LONG_PREFILL_TOKEN_THRESHOLD,
     VLLM_MAX_NUM_SEQS,
     SchedulingPolicy,
+    StepSettings,
 )
 from routing.cost import HBM_CAPACITY_TOKENS, PoolCosts
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
@@ -54,6 +55,19 @@ class QuietServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def step_flags(s: StepSettings) -> list[str]:
+    """This command's flags that run vLLM V1's step loop with `s`, every one given explicitly
+    (the benchmarks start fleets with them)."""
+    return [
+        "--engine-model", "steps",
+        "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+        "--long-prefill-token-threshold", str(s.long_prefill_token_threshold),
+        "--scheduling-policy", s.scheduling_policy,
+        "--max-num-seqs", str(s.max_num_seqs),
+        "--step-overhead-ms", f"{s.step_overhead_s * 1000:g}",
+    ]  # fmt: skip
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
