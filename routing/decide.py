@@ -18,6 +18,7 @@ from itertools import groupby
 from operator import countOf
 
 from routing.cost import CostTerms, Overlap, estimate, seeded
+from routing.hidden_tier import ANY_HOLDER
 from routing.policies import POLICIES
 from routing.policies.base import (
     Candidate,
@@ -99,8 +100,9 @@ def overlap_of(
 ) -> Overlap:
     """Split the prompt into HBM prefix, CPU extension and remote extension for one replica:
     the leading runs in its HBM, then those in its HBM or CPU tier (an HBM-only pool stops
-    before), then those anywhere it can load from its remote tier; the first run it can get
-    from nowhere ends the overlap. `leading`: leading_runs(runs), when the caller has it."""
+    before), then those anywhere it can load from its remote tier (a hidden tier, ANY_HOLDER:
+    every run some location holds); the first run it can get from nowhere ends the overlap.
+    `leading`: leading_runs(runs), when the caller has it."""
     hbm = _location(candidate.name, Tier.HBM)
     if leading is None:
         leading = leading_runs(runs)
@@ -112,7 +114,11 @@ def overlap_of(
         while i < end and (hbm in runs[i][0] or cpu in runs[i][0]):
             c += runs[i][1]
             i += 1
-        if candidate.remote_tier:
+        if candidate.remote_tier == ANY_HOLDER:  # a hidden tier: whatever anyone holds
+            while i < end:
+                m += runs[i][1]
+                i += 1
+        elif candidate.remote_tier:
             remote = _location(candidate.remote_tier, Tier.REMOTE)
             while i < end and (remote in (h := runs[i][0]) or hbm in h or cpu in h):
                 m += runs[i][1]

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from routing.admission import AdmissionVerdict, should_write
 from routing.decide import Candidate, Score
+from routing.hidden_tier import ANY_HOLDER
 from routing.types import BlockHits, Location, Tier
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def admit(
     """Should `chosen` write the prompt to its remote tier? `reuse`: earlier requests of the
     prompt's family in the reuse window (routing/admission.py). None: no remote tier there."""
     tier = chosen.remote_tier  # None for an HBM-only pool
-    if tier is None:
+    if tier is None or tier == ANY_HOLDER:  # a hidden tier: the gateway does not control it
         return None
     block = settings.block_size_tokens
     remote = Location(tier, Tier.REMOTE)

@@ -26,6 +26,7 @@ terms through this class (`describe`, `states`, `terms_of`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,8 +37,11 @@ from gateway.telemetry.metrics import Metrics
 from routing.authority import doubt_of
 from routing.cost import CostTerms
 from routing.decide import Score, rescored
+from routing.hidden_tier import HiddenTier
 from routing.learn import MIN_EXCITED, TERMS, OnlineFit, Sample, load_under_queue
 from routing.policies.base import Candidate
+
+log = logging.getLogger("cachelane.calibration")
 
 Mode = Literal["fit", "correction", "none"]
 
@@ -76,6 +80,9 @@ class Observation:
     # rescored); None: learned from `score` as it is
     candidate: Candidate | None = None
     priority: int | None = None
+    # the longest prefix any candidate of the decision held (hbm, cpu, remote), for the evidence
+    # of a tier nobody told the gateway of (routing/hidden_tier.py); None: not known
+    fleet_cached_tokens: int | None = None
 
 
 def sample_of(
@@ -148,6 +155,7 @@ class CostLearner:
         self._replicas: dict[str, Replica] = {}
         self._own: dict[str, OnlineFit] = {}
         self._pooled: dict[str, OnlineFit] = {}
+        self._hidden: dict[str, HiddenTier] = {}  # by pool: shared by its replicas
         self._queued: list[Observation] = []
         self._learn_soon: asyncio.TimerHandle | asyncio.Handle | None = None
         for r in replicas:
@@ -165,6 +173,7 @@ class CostLearner:
         else:
             pooled.refit()  # the newcomer reads it: solve what it took since its last refit
         self._own[r.name] = OnlineFit(seed, pool=pooled)
+        r.hidden_tier = self._hidden.setdefault(r.pool.name, HiddenTier())
         r.terms = None if self.mode == "none" else self._terms_of(r.name)
         self._export(r)
 
@@ -213,6 +222,7 @@ class CostLearner:
             if self._replicas.get(replica.name) is not replica:
                 continue  # it left the fleet while this request was finishing
             self._observe_error(ob)
+            self._observe_tiers(ob)
             if self.mode == "fit":
                 if self._fold(ob):
                     own_moved[replica.name] = replica
@@ -241,6 +251,27 @@ class CostLearner:
             )
             self._metrics.estimate_ratio.labels(name).observe(
                 ob.observed_s / est_s if est_s > 0 else 0.0
+            )
+
+    def _observe_tiers(self, ob: Observation) -> None:
+        """Evidence of a hidden tier: what the engine reused beyond the replica's known prefix,
+        against what other replicas held. Only where no remote tier is configured."""
+        replica = ob.replica
+        if ob.cached_tokens is None or ob.fleet_cached_tokens is None:
+            return
+        if replica.pool.remote_tier or replica.pool.hbm_only:
+            return
+        o = ob.score.overlap
+        known = o.hbm_tokens + o.cpu_tokens
+        hidden = replica.hidden_tier
+        if hidden.observe(ob.fleet_cached_tokens - known, ob.cached_tokens - known):
+            log.info(
+                "pool %s: its engines %s prefixes other replicas held: routing %s",
+                replica.pool.name,
+                "reuse" if hidden.inferred else "no longer reuse",
+                "as if they shared a KV tier the config does not name"
+                if hidden.inferred
+                else "on the configured tiers again",
             )
 
     def _fold(self, ob: Observation) -> bool:

@@ -314,6 +314,6 @@ class PoolConfig(Strict):
 
 
 class RemoteTierConfig(Strict):
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # never routing's ANY_HOLDER, "*"
     url: HttpUrl | None = None  # the simulator's remote tier service; real tiers are engine-side
     capacity_tokens: PositiveInt = 10_000_000

@@ -24,6 +24,7 @@ from gateway.fleet.step_watch import StepWatch
 from routing.authority import EstimateError
 from routing.cost import HBM_CAPACITY_TOKENS, CostTerms, Load, PoolCosts, Queued
 from routing.decide import Candidate, PoolRules
+from routing.hidden_tier import HiddenTier
 
 log = logging.getLogger("cachelane.registry")
 
@@ -48,10 +49,8 @@ class Replica:
     rules: PoolRules
     healthy: bool = False
     consecutive_failures: int = 0  # failed health checks and dropped connections in a row
-    # passive health: 5xx answers, first-byte timeouts and broken connections in a row
-    consecutive_errors: int = 0
-    # out for how its requests went: re-admitted only by a probe, after its back-off
-    ejection: Ejection | None = None
+    consecutive_errors: int = 0  # passive health: 5xx, first-byte timeouts, broken connections
+    ejection: Ejection | None = None  # out for how its requests went: back after a probe
     last_ejection: Ejection | None = None  # the one before: the back-off counts on from it
     ejection_reason: str | None = None  # why it was last taken out (metrics label)
     admitted_s: float = 0.0  # time.monotonic() when it was last admitted
@@ -69,8 +68,8 @@ class Replica:
     head_since_s: float = 0.0  # perf_counter when the prefill queue's current head started
     steps: StepWatch = field(default_factory=StepWatch)  # its engine steps, seen on streams
     estimate_error: EstimateError = field(default_factory=EstimateError)  # routing/authority.py
-    # Requests awaiting their first byte, keyed by id() of the reservation.
-    joining: dict[int, Joining] = field(default_factory=dict)
+    hidden_tier: HiddenTier = field(default_factory=HiddenTier)  # its pool's (calibration.py)
+    joining: dict[int, Joining] = field(default_factory=dict)  # by id() of the reservation
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -161,11 +160,12 @@ class Replica:
             )
 
     def candidate(self, now_s: float, stale_after_s: float) -> Candidate:
+        tier = None if self.pool.hbm_only else self.pool.remote_tier or self.hidden_tier.tier
         return Candidate(
             name=self.name,
             load=self.load(now_s, stale_after_s),
             costs=self.costs,
-            remote_tier=None if self.pool.hbm_only else self.pool.remote_tier,
+            remote_tier=tier,
             terms=self.terms,
             pool=self.rules,
             estimate_band=self.estimate_error.band(),

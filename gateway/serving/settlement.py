@@ -354,6 +354,7 @@ class Learning(Observer):
                 settled.cached_tokens,
                 plan.decision.candidate(replica.name),
                 plan.engine_priority(replica),
+                max(s.overlap.cached_tokens for s in plan.decision.scores),
             )
             self._learner.queue(observation)
 
