@@ -369,6 +369,9 @@ class CostLearner:
                 "estimate_miss_ratio": round(r.estimate_error.band(), 3),
                 "estimate_misses_seen": r.estimate_error.samples,
                 "robust_share": round(doubt_of(r.estimate_error.band()), 3),
+                # a tier its pool's engines reuse from that the config does not name
+                "hidden_tier": r.hidden_tier.inferred,
+                "hidden_tier_share": round(r.hidden_tier.share, 3),
             }
         return out
 
