@@ -17,6 +17,7 @@ from gateway.accounting.ledger import CostAccounting
 from gateway.accounting.ledger_store import CostStore, WorkerCosts
 from gateway.components import Component
 from gateway.config import GatewayConfig
+from gateway.config.pools import RemoteTierConfig
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.health_checks import HealthChecker
 from gateway.fleet.membership import Fleet
@@ -33,6 +34,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.tenancy.keys import Keyring
 from gateway.tenancy.rate_limits import RateLimiter
 from gateway.tenancy.store import TenantStore
+from routing.hidden_tier import ANY_HOLDER
 from routing.index import Index, MemoryIndex, RemovedFn, ignore_removed
 from routing.speculative import SpeculativeIndex
 from routing.types import Location, TenantClass, Tier
@@ -134,6 +136,8 @@ def build_index(
         registry.replicas
     )  # read at each call: replicas join and leave (gateway/fleet/membership.py)
     remote_caps = {t.name: t.capacity_tokens // block for t in config.remote_tiers}
+    # a tier nobody named (routing/hidden_tier.py): a configured tier's default capacity
+    remote_caps[ANY_HOLDER] = RemoteTierConfig.model_fields["capacity_tokens"].default // block
 
     def capacity_blocks(loc: Location) -> int | None:
         if loc.tier is Tier.REMOTE:

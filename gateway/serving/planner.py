@@ -440,8 +440,10 @@ class Planner:
         return index_writes(
             plan.decision.score(replica.name),
             plan.hashes,
-            remote_tier=replica.pool.remote_tier,
-            write_remote=plan.admission is not None and plan.admission.write,
+            remote_tier=replica.pool.remote_tier or replica.hidden_tier.tier,
+            # a tier nobody named takes what its engines write: every prompt, as they showed
+            write_remote=(plan.admission is not None and plan.admission.write)
+            or (replica.pool.remote_tier is None and replica.hidden_tier.inferred),
             stream=plan.stream,
             settings=self._settings,
         )
