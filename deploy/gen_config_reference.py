@@ -213,7 +213,7 @@ DESCRIPTIONS: dict[str, str] = {
     "pools[].sim.time_factor": "Multiplies every simulated delay (0.1 runs 10x faster).",
     "pools[].sim.scheduling_policy": "`fcfs` or `priority` (vLLM's --scheduling-policy): with "
     "`priority` the prefill queue is ordered by the request's `priority` (lower first), then "
-    "arrival.",
+    "arrival. Unset: the pool's engine.scheduling_policy (`priority` with engine_priority).",
 }
 
 

@@ -319,7 +319,17 @@ def _check_config(args: argparse.Namespace) -> int:
     )
     if config.auth.mode == "keys" and not config.tenants:
         print(f"cachelane: warning: {no_tenant_warning(config)}", file=sys.stderr)
-    return 0
+    if not args.probe:
+        return 0
+    from gateway.cli.probe import probe_replicas
+
+    disagree = False
+    for probed in probe_replicas(config):
+        print(f"  {probed.replica}: {probed.line}")
+        if probed.warning is not None:
+            print(f"cachelane: warning: {probed.warning}", file=sys.stderr)
+        disagree = disagree or probed.refuses_priority
+    return 1 if disagree else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -368,10 +378,17 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check-config",
         help="validate a config file (variables and secret files resolved) and exit: "
-        "0 when valid, 2 with every error",
+        "0 when valid, 2 with every error (1: --probe found an engine that disagrees)",
     )
     check.add_argument("file", nargs="?", help=f"the config (default: ${CONFIG_ENV})")
     check.add_argument("--config", help="the config, as `serve --config FILE` takes it")
+    check.add_argument(
+        "--probe",
+        action="store_true",
+        help="also ask every replica listed: its models, and whether its engine takes "
+        "`priority` where the pool sends it (a one-token generation); exit 1 when an engine "
+        "refuses what its pool sends",
+    )
     check.set_defaults(func=_check_config)
 
     explain = sub.add_parser(
