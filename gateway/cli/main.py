@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from gateway import __version__
 from gateway.cli import report
 from gateway.config import (
     ConfigError,
@@ -340,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"cachelane {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the gateway in front of OpenAI-compatible replicas")

@@ -9,10 +9,11 @@ output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s;
 cancelled there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so,
 the last 5xx answer passes through as it came, else 502 or 504. A 4xx answer passes through at once
 (the request, not the replica, is at fault), except an engine's refusal of the class's `priority`,
-sent again without it (gateway/serving/refused_priority.py); once a streamed answer has begun, a failure ends it
-with an error event. Passive health (Registry.answered, Registry.errored, Registry.unreachable):
-such failures in a row, or one refused connection, eject a replica until its back-off is over
-and a probe generation passes (gateway/fleet/outliers.py), like Envoy's outlier detection.
+sent again without it (gateway/serving/refused_priority.py); once a streamed answer has begun, a
+failure ends it with an error event. Passive health (Registry.answered, Registry.errored,
+Registry.unreachable): such failures in a row, or one refused connection, eject a replica until
+its back-off is over and a probe generation passes (gateway/fleet/outliers.py), like Envoy's
+outlier detection.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
