@@ -190,15 +190,31 @@ LAZY_COMMANDS = {
 }
 
 
-def _first_model(gateway: str, headers: dict[str, str]) -> str:
-    """The first model the gateway serves (GET /v1/models), for a route-explain without --model."""
-    resp = httpx.get(f"{gateway}/v1/models", headers=headers, timeout=10)
-    if resp.status_code != 200:
-        raise ValueError(f"cannot list the gateway's models: {_readable_error(resp)}")
-    models = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+def _first_model(gateway: str, api_key: str | None, admin_key: str | None) -> str:
+    """The first model the gateway serves, for a route-explain without --model: GET /v1/models
+    with the tenant's key, or the models /ready lists for its replicas with the admin key."""
+    if api_key or not admin_key:
+        resp = httpx.get(f"{gateway}/v1/models", headers=_bearer(api_key), timeout=10)
+        if resp.status_code != 200:
+            hint = (
+                ""
+                if resp.status_code != 401
+                else "; give --admin-key (the gateway's admin key: /debug/route needs it too), "
+                "or --model, or --api-key (a tenant's)"
+            )
+            raise ValueError(f"cannot list the gateway's models: {_readable_error(resp)}{hint}")
+        models = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+    else:
+        resp = httpx.get(f"{gateway}/ready", headers=_bearer(admin_key), timeout=10)
+        replicas = resp.json().get("replicas", {}) if resp.status_code in (200, 503) else {}
+        models = sorted({m for r in replicas.values() for m in r.get("models", [])})
     if not models:
         raise ValueError("the gateway serves no model yet (no replica has answered); pass --model")
     return str(models[0])
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
 def _readable_error(resp: httpx.Response) -> str:
@@ -213,18 +229,32 @@ def _readable_error(resp: httpx.Response) -> str:
     return f"{resp.status_code}: {resp.text[:300]}"
 
 
+def _debug_key_hint(status: int, admin_key: str | None) -> str:
+    """What to change when /debug/route refused the explanation for its key."""
+    if status == 401 and not admin_key:
+        return (
+            "; the gateway checks keys (auth.mode keys): give --admin-key (its config's "
+            "admin.api_key)"
+        )
+    if status == 404:
+        return (
+            "; the gateway has no admin key: set admin.api_key in its config, or run it with "
+            "auth.mode open, where route-explain needs no key"
+        )
+    return ""
+
+
 def _route_explain(args: argparse.Namespace) -> int:
     from gateway.cli.text_table import Out, TextTable
 
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    debug_headers = {"authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    debug_headers = _bearer(args.admin_key)
     if args.tenant:
         debug_headers["x-cachelane-tenant"] = args.tenant
     try:
         if args.file:
             body = json.loads(Path(args.file).read_text())
         else:
-            model = args.model or _first_model(args.gateway, headers)
+            model = args.model or _first_model(args.gateway, args.api_key, args.admin_key)
             body = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
         resp = httpx.post(
             f"{args.gateway}/debug/route", json=body, headers=debug_headers, timeout=10
@@ -236,7 +266,11 @@ def _route_explain(args: argparse.Namespace) -> int:
         print(f"cachelane: {err}", file=sys.stderr)
         return 1
     if resp.status_code != 200:
-        print(f"cachelane: the gateway answered {_readable_error(resp)}", file=sys.stderr)
+        print(
+            f"cachelane: the gateway answered {_readable_error(resp)}"
+            + _debug_key_hint(resp.status_code, args.admin_key),
+            file=sys.stderr,
+        )
         return 1
     data = resp.json()
     console = Out()
@@ -402,7 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--model", help="model, when no --file (default: the first the gateway lists)"
     )
-    explain.add_argument("--api-key", help="a tenant's key, to list the models without --model")
+    explain.add_argument(
+        "--api-key", help="a tenant's key, to list the models without --model (else --admin-key's)"
+    )
     explain.add_argument(
         "--admin-key", help="the admin key: /debug/route needs it unless auth.mode is open"
     )
