@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from gateway import __version__
-from gateway.cli import report
+from gateway.cli import keygen, report
 from gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -34,6 +34,7 @@ examples:
   cachelane serve --config deploy/examples/sim-fleet.yaml
   cachelane route-explain --prompt "You are a helpful assistant..." --model sim-llama-8b
   cachelane report http://127.0.0.1:8000 --admin-key $KEY   # where offloading's cost landed
+  cachelane keygen voice --class critical          # a new key and its tenants: entry
   cachelane locust --headless -u 20 -r 5 -t 60s --host http://127.0.0.1:8000
 """
 
@@ -445,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--tenant", help="explain the route as this tenant (with --admin-key)")
     explain.set_defaults(func=_route_explain)
     report.add_parser(sub)
+    keygen.add_parser(sub)
     return parser
 
 

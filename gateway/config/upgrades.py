@@ -48,7 +48,8 @@ GONE: tuple[Gone, ...] = (
     ),
     Gone(
         "auth.api_keys",
-        "each key belongs to a tenant now: tenants: [{name: NAME, api_key_sha256: DIGEST}]",
+        "each key belongs to a tenant now: tenants: [{name: NAME, api_key_sha256: DIGEST}] "
+        "(`cachelane keygen NAME` makes a key and that entry)",
         renamed=False,
     ),
 )
