@@ -71,11 +71,18 @@ def _serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, **common)  # SIGHUP reloads
         return 0
     # N processes on one socket (uvicorn's supervisor binds it, each worker accepts on it); each
-    # builds its app from these same arguments and finds its siblings in the directory
+    # builds its app from these same arguments and finds its siblings in the directory; SIGHUP
+    # reloads each worker in place (gateway/cli/workers.py)
+    from gateway.cli.workers import run_workers
+
     with tempfile.TemporaryDirectory(prefix="cachelane-workers-") as directory:
         os.environ[WORKERS_DIR_ENV] = directory
         os.environ[SERVE_ARGV_ENV] = json.dumps(args.argv)
-        uvicorn.run("gateway.cli.main:worker_app", factory=True, workers=args.workers, **common)
+        run_workers(
+            uvicorn.Config(
+                "gateway.cli.main:worker_app", factory=True, workers=args.workers, **common
+            )
+        )
     return 0
 
 
