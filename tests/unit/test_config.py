@@ -9,12 +9,9 @@ from gateway.config import (
     parse_config,
     quick_config,
 )
+from tests.helpers.examples import EXAMPLE_ENV
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
-
-
-EXAMPLE_ENV = {name: f"{name.lower()}-{'0' * 40}" for name in ("VOICE_KEY", "WEB_KEY", "ADMIN_KEY")}
-# the keys deploy/examples/sim-tenants.yaml takes from its environment
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
