@@ -252,21 +252,24 @@ def _debug_key_hint(status: int, admin_key: str | None) -> str:
     return ""
 
 
-def _route_explain(args: argparse.Namespace) -> int:
-    from gateway.cli.text_table import Out, TextTable
-
+def _ask_debug_route(args: argparse.Namespace) -> httpx.Response:
+    """POST the explained body to /debug/route (the admin key's, as --tenant if given)."""
     debug_headers = _bearer(args.admin_key)
     if args.tenant:
         debug_headers["x-cachelane-tenant"] = args.tenant
+    if args.file:
+        body = json.loads(Path(args.file).read_text())
+    else:
+        model = args.model or _first_model(args.gateway, args.api_key, args.admin_key)
+        body = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
+    return httpx.post(f"{args.gateway}/debug/route", json=body, headers=debug_headers, timeout=10)
+
+
+def _route_explain(args: argparse.Namespace) -> int:
+    from gateway.cli.text_table import Out, TextTable
+
     try:
-        if args.file:
-            body = json.loads(Path(args.file).read_text())
-        else:
-            model = args.model or _first_model(args.gateway, args.api_key, args.admin_key)
-            body = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
-        resp = httpx.post(
-            f"{args.gateway}/debug/route", json=body, headers=debug_headers, timeout=10
-        )
+        resp = _ask_debug_route(args)
     except httpx.HTTPError as err:
         print(f"cachelane: cannot reach the gateway at {args.gateway}: {err}", file=sys.stderr)
         return 1
