@@ -144,8 +144,9 @@ def test_the_access_line_takes_usage_only_from_the_parsed_usage() -> None:
         watch.seen({"type": "http.response.start", "status": 200, "headers": []})
         content = b'{"choices": [], "engine_stats": {"prompt_tokens": 999}}'
         watch.seen({"type": "http.response.body", "body": content})
-        assert watch.access.prompt_tokens is None
+        before = watch.access.prompt_tokens
         note_usage(12, 4)
+        assert before is None
         assert (watch.access.prompt_tokens, watch.access.cached_tokens) == (12, 4)
     finally:
         watch.close()
