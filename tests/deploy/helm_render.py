@@ -7,7 +7,8 @@ What it takes: text and `{{ ... }}` actions with `{{-` / `-}}` whitespace trimmi
 an argument may be a parenthesized pipeline; values `.Values.a.b`, `.Release.Name`,
 `.Release.Namespace`, `.Chart.Name`, `.Chart.Version`, `.Chart.AppVersion`, string and integer
 literals; functions `toYaml`, `nindent`, `indent`, `quote`, `default`, `b64enc`, `sha256sum`,
-`required`, `and`, `or`, `not`, `eq`, `gt`, `contains`, `fail`, `.Files.Get "path"` and
+`required`, `and`, `or`, `not`, `eq`, `gt`, `contains`, `printf` (%s, %d), `fail`,
+`.Files.Get "path"` and
 `.Capabilities.APIVersions.Has "group/version"` (the cluster's API versions: `api_versions`).
 Anything else is an error, so a chart that grows past the subset fails its tests instead of
 rendering wrong.
@@ -40,14 +41,16 @@ def load_chart(
     chart: Path,
     overrides: dict[str, Any] | None = None,
     api_versions: frozenset[str] = KUBERNETES_API_VERSIONS | {PROMETHEUS_OPERATOR},
+    release: str = "cachelane",
 ) -> dict[str, Any]:
-    """The root context: Chart.yaml, values.yaml deep-merged with `overrides`, the release, the
-    cluster's API versions (by default one with the Prometheus Operator's CRDs)."""
+    """The root context: Chart.yaml, values.yaml deep-merged with `overrides`, the release (its
+    name: `release`), the cluster's API versions (by default one with the Prometheus Operator's
+    CRDs)."""
     meta = yaml.safe_load((chart / "Chart.yaml").read_text())
     values = _merge(yaml.safe_load((chart / "values.yaml").read_text()) or {}, overrides or {})
     return {
         "Values": values,
-        "Release": {"Name": "cachelane", "Namespace": "cachelane", "Service": "Helm"},
+        "Release": {"Name": release, "Namespace": "cachelane", "Service": "Helm"},
         "Chart": {
             "Name": meta["name"],
             "Version": meta["version"],
@@ -62,13 +65,12 @@ def render_chart(
     chart: Path,
     overrides: dict[str, Any] | None = None,
     api_versions: frozenset[str] | None = None,
+    release: str = "cachelane",
 ) -> list[dict[str, Any]]:
     """Every object the chart's templates render (files starting with `_` are helpers)."""
-    context = (
-        load_chart(chart, overrides)
-        if api_versions is None
-        else load_chart(chart, overrides, api_versions)
-    )
+    context = load_chart(chart, overrides, KUBERNETES_API_VERSIONS | {PROMETHEUS_OPERATOR}, release)
+    if api_versions is not None:
+        context["Capabilities"]["APIVersions"] = api_versions
     objects: list[dict[str, Any]] = []
     for path in sorted((chart / "templates").glob("*.yaml")):
         text = render(path.read_text(), context)
@@ -80,13 +82,12 @@ def render_notes(
     chart: Path,
     overrides: dict[str, Any] | None = None,
     api_versions: frozenset[str] | None = None,
+    release: str = "cachelane",
 ) -> str:
     """templates/NOTES.txt as `helm install` prints it."""
-    context = (
-        load_chart(chart, overrides)
-        if api_versions is None
-        else load_chart(chart, overrides, api_versions)
-    )
+    context = load_chart(chart, overrides, KUBERNETES_API_VERSIONS | {PROMETHEUS_OPERATOR}, release)
+    if api_versions is not None:
+        context["Capabilities"]["APIVersions"] = api_versions
     return render((chart / "templates" / "NOTES.txt").read_text(), context)
 
 
@@ -261,4 +262,5 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "eq": lambda a, *others: any(a == b for b in others),
     "gt": lambda a, b: a > b,
     "contains": lambda part, text: str(part) in str(text),
+    "printf": lambda fmt, *args: fmt % args,  # %s and %d, as Go's
 }

@@ -73,6 +73,23 @@ def test_the_gateway_config_validates_as_the_pod_reads_it(
         load_as_the_pod(chart[GATEWAY], _pod_files(chart, as_shipped=True), Path(root))
 
 
+INSTANCE = "app.kubernetes.io/instance"  # the release's label, on every selector
+
+
+def _without_release_marks(obj: Any) -> Any:
+    """The object without what only a Helm release adds: the instance label and the
+    CACHELANE_RELEASE variable (the base's config takes its default, the release "cachelane")."""
+    if isinstance(obj, dict):
+        return {k: _without_release_marks(v) for k, v in obj.items() if k != INSTANCE}
+    if isinstance(obj, list):
+        return [
+            _without_release_marks(v)
+            for v in obj
+            if not (isinstance(v, dict) and v.get("name") == "CACHELANE_RELEASE")
+        ]
+    return obj
+
+
 def _base() -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, list[Path]]]:
     tree = kustomize_check.check(BASE)
     return _by_key(tree.objects), tree.generators
@@ -87,7 +104,10 @@ def test_with_default_values_the_chart_is_the_kustomize_base(
     generated = {("ConfigMap", "cachelane-config"), ("Secret", "cachelane-secrets")}
     assert set(chart) == expected | generated
     for key in expected:
-        ours, theirs = copy.deepcopy(chart[key]), copy.deepcopy(objects[key])
+        ours, theirs = (
+            _without_release_marks(copy.deepcopy(chart[key])),
+            copy.deepcopy(objects[key]),
+        )
         if key == GATEWAY:
             template = ours["spec"]["template"]
             assert set(template["metadata"].pop("annotations")) == {
@@ -212,3 +232,24 @@ def test_the_notes_say_how_to_reach_it_and_what_to_change() -> None:
     assert "in-memory index" not in render_notes(CHART, redis)
     one = {"autoscaling": {"enabled": False}, "replicaCount": 1}
     assert "in-memory index" not in render_notes(CHART, one)
+
+
+def test_two_releases_in_one_namespace_share_no_name_and_no_pod() -> None:
+    ours, theirs = render_chart(CHART), render_chart(CHART, release="second")
+    assert not {o["metadata"]["name"] for o in ours} & {o["metadata"]["name"] for o in theirs}
+    objects = _by_key(theirs)
+    deployment = objects[("Deployment", "second-gateway")]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector[INSTANCE] == "second"
+    assert objects[("Service", "second")]["spec"]["selector"] == selector
+    assert objects[("PodDisruptionBudget", "second-gateway")]["spec"]["selector"][
+        "matchLabels"
+    ] == (selector)
+    assert deployment["spec"]["template"]["metadata"]["labels"][INSTANCE] == "second"
+    # the pod reads its own release's replicas, Secret and ConfigMap
+    with tempfile.TemporaryDirectory() as root:
+        config = load_as_the_pod(deployment, _pod_files(objects, as_shipped=False), Path(root))
+    discovery = config.pools[0].discovery
+    assert discovery is not None and discovery.name.startswith("second-replicas.")
+    assert ("Service", "second-replicas") in objects
+    assert "port-forward svc/second 8000:8000" in render_notes(CHART, release="second")
