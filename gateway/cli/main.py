@@ -370,6 +370,9 @@ def _check_config(args: argparse.Namespace) -> int:
     from gateway.cli.probe import probe_replicas
 
     disagree = False
+    for pool in config.pools:
+        if pool.discovery is not None:
+            print(f"  pool {pool.name}: its replicas are found in DNS when it serves; not asked")
     for probed in probe_replicas(config):
         print(f"  {probed.replica}: {probed.line}")
         if probed.warning is not None:

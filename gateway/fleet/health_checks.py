@@ -140,8 +140,8 @@ class HealthChecker:
             accepted = await engine_priority.accepts_priority(
                 self._client, replica.url, min(models), replica.auth_headers, self._timeout_s
             )
-        except (httpx.HTTPError, ValueError) as err:
-            log.info("replica %s: could not ask whether it takes `priority`: %r", replica.name, err)
+        except (httpx.HTTPError, ValueError) as err:  # asked again at the next check
+            log.debug("replica %s: not asked whether it takes `priority`: %r", replica.name, err)
             return
         engine_priority.record(replica, accepted, "probe")
 
