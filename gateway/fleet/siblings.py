@@ -35,6 +35,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
 import time
 from array import array
@@ -302,6 +303,16 @@ class Siblings:
         return -(_FOREIGN_KEY_BIT | (pid << 48) | (rid & ((1 << 48) - 1)))
 
     # -- the sibling list ----------------------------------------------------------------------
+
+    def reload_siblings(self) -> int:
+        """SIGHUP to every sibling: each reloads the config file in place, as this worker just
+        did (POST /admin/reload reaches one worker). Returns how many were told."""
+        told = 0
+        for path in self._peers:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(Path(path).stem.removeprefix("worker-")), signal.SIGHUP)
+                told += 1
+        return told
 
     async def _keep_peers(self) -> None:
         while True:

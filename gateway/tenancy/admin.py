@@ -10,8 +10,8 @@
                                    (the key included) stays; 404 if none
     DELETE /admin/tenants/{name}   file-configured tenants too, on every gateway
     POST   /admin/reload           pools and replicas from the config file again
-                                   (gateway/fleet/reload.py); 400 with every error when it is
-                                   invalid
+                                   (gateway/fleet/reload.py), in every worker of --workers N;
+                                   400 with every error when it is invalid
 
 Guarded by its own key (config `admin`); without one configured the admin API answers 404.
 A new key has at least MIN_API_KEY_CHARS characters and belongs to no other tenant (409). A name
@@ -240,4 +240,7 @@ async def reload_config(request: Request) -> dict[str, Any]:
         raise bad_request(
             f"not reloaded, the running config is kept: {err}", code="invalid_config"
         ) from None
-    return report.as_dict()
+    answer = report.as_dict()
+    if gw.siblings is not None:  # --workers N: the others reload the same file (SIGHUP)
+        answer["workers_told"] = gw.siblings.reload_siblings()
+    return answer

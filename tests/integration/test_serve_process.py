@@ -88,14 +88,20 @@ async def worker_views(url: str, bound_s: float, want_replicas: int) -> dict[int
     return seen
 
 
-async def test_sighup_reloads_every_worker_in_place(tmp_path: Path) -> None:
+ADMIN_KEY = "admin-key-12-0123456789abcdef0123456789"
+
+
+@pytest.mark.parametrize("how", ["sighup", "admin"])
+async def test_a_reload_reaches_every_worker_in_place(tmp_path: Path, how: str) -> None:
+    """SIGHUP to the supervisor, or POST /admin/reload to whichever worker answers: every
+    worker reloads the file, and the processes (with their embedded index) stay."""
     async with AsyncExitStack() as stack:
         first, second = await sim(stack, "sim-0"), await sim(stack, "sim-1")
         path = tmp_path / "gateway.yaml"
 
         def write(replicas: list[str]) -> None:
             path.write_text(
-                "auth: {mode: open}\n"
+                f"admin: {{api_key: {ADMIN_KEY}}}\n"
                 f"pools: [{{name: p, replicas: [{', '.join(repr(r) for r in replicas)}]}}]\n"
             )
 
@@ -103,12 +109,18 @@ async def test_sighup_reloads_every_worker_in_place(tmp_path: Path) -> None:
         async with serve("--config", str(path), "--workers", "2") as (url, proc, log):
             before = await worker_views(url, START_BOUND_S, want_replicas=1)
             write([first, second])
-            os.kill(proc.pid, signal.SIGHUP)  # the supervisor's
+            if how == "sighup":
+                os.kill(proc.pid, signal.SIGHUP)  # the supervisor's
+            else:
+                async with httpx.AsyncClient(timeout=RELOAD_BOUND_S) as h:
+                    auth = {"authorization": f"Bearer {ADMIN_KEY}"}
+                    answer = (await h.post(f"{url}/admin/reload", headers=auth)).json()
+                assert answer["workers_told"] == 1 and answer["added"], answer
             after = await worker_views(url, RELOAD_BOUND_S, want_replicas=2)
             assert proc.returncode is None
             text = text_of(log)
-    assert {pid for pid, n in after.items() if n == 2} == {
-        pid for pid, n in before.items() if n == 1
-    }
-    assert "each of 2 workers reloads the config file in place" in text
+    reloaded = {pid for pid, n in after.items() if n == 2}
+    assert reloaded == {pid for pid, n in before.items() if n == 1}
+    if how == "sighup":
+        assert "each of 2 workers reloads the config file in place" in text
     assert "restarting processes" not in text
