@@ -123,3 +123,20 @@ def test_cachelane_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out.strip() == f"cachelane {__version__}"
+
+
+def test_the_checks_across_sections_say_every_problem_at_once() -> None:
+    data = {
+        "auth": {"mode": "open"},
+        "tenants": [{"name": "voice", "api_key": "v" * 40}],  # open mode takes no tenant
+        "pools": [
+            {"name": "p", "replicas": ["http://127.0.0.1:1"]},
+            {"name": "p", "replicas": ["http://127.0.0.1:1"]},  # a name and a URL twice
+        ],
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    message = str(err.value)
+    assert "duplicate pool name" in message
+    assert "auth.mode open serves every request" in message
+    assert "a replica URL appears twice" in message
