@@ -1,6 +1,7 @@
 """The README's tenant set-up, run as it is written: deploy/examples/sim-tenants.yaml simulated by
 `cachelane sim --config` (its replicas on free loopback ports instead of 9001-9004) and served by
-the gateway; a critical and a standard tenant are answered through the `openai` client."""
+the gateway; a critical and a standard tenant are answered through the `openai` client, and the
+README's route explanation and report run against it with its admin key."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
+import pytest
 from openai import AsyncOpenAI
 
+from gateway.cli.main import main
 from gateway.config import load_config
 from gateway.http.app import create_app
 from loadtest.sim.from_config import specs_from_config
@@ -30,7 +33,9 @@ def test_the_readme_points_at_the_example() -> None:
     assert "cachelane serve --config deploy/examples/sim-tenants.yaml" in text
 
 
-async def test_the_readme_tenants_are_served_on_the_simulator(tmp_path: Path) -> None:
+async def test_the_readme_tenants_are_served_on_the_simulator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     env = {name: secrets.token_hex(32) for name in ("VOICE_KEY", "WEB_KEY", "ADMIN_KEY")}
     text = EXAMPLE.read_text()
     for port in range(9001, 9005):
@@ -64,3 +69,9 @@ async def test_the_readme_tenants_are_served_on_the_simulator(tmp_path: Path) ->
             ready = (await h.get("/ready")).json()
         assert "warnings" not in ready
         assert {r["priority"] for r in ready["replicas"].values()} == {"accepted"}
+        # the README's route explanation and report, with the admin key it exported
+        explain = ["route-explain", "--gateway", gateway, "--prompt", "What is a KV cache?"]
+        code = await asyncio.to_thread(main, [*explain, "--admin-key", env["ADMIN_KEY"]])
+        assert code == 0 and "cache_aware -> " in capsys.readouterr().out
+        code = await asyncio.to_thread(main, ["report", gateway, "--admin-key", env["ADMIN_KEY"]])
+        assert code == 0 and "Where the cost of offloading landed" in capsys.readouterr().out
