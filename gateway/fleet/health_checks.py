@@ -120,7 +120,7 @@ class HealthChecker:
                 )
             await self._registry.mark_failed(replica, f"health check: {err!r}")
             return
-        if _asks_priority(replica):  # before it takes traffic: sent a priority only if it takes one
+        if _asks_priority(replica):  # before it takes traffic (unanswered: as its pool says)
             await self._ask_priority(replica, cards)
         await self._registry.mark_ok(replica, frozenset(cards), cards)
         if self._registry.probe_due(replica) and replica.name not in self._probing:
