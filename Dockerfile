@@ -56,8 +56,8 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
 # the Kubernetes manifests run as the same uid (runAsUser: 10001).
 USER 10001:10001
 EXPOSE 8000
-# 8000: listen.port's default (gateway/config.py). If your config listens elsewhere, change the
-# healthcheck's URL too.
+# 8000: listen.port's default (gateway/config/exposure.py). If your config listens elsewhere,
+# change the healthcheck's URL too.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"]
 # interval 10 s / 3 failures: an unhealthy gateway is flagged within ~30 s; start-period 20 s

@@ -213,7 +213,7 @@ DESCRIPTIONS: dict[str, str] = {
     "pools[].sim.time_factor": "Multiplies every simulated delay (0.1 runs 10x faster).",
     "pools[].sim.scheduling_policy": "`fcfs` or `priority` (vLLM's --scheduling-policy): with "
     "`priority` the prefill queue is ordered by the request's `priority` (lower first), then "
-    "arrival.",
+    "arrival. Unset: the pool's engine.scheduling_policy (`priority` with engine_priority).",
 }
 
 
@@ -258,6 +258,10 @@ def _type_name(annotation: Any) -> str:
         text = text + " or null" if type(None) in args else text
     elif origin is list:
         text = f"list of {_type_name(args[0])}"
+    elif origin is dict:  # keys first: a class name, a tenant name, a replica URL
+        key, value = (_type_name(a) for a in args)
+        key = "class" if isinstance(args[0], type) and issubclass(args[0], enum.Enum) else key
+        text = f"map of {key} to {value}"
     elif origin is typing.Literal:
         text = " \\| ".join(f"`{a}`" for a in args)
     elif isinstance(annotation, type) and issubclass(annotation, enum.Enum):
@@ -346,9 +350,14 @@ def render() -> str:
         "<!-- Regenerate: python deploy/gen_config_reference.py > deploy/CONFIG.md -->",
         "",
         "The gateway reads one YAML file: `cachelane serve --config FILE`. Every key is below, "
-        "with its type, default and meaning. Unknown keys are errors (a typo names its path at "
-        "start-up), and the gateway reads no environment variables. `[]` in a path means every "
-        "item of a list, e.g. `pools[].replicas`. Examples that are loaded and validated by the "
+        "with its type, default and meaning. Unknown keys are errors naming their path and the "
+        "key closest to them; a removed or renamed key names what replaced it "
+        "(`gateway/config/upgrades.py`). Any string value may use `${VAR}` or "
+        "`${VAR:-default}` from the environment, and each secret field (`api_key`, `secret`, "
+        "`redis_url`) may be given as `<field>_file: PATH` instead (`gateway/config_env.py`); "
+        "`CACHELANE_CONFIG` names the file when `--config` is not given. `[]` in a path means "
+        "every item of a list, e.g. `pools[].replicas`. Examples that are loaded and validated "
+        "by the "
         "tests: `deploy/examples/`, `deploy/compose/gateway-*.yaml`, "
         "`deploy/k8s/**/config.yaml`.",
         "",

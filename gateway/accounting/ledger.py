@@ -33,7 +33,7 @@ from gateway.fleet.registry import Registry, Replica
 from gateway.http.errors import bad_request
 from gateway.serving.plan import Plan
 from gateway.telemetry.metrics import Metrics
-from gateway.tenancy.admin_auth import require_admin
+from gateway.tenancy.admin_auth import require_admin_or_open
 from routing.accounting import (
     BUCKET_S,
     FIELDS,
@@ -264,8 +264,9 @@ costs_router = APIRouter()
 
 @costs_router.get("/debug/costs")
 async def debug_costs(request: Request) -> dict[str, Any]:
-    """The cost accounting per window (admin key, like /admin): ?window_s=N for one window."""
-    gw = require_admin(request)
+    """The cost accounting per window (admin key, like /admin; open in auth.mode open):
+    ?window_s=N for one window."""
+    gw = require_admin_or_open(request)
     raw = request.query_params.get("window_s")
     windows: tuple[float, ...] = WINDOWS_S
     if raw is not None:

@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 
-from gateway.cli import report
+from gateway import __version__
+from gateway.cli import keygen, report
 from gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -33,6 +34,7 @@ examples:
   cachelane serve --config deploy/examples/sim-fleet.yaml
   cachelane route-explain --prompt "You are a helpful assistant..." --model sim-llama-8b
   cachelane report http://127.0.0.1:8000 --admin-key $KEY   # where offloading's cost landed
+  cachelane keygen voice --class critical          # a new key and its tenants: entry
   cachelane locust --headless -u 20 -r 5 -t 60s --host http://127.0.0.1:8000
 """
 
@@ -69,11 +71,18 @@ def _serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, **common)  # SIGHUP reloads
         return 0
     # N processes on one socket (uvicorn's supervisor binds it, each worker accepts on it); each
-    # builds its app from these same arguments and finds its siblings in the directory
+    # builds its app from these same arguments and finds its siblings in the directory; SIGHUP
+    # reloads each worker in place (gateway/cli/workers.py)
+    from gateway.cli.workers import run_workers
+
     with tempfile.TemporaryDirectory(prefix="cachelane-workers-") as directory:
         os.environ[WORKERS_DIR_ENV] = directory
         os.environ[SERVE_ARGV_ENV] = json.dumps(args.argv)
-        uvicorn.run("gateway.cli.main:worker_app", factory=True, workers=args.workers, **common)
+        run_workers(
+            uvicorn.Config(
+                "gateway.cli.main:worker_app", factory=True, workers=args.workers, **common
+            )
+        )
     return 0
 
 
@@ -189,15 +198,31 @@ LAZY_COMMANDS = {
 }
 
 
-def _first_model(gateway: str, headers: dict[str, str]) -> str:
-    """The first model the gateway serves (GET /v1/models), for a route-explain without --model."""
-    resp = httpx.get(f"{gateway}/v1/models", headers=headers, timeout=10)
-    if resp.status_code != 200:
-        raise ValueError(f"cannot list the gateway's models: {_readable_error(resp)}")
-    models = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+def _first_model(gateway: str, api_key: str | None, admin_key: str | None) -> str:
+    """The first model the gateway serves, for a route-explain without --model: GET /v1/models
+    with the tenant's key, or the models /ready lists for its replicas with the admin key."""
+    if api_key or not admin_key:
+        resp = httpx.get(f"{gateway}/v1/models", headers=_bearer(api_key), timeout=10)
+        if resp.status_code != 200:
+            hint = (
+                ""
+                if resp.status_code != 401
+                else "; give --admin-key (the gateway's admin key: /debug/route needs it too), "
+                "or --model, or --api-key (a tenant's)"
+            )
+            raise ValueError(f"cannot list the gateway's models: {_readable_error(resp)}{hint}")
+        models = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+    else:
+        resp = httpx.get(f"{gateway}/ready", headers=_bearer(admin_key), timeout=10)
+        replicas = resp.json().get("replicas", {}) if resp.status_code in (200, 503) else {}
+        models = sorted({m for r in replicas.values() for m in r.get("models", [])})
     if not models:
         raise ValueError("the gateway serves no model yet (no replica has answered); pass --model")
     return str(models[0])
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
 def _readable_error(resp: httpx.Response) -> str:
@@ -212,22 +237,39 @@ def _readable_error(resp: httpx.Response) -> str:
     return f"{resp.status_code}: {resp.text[:300]}"
 
 
+def _debug_key_hint(status: int, admin_key: str | None) -> str:
+    """What to change when /debug/route refused the explanation for its key."""
+    if status == 401 and not admin_key:
+        return (
+            "; the gateway checks keys (auth.mode keys): give --admin-key (its config's "
+            "admin.api_key)"
+        )
+    if status == 404:
+        return (
+            "; the gateway has no admin key: set admin.api_key in its config, or run it with "
+            "auth.mode open, where route-explain needs no key"
+        )
+    return ""
+
+
+def _ask_debug_route(args: argparse.Namespace) -> httpx.Response:
+    """POST the explained body to /debug/route (the admin key's, as --tenant if given)."""
+    debug_headers = _bearer(args.admin_key)
+    if args.tenant:
+        debug_headers["x-cachelane-tenant"] = args.tenant
+    if args.file:
+        body = json.loads(Path(args.file).read_text())
+    else:
+        model = args.model or _first_model(args.gateway, args.api_key, args.admin_key)
+        body = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
+    return httpx.post(f"{args.gateway}/debug/route", json=body, headers=debug_headers, timeout=10)
+
+
 def _route_explain(args: argparse.Namespace) -> int:
     from gateway.cli.text_table import Out, TextTable
 
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    debug_headers = {"authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
-    if args.tenant:
-        debug_headers["x-cachelane-tenant"] = args.tenant
     try:
-        if args.file:
-            body = json.loads(Path(args.file).read_text())
-        else:
-            model = args.model or _first_model(args.gateway, headers)
-            body = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
-        resp = httpx.post(
-            f"{args.gateway}/debug/route", json=body, headers=debug_headers, timeout=10
-        )
+        resp = _ask_debug_route(args)
     except httpx.HTTPError as err:
         print(f"cachelane: cannot reach the gateway at {args.gateway}: {err}", file=sys.stderr)
         return 1
@@ -235,7 +277,11 @@ def _route_explain(args: argparse.Namespace) -> int:
         print(f"cachelane: {err}", file=sys.stderr)
         return 1
     if resp.status_code != 200:
-        print(f"cachelane: the gateway answered {_readable_error(resp)}", file=sys.stderr)
+        print(
+            f"cachelane: the gateway answered {_readable_error(resp)}"
+            + _debug_key_hint(resp.status_code, args.admin_key),
+            file=sys.stderr,
+        )
         return 1
     data = resp.json()
     console = Out()
@@ -319,7 +365,20 @@ def _check_config(args: argparse.Namespace) -> int:
     )
     if config.auth.mode == "keys" and not config.tenants:
         print(f"cachelane: warning: {no_tenant_warning(config)}", file=sys.stderr)
-    return 0
+    if not args.probe:
+        return 0
+    from gateway.cli.probe import probe_replicas
+
+    disagree = False
+    for pool in config.pools:
+        if pool.discovery is not None:
+            print(f"  pool {pool.name}: its replicas are found in DNS when it serves; not asked")
+    for probed in probe_replicas(config):
+        print(f"  {probed.replica}: {probed.line}")
+        if probed.warning is not None:
+            print(f"cachelane: warning: {probed.warning}", file=sys.stderr)
+        disagree = disagree or probed.refuses_priority
+    return 1 if disagree else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"cachelane {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the gateway in front of OpenAI-compatible replicas")
@@ -368,10 +428,17 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check-config",
         help="validate a config file (variables and secret files resolved) and exit: "
-        "0 when valid, 2 with every error",
+        "0 when valid, 2 with every error (1: --probe found an engine that disagrees)",
     )
     check.add_argument("file", nargs="?", help=f"the config (default: ${CONFIG_ENV})")
     check.add_argument("--config", help="the config, as `serve --config FILE` takes it")
+    check.add_argument(
+        "--probe",
+        action="store_true",
+        help="also ask every replica listed: its models, and whether its engine takes "
+        "`priority` where the pool sends it (a one-token generation); exit 1 when an engine "
+        "refuses what its pool sends",
+    )
     check.set_defaults(func=_check_config)
 
     explain = sub.add_parser(
@@ -383,13 +450,16 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--model", help="model, when no --file (default: the first the gateway lists)"
     )
-    explain.add_argument("--api-key", help="a tenant's key, to list the models without --model")
+    explain.add_argument(
+        "--api-key", help="a tenant's key, to list the models without --model (else --admin-key's)"
+    )
     explain.add_argument(
         "--admin-key", help="the admin key: /debug/route needs it unless auth.mode is open"
     )
     explain.add_argument("--tenant", help="explain the route as this tenant (with --admin-key)")
     explain.set_defaults(func=_route_explain)
     report.add_parser(sub)
+    keygen.add_parser(sub)
     return parser
 
 

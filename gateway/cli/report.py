@@ -1,11 +1,12 @@
 """`cachelane report URL [URL ...]`: where the cost of offloading landed, from running gateways.
 
-Each gateway's GET /debug/costs (admin key) for one window is fetched and merged (sums added:
-every gateway accounts for the requests it proxied); with `--redis URL`, the windows the gateways
-sharing that Redis published (gateway/accounting/ledger_store.py). Then printed per tenant class:
-the TTFT by layer, the cache hits by tier, the bytes that crossed PCIe and the network, the prefill
-GPU-seconds avoided, and the findings (gateway/accounting/findings.py) in plain words. `--png` draws
-the same as a chart (matplotlib: the [report] extra); `--json` prints the merged numbers instead.
+Each gateway's GET /debug/costs (admin key; none in auth.mode open) for one window is fetched and
+merged (sums added: every gateway accounts for the requests it proxied); with `--redis URL`, the
+windows the gateways sharing that Redis published (gateway/accounting/ledger_store.py). Then
+printed per tenant class: the TTFT by layer, the cache hits by tier, the bytes that crossed PCIe
+and the network, the prefill GPU-seconds avoided, and the findings
+(gateway/accounting/findings.py) in plain words. `--png` draws the same as a chart (matplotlib:
+the [report] extra); `--json` prints the merged numbers instead.
 """
 
 from __future__ import annotations
@@ -58,8 +59,15 @@ def parse_window(text: str) -> float:
     return seconds
 
 
-def fetch_windows(urls: Sequence[str], admin_key: str, window_s: float) -> list[dict[str, Any]]:
-    """Each gateway's window; raises RuntimeError naming the gateway that failed and why."""
+def _auth(admin_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+
+
+def fetch_windows(
+    urls: Sequence[str], admin_key: str | None, window_s: float
+) -> list[dict[str, Any]]:
+    """Each gateway's window; raises RuntimeError naming the gateway that failed, why, and what
+    to change when the fault is the key."""
     out = []
     with httpx.Client(timeout=FETCH_TIMEOUT_S, trust_env=False) as client:
         for url in urls:
@@ -67,26 +75,42 @@ def fetch_windows(urls: Sequence[str], admin_key: str, window_s: float) -> list[
                 resp = client.get(
                     f"{url.rstrip('/')}/debug/costs",
                     params={"window_s": window_s},
-                    headers={"authorization": f"Bearer {admin_key}"},
+                    headers=_auth(admin_key),
                 )
             except httpx.HTTPError as err:
                 raise RuntimeError(f"{url}: {err}") from None
             if resp.status_code != 200:
-                raise RuntimeError(f"{url}: {resp.status_code}: {_message(resp)}")
+                hint = _key_hint(resp.status_code, admin_key)
+                raise RuntimeError(f"{url}: {resp.status_code}: {_message(resp)}{hint}")
             out.append(resp.json()["windows"][0])
     return out
 
 
-def pinned_pool_hints(urls: Sequence[str], admin_key: str) -> list[str]:
+def _key_hint(status: int, admin_key: str | None) -> str:
+    """What to change when a gateway refused the report for its key."""
+    if status == 401 and not admin_key:
+        return (
+            f"; the gateway checks keys (auth.mode keys): give --admin-key or set "
+            f"{ADMIN_KEY_ENV} to its admin key (config admin.api_key)"
+        )
+    if status == 401:
+        return "; that is not the gateway's admin key (config admin.api_key)"
+    if status == 404:
+        return (
+            "; the gateway has no admin key: set admin.api_key (or admin.api_key_sha256) in its "
+            "config, or run it with auth.mode open, where the report needs no key"
+        )
+    return ""
+
+
+def pinned_pool_hints(urls: Sequence[str], admin_key: str | None) -> list[str]:
     """Each gateway's undersized-pinned-pool hint from its /ready (gateway/serving/pinning.py), if
     it has one. Best effort: a gateway that does not answer gives none (its costs were fetched)."""
     out = []
     with httpx.Client(timeout=FETCH_TIMEOUT_S, trust_env=False) as client:
         for url in urls:
             try:
-                resp = client.get(
-                    f"{url.rstrip('/')}/ready", headers={"authorization": f"Bearer {admin_key}"}
-                )
+                resp = client.get(f"{url.rstrip('/')}/ready", headers=_auth(admin_key))
                 hint = resp.json().get("pinned_pool", {}).get("hint")
             except (httpx.HTTPError, ValueError, AttributeError):
                 continue
@@ -293,7 +317,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--admin-key",
-        help=f"the gateways' admin key (default: ${ADMIN_KEY_ENV})",
+        help=f"the gateways' admin key (default: ${ADMIN_KEY_ENV}; none in auth.mode open)",
     )
     p.add_argument(
         "--window", type=parse_window, default=900.0, help="60s, 15m (default), 1h, or seconds"
@@ -316,16 +340,13 @@ def run(args: argparse.Namespace) -> int:
                     f"(the gateways share 1 min, 15 min and 1 h: {window_s:g} s)", file=sys.stderr
                 )
         else:
-            if not key:
-                print(f"cachelane report: give --admin-key or set {ADMIN_KEY_ENV}", file=sys.stderr)
-                return 2
             windows = fetch_windows(args.urls, key, args.window)
     except RuntimeError as err:
         print(f"cachelane report: {err}", file=sys.stderr)
         return 1
     merged = merge(windows)
     found = findings(merged)
-    hints = pinned_pool_hints(args.urls, key) if args.urls and key else []
+    hints = pinned_pool_hints(args.urls, key) if args.urls else []
     if args.json:
         print(json.dumps(as_json(merged, found) | {"pinned_pool_hints": hints}, indent=2))
     else:

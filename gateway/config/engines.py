@@ -180,7 +180,7 @@ class SimConfig(Strict):
 
     itl_s: PositiveFloat | None = None
     time_factor: PositiveFloat = 1.0
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # vLLM's --scheduling-policy default
+    scheduling_policy: Literal["fcfs", "priority"] | None = None  # None: the pool's engine's
 
 
 class AdmissionConfig(Strict):

@@ -153,11 +153,6 @@ def nameserver_address(server: str) -> tuple[str, int]:
     return host, int(port)
 
 
-REMOVED_POOL_KEYS = ("lend_keep_idle", "lend_max_prefill_tokens")
-# Removed pinned-pool knobs: measured, they did not help on the token-budget engine
-# (docs/critical.md, "A pinned pool"). A config that still sets one fails naming it and why.
-
-
 class PoolConfig(Strict):
     name: str
     replicas: list[HttpUrl] = Field(default_factory=list)  # or discovery
@@ -260,18 +255,6 @@ class PoolConfig(Strict):
     @classmethod
     def _forwardable(cls, names: list[str]) -> list[str]:
         return [forwardable(name) for name in names]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _removed_keys(cls, data: object) -> object:
-        """A removed key says why it went, not just "extra inputs are not permitted"."""
-        if isinstance(data, dict) and (given := [k for k in REMOVED_POOL_KEYS if k in data]):
-            raise ValueError(
-                f"pool {data.get('name', '?')!r}: {', '.join(given)}: removed, measured no help "
-                'on the token-budget engine (docs/critical.md, section "A pinned pool"); delete '
-                "from the config"
-            )
-        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -64,34 +64,47 @@ class GatewayConfig(Strict):
 
     @model_validator(mode="after")
     def _check_references(self) -> GatewayConfig:
-        names = [p.name for p in self.pools]
-        if len(set(names)) != len(names):
-            raise ValueError(f"pools: duplicate pool name in {names}")
-        tiers = {t.name for t in self.remote_tiers}
-        for i, pool in enumerate(self.pools):
-            if pool.remote_tier is not None and pool.remote_tier not in tiers:
-                raise ValueError(
-                    f"pools.{i}.remote_tier: {pool.remote_tier!r} is not one of "
-                    f"remote_tiers {sorted(tiers)}"
-                )
-        tenant_names = [t.name for t in self.tenants]
-        folded: dict[str, int] = {}
-        for i, name in enumerate(tenant_names):
-            first = folded.setdefault(name_key(name), i)
-            if first != i:
-                raise ValueError(
-                    f"tenants.{i}.name: {name!a} is the same name as tenants.{first}.name "
-                    f"{tenant_names[first]!a} (names are compared case- and width-folded, "
-                    "gateway/tenancy/tenants.py)"
-                )
-        _check_auth(self)
-        _check_exposure(self)
-        urls = [str(u) for p in self.pools for u in p.replicas]
-        if len(set(urls)) != len(urls):
-            raise ValueError("pools: a replica URL appears twice")
-        if self.routing.mode == "precise":
-            _check_precise(self.pools)
+        """Every check that spans sections; all their problems at once, one a line."""
+        problems = []
+        for check in (_check_names, _check_auth, _check_exposure, _check_replicas):
+            try:
+                check(self)
+            except ValueError as err:
+                problems.append(str(err))
+        if problems:
+            raise ValueError("\n    ".join(problems))
         return self
+
+
+def _check_names(config: GatewayConfig) -> None:
+    names = [p.name for p in config.pools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"pools: duplicate pool name in {names}")
+    tiers = {t.name for t in config.remote_tiers}
+    for i, pool in enumerate(config.pools):
+        if pool.remote_tier is not None and pool.remote_tier not in tiers:
+            raise ValueError(
+                f"pools.{i}.remote_tier: {pool.remote_tier!r} is not one of "
+                f"remote_tiers {sorted(tiers)}"
+            )
+    tenant_names = [t.name for t in config.tenants]
+    folded: dict[str, int] = {}
+    for i, name in enumerate(tenant_names):
+        first = folded.setdefault(name_key(name), i)
+        if first != i:
+            raise ValueError(
+                f"tenants.{i}.name: {name!a} is the same name as tenants.{first}.name "
+                f"{tenant_names[first]!a} (names are compared case- and width-folded, "
+                "gateway/tenancy/tenants.py)"
+            )
+
+
+def _check_replicas(config: GatewayConfig) -> None:
+    urls = [str(u) for p in config.pools for u in p.replicas]
+    if len(set(urls)) != len(urls):
+        raise ValueError("pools: a replica URL appears twice")
+    if config.routing.mode == "precise":
+        _check_precise(config.pools)
 
 
 def example_keys_in(config: GatewayConfig) -> list[str]:

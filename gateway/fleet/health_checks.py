@@ -10,12 +10,13 @@ from typing import Any
 
 import httpx
 
+from gateway.fleet import engine_priority
 from gateway.fleet.registry import Registry, Replica
 from gateway.serving.deadline import first_byte_deadline_s
 
 log = logging.getLogger("cachelane.registry")
 
-PROBE_PROMPT = "ping"  # any prompt: one token is generated, and thrown away
+PROBE_PROMPT = engine_priority.PROBE_PROMPT  # any prompt: one token is generated, thrown away
 
 
 async def probe(
@@ -54,6 +55,16 @@ async def probe_generation(client: httpx.AsyncClient, replica: Replica, timeout_
     answer = resp.json()
     if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
         raise ValueError(f"not a completion: {resp.text[:200]!r}")
+
+
+def _asks_priority(replica: Replica) -> bool:
+    """A replica of a pool that sends `priority` is asked whether its engine takes it when a
+    check admits it (new, or back after failed checks: perhaps restarted with other flags), and
+    at each check while the answer is not known."""
+    if not replica.pool.engine_priority:
+        return False
+    admitting = not replica.healthy and replica.ejection is None
+    return admitting or replica.accepts_priority is None
 
 
 class HealthChecker:
@@ -109,6 +120,8 @@ class HealthChecker:
                 )
             await self._registry.mark_failed(replica, f"health check: {err!r}")
             return
+        if _asks_priority(replica):  # before it takes traffic (unanswered: as its pool says)
+            await self._ask_priority(replica, cards)
         await self._registry.mark_ok(replica, frozenset(cards), cards)
         if self._registry.probe_due(replica) and replica.name not in self._probing:
             self._probing.add(replica.name)
@@ -116,6 +129,21 @@ class HealthChecker:
                 await self._probe(replica)
             else:
                 self._probes.create_task(self._probe(replica), name=f"probe {replica.name}")
+
+    async def _ask_priority(self, replica: Replica, cards: dict[str, dict[str, Any]]) -> None:
+        """Whether the replica's engine takes `priority` (gateway/fleet/engine_priority.py),
+        within a health check's timeout; a failed question is asked again at the next check."""
+        models = replica.pool.models or sorted(cards)
+        if not models:
+            return
+        try:
+            accepted = await engine_priority.accepts_priority(
+                self._client, replica.url, min(models), replica.auth_headers, self._timeout_s
+            )
+        except (httpx.HTTPError, ValueError) as err:  # asked again at the next check
+            log.debug("replica %s: not asked whether it takes `priority`: %r", replica.name, err)
+            return
+        engine_priority.record(replica, accepted, "probe")
 
     async def _probe(self, replica: Replica) -> None:
         """One probe generation, due within a one-token whole answer's deadline."""

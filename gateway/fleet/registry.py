@@ -55,9 +55,9 @@ class Replica:
     ejection_reason: str | None = None  # why it was last taken out (metrics label)
     admitted_s: float = 0.0  # time.monotonic() when it was last admitted
     models: frozenset[str] = frozenset()
-    # the engine's own /v1/models entries by id (max_model_len, owned_by, root, ...), as last seen
-    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # its /v1/models, by id
     answered_check: bool = False  # has it ever passed a health check (its models are known)
+    accepts_priority: bool | None = None  # took or refused a `priority` (fleet/engine_priority.py)
     in_flight: int = 0
     last_error: str | None = None
     retired: bool = False  # removed from the fleet (discovery, reload): its requests finish
@@ -232,7 +232,7 @@ def replica_name(url: str) -> str:
     return httpx.URL(url).netloc.decode()
 
 
-def _rules_of(pool: PoolConfig) -> PoolRules:
+def _rules_of(pool: PoolConfig, accepts_priority: bool | None = None) -> PoolRules:
     return PoolRules(
         name=pool.name,
         pinned=pool.pinned,
@@ -240,7 +240,7 @@ def _rules_of(pool: PoolConfig) -> PoolRules:
         max_in_flight=pool.admission.max_in_flight,
         max_prefill_tokens=pool.admission.max_prefill_tokens,
         lend_below=pool.lend_below,
-        engine_priority=pool.engine_priority,
+        engine_priority=pool.engine_priority and accepts_priority is not False,
     )
 
 
@@ -301,7 +301,7 @@ class Registry:
         serves are the pool's, or, for a pool that names none, those it already listed."""
         replica.pool = pool
         replica.costs = pool.costs.to_pool_costs(pool.engine)
-        replica.rules = _rules_of(pool)
+        replica.rules = _rules_of(pool, replica.accepts_priority)
         if pool.models:
             replica.models = frozenset(pool.models)
 

@@ -13,7 +13,12 @@ Metrics: each worker also answers `metrics-<pid>.sock` (a Unix stream socket) wi
 exposition; the worker that serves GET /metrics merges its siblings' into its own
 (`merged_metrics`): counters, histograms and summaries add up, a gauge is the largest value
 (each worker's gauges describe the shared view: replicas' health, in-flight counts with the
-siblings' requests in them, the index).
+siblings' requests in them, the index). prometheus_client's multiprocess mode cannot serve
+instead: it exports no custom collector (the gauges absent until known,
+gateway/telemetry/families.py; the GC pauses, gateway/telemetry/heap.py; the process and
+platform collectors) and cannot remove a label's series (a replica that leaves takes its series
+with it: Metrics.forget_replica), both listed among its limitations
+(prometheus.github.io/client_python/multiprocess).
 
 The channel is one Unix datagram socket per worker, `worker-<pid>.sock` in the directory the
 supervisor made (WORKERS_DIR_ENV); what one turn of the event loop published leaves as one
@@ -35,6 +40,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
 import time
 from array import array
@@ -302,6 +308,16 @@ class Siblings:
         return -(_FOREIGN_KEY_BIT | (pid << 48) | (rid & ((1 << 48) - 1)))
 
     # -- the sibling list ----------------------------------------------------------------------
+
+    def reload_siblings(self) -> int:
+        """SIGHUP to every sibling: each reloads the config file in place, as this worker just
+        did (POST /admin/reload reaches one worker). Returns how many were told."""
+        told = 0
+        for path in self._peers:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(Path(path).stem.removeprefix("worker-")), signal.SIGHUP)
+                told += 1
+        return told
 
     async def _keep_peers(self) -> None:
         while True:

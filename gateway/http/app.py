@@ -30,6 +30,7 @@ from gateway.http.responses_routes import responses_router
 from gateway.http.serve import api_router, chat_completions, completions
 from gateway.http.status_routes import status_router
 from gateway.telemetry import logs, tracing
+from gateway.telemetry.banner import OPEN_WARNING, startup_banner
 from gateway.telemetry.metrics import Metrics
 from gateway.tenancy.admin import admin_router
 from gateway.wiring import build_gateway
@@ -55,6 +56,7 @@ def create_app(
         app.state.gw = gw
         async with contextlib.AsyncExitStack() as stack:
             await start_all(gw.components, stack)  # closed in reverse when the stack unwinds
+            _log_banner(gw)
             policy = ConnectionPolicy(  # read by the HTTP protocol (gateway/http/exposure.py)
                 config.listen.header_timeout_s,
                 lambda part: gw.metrics.read_timeouts.labels(part).inc(),
@@ -88,6 +90,18 @@ def create_app(
     app.include_router(debug_router)  # POST /debug/route
 
     return app
+
+
+def _log_banner(gw: Any) -> None:
+    """One line with how the gateway is set up, once it serves (and a warning in open mode)."""
+    counts: dict[str, tuple[int, int]] = {}
+    for r in gw.registry.replicas.values():
+        up, total = counts.get(r.pool.name, (0, 0))
+        counts[r.pool.name] = (up + r.healthy, total + 1)
+    pid = None if gw.siblings is None else gw.siblings.status()["pid"]
+    log.info("%s", startup_banner(gw.config, counts, len(gw.tenants.list()), pid))
+    if gw.config.auth.mode == "open":
+        log.warning("%s", OPEN_WARNING)
 
 
 def _add_request_middleware(

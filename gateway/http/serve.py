@@ -131,6 +131,8 @@ async def serve(request: Request, endpoint: str) -> Response:
         response.headers.update(_rate_limit_headers(budgets))
         status = response.status_code
         relay = response if isinstance(response, RelayResponse) else None
+        if status >= 400:  # the replica's own error, passed through: an error too, by its status
+            gw.metrics.errors.labels(f"replica_{status}").inc()
         return response
     except ApiError as err:
         status = err.status

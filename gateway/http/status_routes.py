@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.fleet.registry import Replica
 from gateway.http.exposure import require_monitoring
 from gateway.serving.handling import authenticate
 from gateway.state import Gateway
@@ -44,17 +45,8 @@ async def ready(request: Request) -> JSONResponse:
     gw: Gateway = request.app.state.gw
     if gw.config.exposure.ready_auth:
         require_monitoring(request, gw)
-    replicas = {
-        r.name: {
-            "healthy": r.healthy,
-            "pool": r.pool.name,
-            "models": sorted(r.models),
-            "in_flight": r.in_flight,
-            "last_error": r.last_error,
-            "ejected": None if r.ejection is None else r.ejection.view(time.monotonic()),
-        }
-        for r in gw.registry.replicas.values()
-    }
+    replicas = {r.name: _replica_view(r) for r in gw.registry.replicas.values()}
+    refusing = [r.name for r in gw.registry.replicas.values() if r.accepts_priority is False]
     # no key is served before the tenants in Redis were read once (gateway/tenancy/store.py)
     ok = gw.tenants.loaded and any(r.healthy for r in gw.registry.replicas.values())
     body = {
@@ -63,6 +55,12 @@ async def ready(request: Request) -> JSONResponse:
         "tenants": gw.tenants.status(),
         "replicas": replicas,
     }
+    if refusing:  # the config says engine_priority, these engines say fcfs
+        body["warnings"] = [
+            f"replicas {', '.join(sorted(refusing))} refuse `priority` (their engines do not run "
+            "--scheduling-policy priority) though their pool sets engine_priority: they are "
+            "sent none"
+        ]
     if gw.kv_events is not None:
         body["kv_events"] = gw.kv_events.status()
     if gw.flow is not None:
@@ -72,6 +70,22 @@ async def ready(request: Request) -> JSONResponse:
     if gw.siblings is not None:
         body["workers"] = gw.siblings.status()
     return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _replica_view(r: Replica) -> dict[str, Any]:
+    view = {
+        "healthy": r.healthy,
+        "pool": r.pool.name,
+        "models": sorted(r.models),
+        "in_flight": r.in_flight,
+        "last_error": r.last_error,
+        "ejected": None if r.ejection is None else r.ejection.view(time.monotonic()),
+    }
+    if r.pool.engine_priority:  # what its engine did with a `priority`
+        view["priority"] = {True: "accepted", False: "refused", None: "not asked"}[
+            r.accepts_priority
+        ]
+    return view
 
 
 for path, probe in (("/health", health), ("/ready", ready)):  # HEAD: its status, no body

@@ -42,7 +42,8 @@ class Plan:
 
     def engine_priority(self, replica: Replica) -> int | None:
         """The `priority` the request carries to `replica`: its class's, where the replica's pool
-        schedules by priority (pools[].engine_priority); None elsewhere."""
-        if not replica.pool.engine_priority:
+        schedules by priority (pools[].engine_priority) and its engine has not refused one
+        (gateway/fleet/engine_priority.py); None elsewhere."""
+        if not replica.rules.engine_priority:
             return None
         return ENGINE_PRIORITY[self.tenant.tenant_class]

@@ -8,10 +8,12 @@ time (gateway/serving/deadline.py: the pool's first_byte_timeout_s for a streame
 output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is
 cancelled there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so,
 the last 5xx answer passes through as it came, else 502 or 504. A 4xx answer passes through at once
-(the request, not the replica, is at fault); once a streamed answer has begun, a failure ends it
-with an error event. Passive health (Registry.answered, Registry.errored, Registry.unreachable):
-such failures in a row, or one refused connection, eject a replica until its back-off is over
-and a probe generation passes (gateway/fleet/outliers.py), like Envoy's outlier detection.
+(the request, not the replica, is at fault), except an engine's refusal of the class's `priority`,
+sent again without it (gateway/serving/refused_priority.py); once a streamed answer has begun, a
+failure ends it with an error event. Passive health (Registry.answered, Registry.errored,
+Registry.unreachable): such failures in a row, or one refused connection, eject a replica until
+its back-off is over and a probe generation passes (gateway/fleet/outliers.py), like Envoy's
+outlier detection.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
@@ -31,6 +33,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -42,6 +45,7 @@ from gateway.http.errors import ApiError, no_replica, upstream_error
 from gateway.serving.deadline import first_byte_deadline_s, output_limit_tokens
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
+from gateway.serving.refused_priority import without_refused_priority
 from gateway.serving.relay_response import OpenStream, RelayResponse, close_shielded
 from gateway.serving.relay_time import RelayTime
 from gateway.serving.retry import TryNext, failed_try, garbled
@@ -282,6 +286,11 @@ class Proxy:
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self._upstream.post(replica.url + path, body, headers)
+                if resp.status == 400 and plan.engine_priority(replica) is not None:
+                    again = partial(upstream_body, plan, replica, raw_body)  # without it then
+                    resp = await without_refused_priority(
+                        self._upstream, resp, replica, path, again, headers
+                    )
                 head_s = time.perf_counter() - lease.reservation.started_s  # a whole answer's TTFT
                 if resp.status < 400 and plan.stream:  # accepted while the replica prefills
                     chunks = resp.chunks()

@@ -47,10 +47,6 @@ PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 LOG_FORMATS = ("text", "json")
 QUIET_LOGGERS = ("httpx", "httpcore")  # a line per health check and scrape at INFO
 _ERROR_BODY_LIMIT = 65_536  # an error body is read this far for its code
-_USAGE_INT = {
-    "prompt_tokens": re.compile(rb'"prompt_tokens"\s*:\s*(\d+)'),
-    "cached_tokens": re.compile(rb'"cached_tokens"\s*:\s*(\d+)'),
-}
 
 access_log = logging.getLogger("cachelane.access")
 
@@ -200,11 +196,6 @@ class AccessWatch:
             body: bytes = message.get("body", b"")
             if body and self._stream and access.ttft_ms is None:
                 access.ttft_ms = round((time.perf_counter() - access.started_s) * 1000, 3)
-            if body and b"_tokens" in body:
-                for key, pattern in _USAGE_INT.items():
-                    found = pattern.search(body)
-                    if found is not None:  # the engine's usage
-                        setattr(access, key, int(found.group(1)))
             error_body = self._error_body
             if (access.status or 0) >= 400 and len(error_body) < _ERROR_BODY_LIMIT:
                 error_body.extend(body[: _ERROR_BODY_LIMIT - len(error_body)])

@@ -225,7 +225,7 @@ class Metrics:
         "that had enough of them; absent until one had",
     )
     pinned_short = gauge(
-        "cachelane_pinned_pool_short_share",
+        "cachelane_pinned_pool_short_ratio",
         "Share of critical requests the pinned pool was short for (a pinned replica without "
         "headroom would have taken them with an empty queue) over the last report window (60 s); "
         "above 0.2 the pool is too small for its critical demand",

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gateway.config import TenantConfig
@@ -34,6 +35,7 @@ from gateway.http.errors import ApiError
 from gateway.tenancy.keys import Keyring
 from gateway.tenancy.records import Record, RecordError, dump, load, tombstone
 from gateway.tenancy.tenants import ANONYMOUS, Tenant, name_key
+from routing.types import TenantClass
 
 log = logging.getLogger("cachelane.tenants")
 
@@ -147,6 +149,30 @@ class TenantStore:
         self._known[record.name] = record
         self._rebuild()
         return _tenant(record)
+
+    def get(self, name: str) -> Tenant | None:
+        record = self._live_record(name)
+        return None if record is None else _tenant(record)
+
+    async def update(
+        self, name: str, tenant_class: TenantClass, share_group: str | None
+    ) -> Tenant | None:
+        """Change a live tenant's class and share group, keeping its key. None: there is no
+        tenant of that name. Raises StoreUnavailable."""
+        record = self._live_record(name)
+        if record is None:
+            return None
+        changed = replace(
+            record, tenant_class=tenant_class, share_group=share_group, at=self._next_at(name)
+        )
+        await self._write([changed])
+        self._known[name] = changed
+        self._rebuild()
+        return _tenant(changed)
+
+    def _live_record(self, name: str) -> Record | None:
+        record = {**self._file, **self._known}.get(name)
+        return None if record is None or record.deleted else record
 
     async def remove(self, name: str) -> bool:
         """Delete a live tenant (file or admin) on every gateway. False: there was none."""

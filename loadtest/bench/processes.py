@@ -225,9 +225,12 @@ class SimFleet:
 
 
 @contextlib.contextmanager
-def sim_fleet(settings: SimFleetSettings, log_dir: Path) -> Iterator[SimFleet]:
-    """`python -m loadtest.sim` with consecutive ports, ready on exit from the with-statement."""
-    port = free_port_run(settings.replicas)
+def sim_fleet(
+    settings: SimFleetSettings, log_dir: Path, port: int | None = None
+) -> Iterator[SimFleet]:
+    """`python -m loadtest.sim` on consecutive ports from `port` (None: free ones), ready on
+    exit from the with-statement."""
+    port = free_port_run(settings.replicas) if port is None else port
     args = [
         sys.executable, "-m", "loadtest.sim",
         "--replicas", str(settings.replicas),
@@ -261,15 +264,16 @@ def gateway(
     log_dir: Path,
     *,
     pool: dict[str, Any] | None = None,
+    port: int | None = None,
 ) -> Iterator[GatewayProc]:
-    """`python -m gateway serve --config FILE` on a free port, ready (/ready is 200). The config
-    is written next to the logs: one pool of `replica_urls`, with `pool`'s extra keys (the
-    fleet's capacities, as an operator would configure them)."""
+    """`python -m gateway serve --config FILE` on `port` (None: a free one), ready (/ready is
+    200). The config is written next to the logs: one pool of `replica_urls`, with `pool`'s
+    extra keys (the fleet's capacities, as an operator would configure them)."""
     config = {
         "routing": {"policy": policy},
         "pools": [{"name": "default", "replicas": list(replica_urls), **(pool or {})}],
     }
-    with gateway_from_config(config, log_dir, policy) as gw:
+    with gateway_from_config(config, log_dir, policy, port=port) as gw:
         yield gw
 
 
@@ -303,10 +307,12 @@ def sim_from_config(
 
 
 @contextlib.contextmanager
-def gateway_from_config(config: dict[str, Any], log_dir: Path, name: str) -> Iterator[GatewayProc]:
-    """`python -m gateway serve --config FILE` with a whole config (its `listen` is set to a free
-    loopback port here), ready (/ready is 200) on entry."""
-    port = free_port()
+def gateway_from_config(
+    config: dict[str, Any], log_dir: Path, name: str, *, port: int | None = None
+) -> Iterator[GatewayProc]:
+    """`python -m gateway serve --config FILE` with a whole config (its `listen` is set to
+    `port` on loopback, or a free port), ready (/ready is 200) on entry."""
+    port = free_port() if port is None else port
     config = {**config, "listen": {"host": "127.0.0.1", "port": port}}
     if not config.get("tenants") and not config.get("admin") and "auth" not in config:
         config["auth"] = {"mode": "open"}  # a benchmark without tenants: no keys to check

@@ -67,6 +67,7 @@ from loadtest.bench.processes import (
 from loadtest.bench.redis_servers import RedisServer
 from loadtest.bench.report import write_json
 from loadtest.sim.config import SIM_MODEL
+from routing.whatif.summary import percentile
 
 DEFAULT_MINUTES = 10.0
 DEFAULT_RATE = 10.0  # requests/s: a few in flight per replica (8-48 tokens at the sim's 10 ms each)
@@ -432,13 +433,6 @@ def classify(run: Run, replica_urls: list[str]) -> None:
             o.failure = ALLOWED_KIND
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def slope_mib_per_min(points: Sequence[tuple[float, float]]) -> float:
     """Least-squares slope of RSS over time."""
     if len(points) < 2:
@@ -484,7 +478,7 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
                 "start_s": round(lo, 1),
                 "requests": sum(1 for o in run.outcomes if lo <= o.started_s < hi),
                 "failed": sum(1 for o in run.outcomes if o.failure and lo <= o.started_s < hi),
-                "ttft_p99_ms": percentile(in_window, 0.99),
+                "ttft_p99_ms": percentile(in_window, 99),
                 "hit_rate": hit_rate([o for o in run.outcomes if lo <= o.started_s < hi]),
                 "rss_mib": max(rss) if rss else math.nan,
             }
@@ -519,8 +513,8 @@ def summarize(run: Run, duration_s: float) -> dict[str, Any]:
         "in_flight_after": run.in_flight_after,
         "gateway_logged": run.logged,
         "hit_rate": hit_rate(run.outcomes),  # the engines' cached / prompt tokens
-        "ttft_p50_ms": percentile(ttft_ms, 0.50),
-        "ttft_p99_ms": percentile(ttft_ms, 0.99),
+        "ttft_p50_ms": percentile(ttft_ms, 50),
+        "ttft_p99_ms": percentile(ttft_ms, 99),
         "rss_start_mib": run.rss[0][1] if run.rss else math.nan,
         "rss_max_mib": max((m for _, m in run.rss), default=math.nan),
         "fds_start_max_end": [

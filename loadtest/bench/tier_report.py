@@ -134,12 +134,21 @@ def plot(
     reuse: Mapping[str, Mapping[str, ArmResult]],
     title: str = "",
 ) -> None:
-    """Left: TTFT p50/p99 per tenant group and arm. Middle and right: GB written to the remote
-    tier and hit rate per workload and remote_write mode."""
+    """The figure of `figure` written to `path` (nothing when there is no arm)."""
+    fig = figure(pinning, reuse)
+    if fig is not None:
+        figures.save_figure(fig, path, title=title)
+
+
+def figure(
+    pinning: Mapping[str, ArmResult], reuse: Mapping[str, Mapping[str, ArmResult]]
+) -> Any | None:
+    """(a) TTFT p50/p99 per tenant group and arm; (b) GB written to the remote tier and (c) the
+    prefix hit rate, per workload and remote_write mode. None: no arm to draw."""
     plt = figures.pyplot()
     panels = (1 if pinning else 0) + (2 if reuse else 0)
     if not panels:
-        return
+        return None
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5), squeeze=False)
     ax_iter = iter(axes[0])
     if pinning:
@@ -175,12 +184,13 @@ def plot(
             hit_ax.bar_label(bars, labels=[f"{v:.0%}" for v in hit], fontsize=7)
         centers = [x + width * (len(modes) - 1) / 2 for x in range(len(workloads))]
         for ax, ylabel, name in (
-            (gb_ax, "GB written to the remote tier", "(b) remote bytes written"),
-            (hit_ax, "prefix hit rate (cached / prompt tokens)", "(b) hit rate"),
+            (gb_ax, "GB written to the remote tier", "(b) remote-tier admission: bytes written"),
+            (hit_ax, "prefix hit rate (cached / prompt tokens)", "(c) remote-tier admission: hits"),
         ):
             ax.set_xticks(centers, workloads)
+            ax.set_xlabel("workload (how often its prefixes are reused)")
             ax.set_ylabel(ylabel)
             ax.set_title(name)
             ax.legend(title="remote_write")
         hit_ax.set_ylim(0, 1)
-    figures.save_figure(fig, path, title=title)
+    return fig

@@ -85,6 +85,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated routing policies to compare, in order (default: %(default)s)",
     )
     add(
+        "--port",
+        type=int,
+        help="the simulated replicas listen on PORT, PORT+1, ... and the gateway on the port "
+        "after them (default: free ports; the tier section always takes free ports)",
+    )
+    add(
         "--skip-tiers",
         action="store_true",
         help="skip the second section (critical tenant pinned vs unpinned, reuse-aware remote "
@@ -102,12 +108,16 @@ def _policies(text: str) -> list[str]:
 
 
 def _run_policy(
-    console: Console, fleet: SimFleet, policy: str, trace: list[traces.TraceRecord], out_dir: Path
-) -> tuple[list[RequestResult], float]:
+    console: Console,
+    fleet: SimFleet,
+    policy: str,
+    trace: list[traces.TraceRecord],
+    out_dir: Path,
+    port: int | None,
+) -> tuple[list[RequestResult], float, str]:
     fleet.reset_caches()
-    with gateway(
-        fleet.urls, policy, out_dir, pool={"hbm_capacity_tokens": HBM_CAPACITY_TOKENS}
-    ) as gw:
+    pool = {"hbm_capacity_tokens": HBM_CAPACITY_TOKENS}
+    with gateway(fleet.urls, policy, out_dir, pool=pool, port=port) as gw:
         columns = (
             TextColumn(f"[bold]{policy:>14}[/]"),
             BarColumn(),
@@ -127,7 +137,7 @@ def _run_policy(
 
             started = time.perf_counter()
             results = asyncio.run(replay(trace, gw.url, on_result=on_result))
-            return results, time.perf_counter() - started
+            return results, time.perf_counter() - started, gw.url
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -162,11 +172,17 @@ def run_demo(args: argparse.Namespace) -> int:
     results: dict[str, list[RequestResult]] = {}
     tiers: dict[str, Any] = {}
 
+    urls: dict[str, Any] = {}
+    gateway_port = None if args.port is None else args.port + args.replicas
+
     def run_arms() -> None:
-        with sim_fleet(settings, out_dir) as fleet:
+        with sim_fleet(settings, out_dir, port=args.port) as fleet:
             names = [u.removeprefix("http://") for u in fleet.urls]
+            urls["replicas"] = fleet.urls
             for policy in policies:
-                rs, replay_s = _run_policy(console, fleet, policy, trace, out_dir)
+                rs, replay_s, urls["gateway"] = _run_policy(
+                    console, fleet, policy, trace, out_dir, gateway_port
+                )
                 results[policy] = rs
                 summaries[policy] = summarize(rs, replay_s, names)
                 report.write_results_jsonl(out_dir / f"requests-{policy}.jsonl", rs)
@@ -181,7 +197,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if code:
         return code
     wall_s = time.perf_counter() - started
-    payload = _payload(args, settings, trace, ideal, summaries, wall_s)
+    payload = _payload(args, settings, trace, ideal, summaries, wall_s) | {"urls": urls}
     if not args.skip_tiers:
         payload["tiers"] = tiers
     report.write_json(out_dir / "demo.json", payload)

@@ -155,24 +155,38 @@ def _reset_outcomes(environment: Environment, **_: Any) -> None:
 
 
 def _report_outcomes(environment: Environment, **_: Any) -> None:
+    """At quitting (the master, or a lone runner): the CSV now, the per-shape table once Locust
+    has printed its own (its `quit` event comes after its tables)."""
     if isinstance(environment.runner, WorkerRunner):
         return
-    for shape, row in OUTCOMES.summary().items():
-        log.info(
-            "%s: TTFT p50 %.0f ms, p95 %.0f ms, p99 %.0f ms; prefix hit rate %.1f%% "
-            "(%d requests, %d cached / %d prompt tokens)",
-            shape,
-            row["ttft_p50_ms"],
-            row["ttft_p95_ms"],
-            row["ttft_p99_ms"],
-            100 * row["hit_rate"],
-            row["requests"],
-            row["cached_tokens"],
-            row["prompt_tokens"],
-        )
     prefix = getattr(environment.parsed_options, "csv_prefix", None)
     if prefix:
         OUTCOMES.write_csv(Path(f"{prefix}_outcomes.csv"))
+    rows = OUTCOMES.summary()
+    events.quit.add_listener(lambda **_: _print_outcomes(rows))  # type: ignore[no-untyped-call]
+
+
+OUTCOMES_HEADER = (
+    f"{'Shape':<12} {'# reqs':>7} {'TTFT p50':>9} {'p95':>7} {'p99':>7} {'hit rate':>9} "
+    f"{'cached / prompt tokens':>24}"
+)
+
+
+def _print_outcomes(rows: dict[str, dict[str, Any]]) -> None:
+    """The per-shape table, below Locust's, through Locust's own console logger (stdout)."""
+    from locust.stats import console_logger
+
+    console_logger.info("Time to first token and prefix hit rate per traffic shape (ms)")
+    console_logger.info(OUTCOMES_HEADER)
+    console_logger.info("-" * len(OUTCOMES_HEADER))
+    for shape, row in rows.items():
+        console_logger.info(
+            f"{shape:<12} {row['requests']:>7} {row['ttft_p50_ms']:>9.0f} "
+            f"{row['ttft_p95_ms']:>7.0f} {row['ttft_p99_ms']:>7.0f} "
+            f"{100 * row['hit_rate']:>8.1f}% "
+            f"{row['cached_tokens']:>11} / {row['prompt_tokens']:<10}"
+        )
+    console_logger.info("")
 
 
 events.init_command_line_parser.add_listener(_add_options)  # type: ignore[no-untyped-call]

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from routing.whatif.summary import percentile
+
 MAX_RETRY_AFTER_S = 60.0
 # The longest wait a user honours: the gateway's rate limits and failed-auth limit are a minute's
 # budgets (gateway/tenancy/rate_limits.py, gateway/http/exposure.py), so none of its Retry-After
@@ -102,17 +104,9 @@ class ShapeOutcomes:
         }
 
     def ttft_percentile(self, q: float) -> float:
-        """The q-quantile (0-1) of the histogram; NaN when empty."""
-        total = sum(self.ttft_ms.values())
-        if not total:
-            return math.nan
-        rank = q * total
-        seen = 0
-        for ms in sorted(self.ttft_ms):
-            seen += self.ttft_ms[ms]
-            if seen >= rank:
-                return float(ms)
-        return float(max(self.ttft_ms))
+        """The q-quantile (0-1) of the times kept (rounded as Locust rounds them), by the one
+        definition the project's reports use (routing/whatif/summary.py); NaN when empty."""
+        return percentile([float(ms) for ms, n in self.ttft_ms.items() for _ in range(n)], q * 100)
 
     @property
     def hit_rate(self) -> float:

@@ -1,7 +1,10 @@
 """`cachelane sim --config FILE`: simulate every loopback replica and remote tier a gateway config
 names, with that config's pool capacities and cost constants (one file for both sides). The engine
-model and vLLM's scheduler flags other than pools[].sim.scheduling_policy are the command's own
-(fleet.py: --engine-model, --max-num-batched-tokens, ...); unset, vLLM's defaults (steps.py)."""
+model and vLLM's scheduler flags other than the scheduling policy are the command's own
+(fleet.py: --engine-model, --max-num-batched-tokens, ...); unset, vLLM's defaults (steps.py). The
+scheduling policy is pools[].sim.scheduling_policy, else the pool's engine.scheduling_policy (a
+pool with engine_priority is simulated as engines run --scheduling-policy priority), unless
+--scheduling-policy is given."""
 
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ def specs_from_config(config: GatewayConfig) -> tuple[list[SimReplicaSpec], Remo
                     costs=pool.costs.to_pool_costs(),
                     itl_s=pool.sim.itl_s if pool.sim.itl_s is not None else ITL_S,
                     time_factor=pool.sim.time_factor,
-                    scheduling_policy=pool.sim.scheduling_policy,
+                    scheduling_policy=pool.sim.scheduling_policy or pool.engine.scheduling_policy,
                     max_model_len_tokens=pool.max_prompt_tokens or MAX_MODEL_LEN_TOKENS,
                     kv_events_port=_zmq_port(events.endpoint_for(str(raw))) if events else None,
                     kv_replay_port=_zmq_port(replay) if replay else None,

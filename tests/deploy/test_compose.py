@@ -18,6 +18,7 @@ from gateway.config import GatewayConfig, load_config
 from gateway.telemetry.metrics import Metrics
 from loadtest.sim.fleet import build_parser as sim_parser
 from tests.deploy.util import COMPOSE_DIR, DEPLOY, cli_answers, load_one, rel, yaml_files
+from tests.helpers.examples import EXAMPLE_ENV
 
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yaml"
 GATEWAY_CONFIGS = sorted(COMPOSE_DIR.glob("gateway-*.yaml"))
@@ -57,7 +58,7 @@ def _gateway_env() -> dict[str, str]:
 
 @pytest.mark.parametrize("path", GATEWAY_CONFIGS + EXAMPLES, ids=rel)
 def test_gateway_configs_validate(path: Path) -> None:
-    load_config(path, _gateway_env())  # raises ConfigError naming the bad key
+    load_config(path, _gateway_env() | EXAMPLE_ENV)  # raises ConfigError naming the bad key
 
 
 def test_redis_takes_a_password_keeps_its_state_and_only_the_gateways_reach_it(

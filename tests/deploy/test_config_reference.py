@@ -50,3 +50,11 @@ def test_descriptions_name_only_existing_keys() -> None:
     paths = {path for path, *_ in GEN.rows(GEN.GatewayConfig)}
     stale = sorted(set(GEN.DESCRIPTIONS) - paths)
     assert not stale, f"DESCRIPTIONS has keys the config no longer has: {stale}"
+
+
+def test_the_reference_speaks_the_files_language() -> None:
+    """Types as a config file writes them (no Python type names), and the environment it reads."""
+    text = (ROOT / "deploy" / "CONFIG.md").read_text()
+    assert "dict[" not in text and "routing.types." not in text
+    assert "reads no environment variables" not in text
+    assert "${VAR}" in text and "_file: PATH" in text and "CACHELANE_CONFIG" in text

@@ -306,3 +306,10 @@ def test_image_entrypoint_starts_and_passes_its_healthcheck(wheel: Path, tmp_pat
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_every_repository_path_its_comments_name_exists() -> None:
+    path = r"(?<![\w/])((?:gateway|routing|loadtest|deploy|docs|tests)/[\w/.-]+\.\w+)"
+    named = re.findall(path, DOCKERFILE.read_text())
+    assert named, "the Dockerfile names no source file"
+    assert [p for p in named if not (ROOT / p).exists()] == []

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.bench.processes import free_port_run
 from tests.integration.bench_cli import run_ok
 
 pytestmark = pytest.mark.slow  # `make check` leaves it out: the demo end to end
@@ -22,6 +23,8 @@ def test_demo_runs_and_writes_results(tmp_path: Path) -> None:
     out_dir = tmp_path / "demo"
     # the tier section is the bench's (tests/integration/test_bench_tiers_smoke.py)
     args = ["--duration-s", "4", "--rate", "6", "--replicas", "2", "--seed", "3", "--skip-tiers"]
+    port = free_port_run(3)  # the two replicas, then the gateway
+    args += ["--port", str(port)]
     run_ok(["-m", "gateway", "demo", *args, "--out-dir", str(out_dir)], DEMO_TIMEOUT_S)
 
     data = json.loads((out_dir / "demo.json").read_text())
@@ -42,4 +45,8 @@ def test_demo_runs_and_writes_results(tmp_path: Path) -> None:
     assert data["ratios"]["hit_rate"] is not None
     assert (out_dir / "demo.png").stat().st_size > 0
     assert (out_dir / "trace.jsonl").exists()
+    assert data["urls"] == {
+        "replicas": [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"],
+        "gateway": f"http://127.0.0.1:{port + 2}",
+    }
     assert (out_dir / "requests-cache_aware.jsonl").exists()

@@ -562,8 +562,9 @@ async def gateway_in_front_of(
 async def test_engine_priority_sent_only_to_pools_that_ask_for_it() -> None:
     """A pool with engine_priority in front of a priority-scheduling replica serves every class;
     a pool without it in front of an fcfs replica serves critical and batch tenants too, which
-    proves no `priority` went out (fcfs refuses a non-zero one, as the same pool with
-    engine_priority shows)."""
+    proves no `priority` went out. The same fcfs replica behind a pool with engine_priority is
+    asked before it takes traffic, refuses, and is sent none: every class is served, and /ready
+    says what the engine refused."""
     prio = SimPool("prio", config={"engine_priority": True}, scheduling_policy="priority")
     plain = SimPool("plain")
     misconfigured = SimPool("misconfigured", config={"engine_priority": True})
@@ -573,7 +574,7 @@ async def test_engine_priority_sent_only_to_pools_that_ask_for_it() -> None:
         a = await stack.enter_async_context(gateway_in_front_of(prio, prio_sims))
         b = await stack.enter_async_context(gateway_in_front_of(plain, fcfs_sims))
         c = await stack.enter_async_context(gateway_in_front_of(misconfigured, fcfs_sims))
-        (url_a, gw_a), (url_b, gw_b), (url_c, _) = a, b, c
+        (url_a, gw_a), (url_b, gw_b), (url_c, gw_c) = a, b, c
         for tenant in ("voice", "web", "bulk"):
             headers, _ = await asyncio.wait_for(ask(url_a, tenant, prompt(tenant, 200)), WAIT_S)
             assert headers["x-cachelane-replica"] == prio_sims[0]
@@ -586,9 +587,12 @@ async def test_engine_priority_sent_only_to_pools_that_ask_for_it() -> None:
                     "/v1/chat/completions", json=body(prompt(tenant, 200)), headers=auth(tenant)
                 )
                 statuses[tenant] = resp.status_code
-                if resp.status_code == 400:
-                    assert "Priority scheduling is not enabled" in resp.json()["error"]["message"]
-        assert statuses == {"voice": 400, "web": 200, "bulk": 400}
+            ready = (await h.get("/ready")).json()
+        assert statuses == {"voice": 200, "web": 200, "bulk": 200}
+        assert ready["replicas"][fcfs_sims[0]]["priority"] == "refused"
+        assert fcfs_sims[0] in ready["warnings"][0]
+        assert not gw_c.registry.replicas[fcfs_sims[0]].rules.engine_priority
+        assert gw_a.registry.replicas[prio_sims[0]].accepts_priority is True
 
         # the bytes sent upstream, for each class, from each gateway's own plan
         raw = json.dumps(body(prompt("x", 50))).encode()

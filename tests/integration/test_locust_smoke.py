@@ -143,7 +143,11 @@ def test_locust_headless_records_ttft_and_cached_tokens(tmp_path: Path) -> None:
         assert 0.0 <= float(row["hit_rate"]) <= 1.0, shape
     stats = json.loads((tmp_path / "locust.json").read_text())
     assert {s["method"] for s in stats} == {"POST"}
-    assert "prefix hit rate" in done.stderr and "TTFT p50" in done.stderr
+    # the per-shape table comes last, after Locust's shutdown and its own statistics, as a table
+    ours = done.stderr.find("Time to first token and prefix hit rate per traffic shape")
+    assert ours > done.stderr.find("Shutting down (exit code 0)") >= 0, done.stderr[-3000:]
+    table = done.stderr[ours:]
+    assert all(f"\n{shape:<12} " in table for shape in SHAPES)
 
 
 @pytest.mark.timeout(LOCUST_TIMEOUT_S + 60)

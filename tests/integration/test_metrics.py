@@ -171,3 +171,42 @@ async def test_units_in_names_and_no_value_before_it_is_known() -> None:
     assert "cachelane_cost_fit{" not in text
     # no window of critical requests has passed: the pinned pool's share is not known, not 0
     assert "cachelane_pinned_share" not in text
+
+
+async def test_an_engines_refusal_counts_as_an_error_by_its_status() -> None:
+    """A 400 the engine answers (a prompt over its context length) passes through and is
+    counted in cachelane_errors_total as well as cachelane_requests_total."""
+    from contextlib import AsyncExitStack
+
+    from gateway.config import parse_config
+    from gateway.http.app import create_app
+    from loadtest.sim.config import SimReplicaSpec
+    from loadtest.sim.server import create_sim_app
+    from tests.helpers.servers import running_app
+    from tests.integration.fleet import QUICK_CHECKS
+
+    async with AsyncExitStack() as stack:
+        spec = SimReplicaSpec(name="short", port=0, itl_s=0.001, max_model_len_tokens=64)
+        replica = await stack.enter_async_context(running_app(create_sim_app(spec)))
+        config = parse_config(
+            {
+                **QUICK_CHECKS,
+                "auth": {"mode": "open"},
+                "pools": [{"name": "p", "models": [MODEL], "replicas": [replica]}],
+            }
+        )
+        url = await stack.enter_async_context(running_app(create_app(config)))
+        async with httpx.AsyncClient(base_url=url, timeout=10) as h:
+            resp = await h.post("/v1/chat/completions", json=body("too long for the engine"))
+            assert resp.status_code == 400
+            _, samples = await scrape(h)
+    assert total(samples, "cachelane_requests_total", status="400") == 1
+    assert total(samples, "cachelane_errors_total", code="replica_400") == 1
+
+
+async def test_every_fraction_is_named_ratio() -> None:
+    from gateway.telemetry.metrics import Metrics
+
+    names = [family.name for family in Metrics().registry.collect()]
+    assert "cachelane_pinned_pool_short_ratio" in names
+    assert [n for n in names if n.endswith("_share") or n.endswith("_fraction")] == []

@@ -126,5 +126,5 @@ def test_check_config_says_why_a_removed_key_went(
     text = "pools: [{name: p, pinned: true, replicas: ['http://127.0.0.1:1'], lend_keep_idle: 1}]\n"
     assert main(["check-config", str(write(tmp_path, text))]) == 2
     err = capsys.readouterr().err
-    assert "pools.0: Value error, pool 'p': lend_keep_idle: removed" in err
-    assert "measured no help on the token-budget engine (docs/critical.md" in err
+    assert "pools.0.lend_keep_idle (line 1): removed: delete it: measured no help" in err
+    assert "on the token-budget engine (docs/critical.md" in err

@@ -142,3 +142,19 @@ def test_no_function_over_the_limit() -> None:
 @pytest.mark.parametrize("tree", TREES)
 def test_the_walk_sees_the_tree(tree: str) -> None:
     assert _modules(tree), f"{tree}/ has no modules: the layout checks would pass vacuously"
+
+
+def test_one_percentile_definition() -> None:
+    """routing/whatif/summary.py's percentile is the only one the project writes; every report
+    (benchmarks, Locust's per-shape rows, the what-if replay) calls it."""
+    defined = []
+    for tree in (*TREES, "loadtest"):
+        for path in sorted((ROOT / tree).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef) and "percentile" in node.name:
+                    defined.append(f"{_name(path)}:{node.name}")
+    assert sorted(defined) == [  # the first two call the last
+        "loadtest/bench/critical_results.py:_percentiles",  # p50, p90, p99 at once
+        "loadtest/locust/outcomes.py:ttft_percentile",  # a histogram
+        "routing/whatif/summary.py:percentile",
+    ]

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from loadtest.locust.outcomes import (
     MAX_RETRY_AFTER_S,
     Outcomes,
@@ -54,8 +56,8 @@ def test_workers_reports_merge_into_the_masters_figures() -> None:
     row = master.summary()["chat"]
     assert row["requests"] == 5
     assert row["hit_rate"] == 2700 / 4500
-    assert row["ttft_p50_ms"] == 20
-    assert row["ttft_p99_ms"] == 200
+    assert row["ttft_p50_ms"] == 25  # between 20 and 30 (linear, as every report's)
+    assert row["ttft_p99_ms"] == pytest.approx(30 + 0.97 * 170)
 
 
 def test_tags_keep_only_users_with_a_selected_task() -> None:
@@ -85,3 +87,20 @@ def test_retry_after_is_honoured_in_seconds_and_bounded() -> None:
     assert retry_after_s({"retry-after": "3600"}) == MAX_RETRY_AFTER_S
     assert retry_after_s({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) is None
     assert retry_after_s({}) is None
+
+
+def test_the_shape_percentiles_use_the_projects_one_definition() -> None:
+    """Linear interpolation between the kept times, as routing/whatif/summary.py's percentile and
+    statistics.quantiles(method="inclusive") compute it."""
+    import statistics
+
+    from loadtest.locust.outcomes import ShapeOutcomes
+
+    shape = ShapeOutcomes()
+    for ms in (10, 20, 20, 40, 90):
+        shape.add(ms, 100, 0)
+    kept = [10.0, 20.0, 20.0, 40.0, 90.0]
+    cuts = statistics.quantiles(kept, n=100, method="inclusive")
+    assert shape.ttft_percentile(0.5) == 20.0
+    assert shape.ttft_percentile(0.99) == pytest.approx(cuts[98])
+    assert shape.ttft_percentile(0.95) == pytest.approx(cuts[94])

@@ -131,3 +131,22 @@ def test_numbers_are_written_as_str_writes_them_and_stay_bare(value: float) -> N
     line = key_values({"n": value})
     assert line == f"n={value}"
     assert _BARE_VALUE.fullmatch(line.removeprefix("n="))  # what the pattern would have said
+
+
+def test_the_access_line_takes_usage_only_from_the_parsed_usage() -> None:
+    """A `prompt_tokens` outside the answer's usage (an engine's own extra field) is not its
+    usage: the access record's token counts come from the settled, parsed usage (note_usage)
+    alone."""
+    from gateway.telemetry.logs import AccessWatch, note_usage
+
+    watch = AccessWatch({"type": "http", "method": "POST", "path": "/v1/chat/completions"})
+    try:
+        watch.seen({"type": "http.response.start", "status": 200, "headers": []})
+        content = b'{"choices": [], "engine_stats": {"prompt_tokens": 999}}'
+        watch.seen({"type": "http.response.body", "body": content})
+        before = watch.access.prompt_tokens
+        note_usage(12, 4)
+        assert before is None
+        assert (watch.access.prompt_tokens, watch.access.cached_tokens) == (12, 4)
+    finally:
+        watch.close()

@@ -27,3 +27,16 @@ def test_the_pinned_share_is_absent_until_set() -> None:
     assert m.registry.get_sample_value("cachelane_pinned_share_ratio") is None
     m.pinned_share.set(0.0)
     assert m.registry.get_sample_value("cachelane_pinned_share_ratio") == 0.0
+
+
+def test_the_dashboard_mapping_names_only_series_the_gateway_exports() -> None:
+    """docs/metrics.md maps vLLM's dashboard panels to cachelane's series: each one it names
+    exists (a histogram's or a counter's family name, or a sample name)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    named = set(re.findall(r"\bcachelane_[a-z0-9_]+", doc))
+    families = {f.name for f in Metrics().registry.collect()}
+    samples = families | {f"{name}_total" for name in families}
+    assert named and named <= samples, sorted(named - samples)

@@ -123,7 +123,7 @@ def test_a_pinned_pool_too_small_for_its_critical_demand_is_reported(
     status = watch.status()
     assert status["undersized"] is undersized
     assert (status["hint"] is not None) is undersized
-    short_share = metrics.registry.get_sample_value("cachelane_pinned_pool_short_share")
+    short_share = metrics.registry.get_sample_value("cachelane_pinned_pool_short_ratio")
     assert short_share == short / MIN_REQUESTS
 
 
