@@ -124,7 +124,7 @@ class Member:
         }
 
 
-def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
+def log_uniform(rng: random.Random, lo: float, hi: float) -> float:
     return math.exp(rng.uniform(math.log(lo), math.log(hi)))
 
 
@@ -193,7 +193,7 @@ def draw_fleet(
     prefill = min(max(prefill, PREFILL_TOKENS_PER_S[0]), PREFILL_TOKENS_PER_S[1])
     hbm = max(distinct * rng.uniform(*HBM_SHARE) / replicas, HBM_MIN_PROMPTS * largest)
     cpu = round(hbm * rng.uniform(*CPU_TIMES_HBM)) if rng.random() < CPU_SHARE else 0
-    budget = round(_log_uniform(rng, *BUDGET_TOKENS) / 256) * 256
+    budget = round(log_uniform(rng, *BUDGET_TOKENS) / 256) * 256
     return FleetDraw(
         replicas=replicas,
         prefill_tokens_per_s=round(prefill),
