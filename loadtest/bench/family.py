@@ -34,36 +34,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from rich.table import Table
 
-from loadtest.bench import figures, harness, report
+from loadtest.bench import harness, report
 from loadtest.bench.critical_fleet import scrape
 from loadtest.bench.family_members import MODEL, Member, draw_member
+from loadtest.bench.family_report import draw, markdown, member_table, summary_table
+from loadtest.bench.family_stats import (
+    CACHELANE_ARMS,
+    ArmStats,
+    FamilyResult,
+    arm_stats,
+    family_summary,
+    goal_verdicts,
+    ratios_to_peers,
+)
 from loadtest.bench.peer_routers import RouterSpec, kv_aware_args, running_router
 from loadtest.bench.processes import free_port, gateway_from_config, loopback_urls, sim_from_config
 from loadtest.bench.replay import (
-    RequestResult,
     at_offsets,
     errors_into,
     open_client,
     request_body,
     stream_into,
 )
-from loadtest.bench.report import ms
 from loadtest.workloads.traces import TraceRecord
 from routing.hashing import DEFAULT_BLOCK_SIZE_TOKENS
-from routing.whatif.summary import percentile
 
 OUT = Path("results/bench_family.json")
 ARMS = ("quickstart", "told", "vllm", "sglang")
-CACHELANE_ARMS = ("quickstart", "told")
-PEER_ARMS = ("vllm", "sglang")
 MEMBERS = 12
 REQUESTS = 400  # per member: ~40-80 s of trace at 5-10 requests/s
 QUICK_MEMBERS, QUICK_REQUESTS = 2, 40
@@ -73,36 +77,7 @@ REQUEST_TIMEOUT_S = 60.0
 # past 60 s a request counts as failed, and an arm waits at most this long after its last arrival.
 HTTP_TIMEOUT_S = 5.0  # connects and the sims' metrics on loopback
 MAX_CONNECTIONS = 1024
-EST_MIN_TTFT_S = 0.05
-EST_SKIP_FIRST = 50
-# The estimate's error, as the estimate benchmark counts it (docs/bench/estimate.md): TTFTs of at
-# least 50 ms (below, a few ms of the shared cores' jitter is a large share), after the first 50
-# requests (a fresh gateway learns the fleet from them).
-
-GOALS = {
-    "quickstart": {
-        "every member": {
-            "ttft_p90": ("<=", 1.0),
-            "ttft_p99": ("<=", 1.0),
-            "excess_p99": ("<=", 1.0),
-            "hit_points": (">=", -0.5),
-        }
-    },
-    "told": {
-        "median": {"excess_p90": ("<=", 0.7), "excess_p99": ("<=", 0.7)},
-        "worst decile": {"excess_p90": ("<=", 1.0), "excess_p99": ("<=", 1.0)},
-    },
-}
-# What the family is held to: the quick start never worse than the better peer (TTFT and excess
-# as ratios, hit rate in points); told the fleet, a clear gain on the median member.
-
-
 # --- one arm ---------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class FamilyResult(RequestResult):
-    est_ttft_ms: float | None = None  # cachelane's x-cachelane-est-ttft-ms
 
 
 @dataclass(frozen=True)
@@ -212,251 +187,6 @@ def peer_spec(arm: str, ports: Ports) -> RouterSpec:
         extra = kv_aware_args(ports.events, DEFAULT_BLOCK_SIZE_TOKENS, MODEL)
         return RouterSpec("vllm", "kv_aware", extra_args=extra)
     return RouterSpec("sglang", "cache_aware")
-
-
-# --- statistics ------------------------------------------------------------------------------
-
-
-@dataclass
-class ArmStats:
-    arm: str
-    requests: int
-    failed: int
-    hit: float
-    hit_over_ideal: float
-    ttft_ms: dict[str, float]  # p50, p90, p99
-    excess_ms: dict[str, float]  # p50, p90, p99
-    max_over_mean: float  # the busiest replica's prompt tokens over the mean
-    est_error_p50: float | None
-    est_error_p90: float | None
-    elapsed_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def _pcts(values: Sequence[float]) -> dict[str, float]:
-    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
-
-
-def arm_stats(
-    arm: str,
-    member: Member,
-    results: Sequence[FamilyResult],
-    per_replica: Sequence[float],
-    elapsed_s: float,
-) -> ArmStats:
-    ok = [r for r in results if r.ok and r.ttft_s is not None]
-    prompt = sum(r.prompt_tokens for r in ok)
-    hit = sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0
-    floor = member.floor.per_request
-    excess = [
-        r.ttft_s * 1000 - f  # type: ignore[operator]
-        for r in ok
-        if (f := floor[r.index]) is not None
-    ]
-    errors = [
-        abs(r.est_ttft_ms / 1000 - r.ttft_s) / r.ttft_s  # type: ignore[operator]
-        for r in ok
-        if r.est_ttft_ms is not None and r.index >= EST_SKIP_FIRST and r.ttft_s >= EST_MIN_TTFT_S  # type: ignore[operator]
-    ]
-    mean = sum(per_replica) / len(per_replica) if per_replica else 0.0
-    return ArmStats(
-        arm=arm,
-        requests=len(results),
-        failed=len(results) - len(ok),
-        hit=hit,
-        hit_over_ideal=hit / member.ideal_hit if member.ideal_hit else float("nan"),
-        ttft_ms=_pcts([r.ttft_s * 1000 for r in ok]),  # type: ignore[operator]
-        excess_ms=_pcts(excess),
-        max_over_mean=max(per_replica) / mean if mean else float("nan"),
-        est_error_p50=percentile(errors, 50) if errors else None,
-        est_error_p90=percentile(errors, 90) if errors else None,
-        elapsed_s=elapsed_s,
-    )
-
-
-RATIO_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "excess_p90", "excess_p99")
-
-
-def _metric(stats: ArmStats, key: str) -> float:
-    kind, q = key.split("_")
-    return (stats.ttft_ms if kind == "ttft" else stats.excess_ms)[q]
-
-
-def ratios_to_peers(arms: Mapping[str, ArmStats]) -> dict[str, dict[str, float]]:
-    """Each cachelane arm against the better peer: TTFT and excess as ratios to the lower peer
-    figure (excess below 1 ms counts as 1 ms: the floor's own rounding), hit in points above
-    the higher peer."""
-    peers = [arms[p] for p in PEER_ARMS if p in arms]
-    if not peers:
-        return {}
-    out: dict[str, dict[str, float]] = {}
-    for arm in CACHELANE_ARMS:
-        if arm not in arms:
-            continue
-        mine = arms[arm]
-        row = {}
-        for key in RATIO_KEYS:
-            best = min(_metric(p, key) for p in peers)
-            row[key] = max(_metric(mine, key), 1.0) / max(best, 1.0)
-        row["hit_points"] = 100 * (mine.hit - max(p.hit for p in peers))
-        out[arm] = row
-    return out
-
-
-def family_summary(per_member: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[str, Any]:
-    """Per cachelane arm and ratio: the median member and the worst decile (the 90th percentile
-    of a ratio, the 10th of the hit points), and the worst member."""
-    out: dict[str, Any] = {}
-    for arm in CACHELANE_ARMS:
-        rows = [m[arm] for m in per_member if arm in m]
-        if not rows:
-            continue
-        arm_out = {}
-        for key in (*RATIO_KEYS, "hit_points"):
-            values = [r[key] for r in rows]
-            worse_high = key != "hit_points"
-            arm_out[key] = {
-                "median": percentile(values, 50),
-                "worst_decile": percentile(values, 90 if worse_high else 10),
-                "worst": max(values) if worse_high else min(values),
-            }
-        out[arm] = arm_out
-    return out
-
-
-def goal_verdicts(
-    per_member: Sequence[Mapping[str, Mapping[str, float]]], summary: Mapping[str, Any]
-) -> list[tuple[str, str, float, str, float, bool]]:
-    """(arm, scope:key, value, op, goal, met) for every goal in GOALS."""
-    out = []
-    for arm, scopes in GOALS.items():
-        if arm not in summary:
-            continue
-        for scope, goals in scopes.items():
-            for key, (op, goal) in goals.items():
-                stat = {"every member": "worst", "median": "median", "worst decile": "worst_decile"}
-                value = summary[arm][key][stat[scope]]
-                met = value <= goal if op == "<=" else value >= goal
-                out.append((arm, f"{scope}: {key}", value, op, goal, met))
-    return out
-
-
-# --- output ----------------------------------------------------------------------------------
-
-
-def member_table(member: Member, arms: Mapping[str, ArmStats]) -> Table:
-    f = member.fleet
-    title = (
-        f"{member.name}: {len(member.trace)} requests at {member.rate_per_s:.1f}/s, load "
-        f"{member.load:.2f}, ideal hit {member.ideal_hit:.3f}; {f.replicas} x "
-        f"{f.prefill_tokens_per_s:,.0f} tok/s, {f.tiers}, budget {f.max_num_batched_tokens}"
-        f"{f' threshold {f.long_prefill_token_threshold}' * bool(f.long_prefill_token_threshold)}"
-        f", {f.scheduling_policy}, decode {f.decode_step_s * 1000:.0f} ms"
-    )
-    table = Table(title=title, title_justify="left")
-    cols = ("arm", "hit", "hit/ideal", "TTFT p50", "p90", "p99", "excess p90", "p99")
-    for c in (*cols, "max/mean", "est err p90", "failed"):
-        table.add_column(c, justify="left" if c == "arm" else "right")
-    for arm, s in arms.items():
-        est = "" if s.est_error_p90 is None else f"{s.est_error_p90:.2f}"
-        table.add_row(
-            arm,
-            f"{s.hit:.3f}",
-            f"{s.hit_over_ideal:.2f}",
-            ms(s.ttft_ms["p50"]),
-            ms(s.ttft_ms["p90"]),
-            ms(s.ttft_ms["p99"]),
-            ms(s.excess_ms["p90"]),
-            ms(s.excess_ms["p99"]),
-            f"{s.max_over_mean:.2f}",
-            est,
-            str(s.failed),
-        )
-    return table
-
-
-def summary_table(summary: Mapping[str, Any], members: int) -> Table:
-    table = Table(
-        title=f"cachelane / better peer over {members} members: median, worst decile, worst",
-        title_justify="left",
-    )
-    table.add_column("arm")
-    for key in (*RATIO_KEYS, "hit_points"):
-        table.add_column(key.replace("_", " "), justify="right")
-    for arm, row in summary.items():
-        cells = []
-        for key in (*RATIO_KEYS, "hit_points"):
-            v = row[key]
-            fmt = "{:+.1f}" if key == "hit_points" else "{:.2f}x"
-            cells.append(" / ".join(fmt.format(v[s]) for s in ("median", "worst_decile", "worst")))
-        table.add_row(arm, *cells)
-    return table
-
-
-def draw(path: Path, names: Sequence[str], per_member: Sequence[Mapping[str, Any]]) -> None:
-    """Per member, each cachelane arm's excess p99 and TTFT p99 over the better peer's."""
-    plt = figures.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), sharey=False)
-    width = 0.38
-    xs = range(len(names))
-    for ax, key, label in (
-        (axes[0], "excess_p99", "excess p99 / better peer"),
-        (axes[1], "ttft_p99", "TTFT p99 / better peer"),
-        (axes[2], "hit_points", "hit rate - better peer (points)"),
-    ):
-        for j, arm in enumerate(CACHELANE_ARMS):
-            vals = [m.get(arm, {}).get(key, float("nan")) for m in per_member]
-            ax.bar([x + (j - 0.5) * width for x in xs], vals, width, label=arm)
-        ax.axhline(0.0 if key == "hit_points" else 1.0, color="black", lw=1)
-        if key != "hit_points":
-            ax.set_yscale("log")
-        ax.set_title(label)
-        ax.set_xticks(list(xs), names, rotation=60, ha="right", fontsize=8)
-    axes[0].legend()
-    figures.save_figure(
-        fig, path, title="cachelane against the better of vllm-router and sglang-router"
-    )
-
-
-def markdown(payload: Mapping[str, Any]) -> str:
-    """The run as the tables docs/bench/family.md shows: per member and arm, then the family."""
-    lines = [
-        "| member | fleet | arm | hit (ideal) | TTFT p50 / p90 / p99 | excess p90 / p99 "
-        "| est. miss p90 |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for m in payload["members"]:
-        f = m["fleet"]
-        tiers = "+".join(["hbm"] + ["cpu"] * bool(f["cpu_tokens"]) + ["remote"] * f["remote"])
-        threshold = f["long_prefill_token_threshold"]
-        fleet = (
-            f"{f['replicas']} x {f['prefill_tokens_per_s']:,.0f} tok/s, {tiers}, budget "
-            f"{f['max_num_batched_tokens']}{f' thr {threshold}' * bool(threshold)}, "
-            f"{f['scheduling_policy']}, decode {f['decode_step_s'] * 1000:.0f} ms, "
-            f"load {m['load']:.2f}"
-        )
-        for i, (arm, a) in enumerate(m["arms"].items()):
-            t, e = a["ttft_ms"], a["excess_ms"]
-            est = "" if a["est_error_p90"] is None else f"{a['est_error_p90']:.2f}"
-            lines.append(
-                f"| {m['name'] if i == 0 else ''} | {fleet if i == 0 else ''} | {arm} | "
-                f"{a['hit']:.3f} ({m['ideal_hit']:.3f}) | {t['p50']:,.0f} / {t['p90']:,.0f} / "
-                f"{t['p99']:,.0f} | {e['p90']:,.0f} / {e['p99']:,.0f} | {est} |"
-            )
-    lines += [
-        "",
-        "| arm | ratio to the better peer | median | worst decile | worst |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for arm, row in payload["summary"].items():
-        for key, v in row.items():
-            fmt = "{:+.1f}" if key == "hit_points" else "{:.2f}x"
-            cells = " | ".join(fmt.format(v[s]) for s in ("median", "worst_decile", "worst"))
-            lines.append(f"| {arm} | {key.replace('_', ' ')} | {cells} |")
-    return "\n".join(lines) + "\n"
 
 
 # --- main ------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from loadtest.bench import family, family_members
-from loadtest.bench.family import ArmStats
+from loadtest.bench import family_members, family_stats
+from loadtest.bench.family_stats import ArmStats
 
 
 def stats(arm: str, hit: float, ttft: float, excess: float) -> ArmStats:
@@ -67,7 +67,7 @@ def test_ratios_are_against_the_lower_peer_and_hit_against_the_higher() -> None:
         "vllm": stats("vllm", 0.45, 400.0, 50.0),
         "sglang": stats("sglang", 0.55, 100.0, 200.0),
     }
-    ratios = family.ratios_to_peers(arms)
+    ratios = family_stats.ratios_to_peers(arms)
     assert set(ratios) == {"quickstart"}
     q = ratios["quickstart"]
     assert q["ttft_p99"] == pytest.approx(2.0)  # 200 / sglang's 100
@@ -77,25 +77,27 @@ def test_ratios_are_against_the_lower_peer_and_hit_against_the_higher() -> None:
 
 def test_excess_under_a_millisecond_counts_as_one() -> None:
     arms = {"told": stats("told", 0.5, 10.0, 0.1), "vllm": stats("vllm", 0.5, 10.0, 0.0)}
-    assert family.ratios_to_peers(arms)["told"]["excess_p99"] == 1.0
+    assert family_stats.ratios_to_peers(arms)["told"]["excess_p99"] == 1.0
 
 
 def test_no_peer_no_ratio() -> None:
-    assert family.ratios_to_peers({"told": stats("told", 0.5, 1.0, 1.0)}) == {}
+    assert family_stats.ratios_to_peers({"told": stats("told", 0.5, 1.0, 1.0)}) == {}
 
 
 def test_the_summary_takes_the_median_and_the_worst_decile() -> None:
     per_member = [
-        {"quickstart": {**dict.fromkeys(family.RATIO_KEYS, 0.5 + i / 10), "hit_points": -i}}
+        {"quickstart": {**dict.fromkeys(family_stats.RATIO_KEYS, 0.5 + i / 10), "hit_points": -i}}
         for i in range(11)
     ]
-    summary = family.family_summary(per_member)
+    summary = family_stats.family_summary(per_member)
     q = summary["quickstart"]
     assert q["excess_p99"]["median"] == pytest.approx(1.0)
     assert q["excess_p99"]["worst"] == pytest.approx(1.5)
     assert 1.3 <= q["excess_p99"]["worst_decile"] <= 1.5
     assert q["hit_points"]["worst"] == -10 and q["hit_points"]["median"] == -5
-    verdicts = {(a, k): met for a, k, _, _, _, met in family.goal_verdicts(per_member, summary)}
+    verdicts = {
+        (a, k): met for a, k, _, _, _, met in family_stats.goal_verdicts(per_member, summary)
+    }
     assert verdicts[("quickstart", "every member: excess_p99")] is False
     assert not any(a == "told" for a, _ in verdicts)  # no told arm ran: no verdict on it
     assert not math.isnan(q["ttft_p90"]["median"])
