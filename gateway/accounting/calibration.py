@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.fleet.registry import Replica
+from gateway.fleet.replica import Replica
 from gateway.telemetry.metrics import Metrics
 from routing.cost import CostTerms
 from routing.decide import Score, rescored

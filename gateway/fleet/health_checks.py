@@ -1,5 +1,7 @@
 """Active health checks: every replica's /v1/models on an interval, and the probe generation that
-lets a replica ejected for how its requests went back in (gateway/fleet/outliers.py)."""
+lets a replica ejected for how its requests went back in (gateway/fleet/outliers.py), or that
+decides whether a suspect, which failed requests of one tenant only, is ejected
+(Registry.errored)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typing import Any
 
 import httpx
 
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica
 from gateway.serving.deadline import first_byte_deadline_s
 
 log = logging.getLogger("cachelane.registry")
@@ -110,7 +113,8 @@ class HealthChecker:
             await self._registry.mark_failed(replica, f"health check: {err!r}")
             return
         await self._registry.mark_ok(replica, frozenset(cards), cards)
-        if self._registry.probe_due(replica) and replica.name not in self._probing:
+        due = self._registry.probe_due(replica) or replica.suspect is not None
+        if due and replica.name not in self._probing:
             self._probing.add(replica.name)
             if self._probes is None:
                 await self._probe(replica)
@@ -135,7 +139,10 @@ class HealthChecker:
         if self._on_probe is not None:
             self._on_probe(replica, error is None)
         try:
-            await self._registry.probed(replica, error)
+            if replica.healthy:  # a suspect (Registry.errored)
+                await self._registry.confirmed(replica, error)
+            else:
+                await self._registry.probed(replica, error)
         except Exception:  # the health checks go on; the replica is probed again
             log.exception("could not record the probe of replica %s", replica.name)
 

@@ -11,7 +11,9 @@ the last 5xx answer passes through as it came, else 502 or 504. A 4xx answer pas
 (the request, not the replica, is at fault); once a streamed answer has begun, a failure ends it
 with an error event. Passive health (Registry.answered, Registry.errored, Registry.unreachable):
 such failures in a row, or one refused connection, eject a replica until its back-off is over
-and a probe generation passes (gateway/fleet/outliers.py), like Envoy's outlier detection.
+and a probe generation passes (gateway/fleet/outliers.py), like Envoy's outlier detection; each
+failure names the tenant whose request it was, and one tenant's alone only make the replica a
+suspect that a probe generation judges.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
@@ -36,7 +38,8 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 
-from gateway.fleet.registry import Registry, Replica, Reservation
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError, no_replica, upstream_error
 from gateway.serving.deadline import first_byte_deadline_s, output_limit_tokens
@@ -299,13 +302,15 @@ class Proxy:
             lease.release()  # a try that will not be answered gives its slot back at once
             await finish_shielded(accepting)
             await close_shielded(resp)  # the engine aborts a request whose connection closed
-            failure = await failed_try(self._registry, self._metrics, replica, err, timeout_s)
+            failure = await failed_try(
+                self._registry, self._metrics, replica, err, timeout_s, tenant=plan.tenant.name
+            )
             if failure is err:
                 raise
             raise failure from err
         try:
             if chunks is None:  # a stream that began is judged when it ends (_relay)
-                await self._registry.answered(replica, resp.status)
+                await self._registry.answered(replica, resp.status, tenant=plan.tenant.name)
         except BaseException:  # cancelled here (a client gone): the lease's `with` releases
             await close_shielded(resp)
             raise
@@ -415,6 +420,7 @@ class Proxy:
         line says the error's status and code, not the 200 sent at the start."""
         settled = answer.settled
         reader = settled.reader
+        tenant = settled.plan.tenant.name
         try:
             if first is not None:
                 out = reader.relay(first, time.perf_counter())
@@ -433,13 +439,15 @@ class Proxy:
                 rest = reader.rest()
                 if rest:
                     yield rest
-            await self._registry.answered(settled.replica, settled.status)
+            await self._registry.answered(settled.replica, settled.status, tenant=tenant)
         except UpstreamError as err:
             name = settled.replica.name
             api_error: ApiError = upstream_error(name, err)
             self._metrics.errors.labels(api_error.code).inc()
             self._metrics.streams_broken.labels(name).inc()
-            await self._registry.errored(settled.replica, repr(err), reason="disconnect")
+            await self._registry.errored(
+                settled.replica, repr(err), reason="disconnect", tenant=tenant
+            )
             answer.failed_status = api_error.status
             logs.note_stream_failed(api_error.status, api_error.code)
             log.warning("stream from %s broke: %r", name, err)

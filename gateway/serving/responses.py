@@ -41,7 +41,8 @@ from gateway.index.keyvalue import MemoryKeyValue, RedisKeyValue
 from gateway.telemetry import logs
 
 if TYPE_CHECKING:
-    from gateway.fleet.registry import Registry, Replica
+    from gateway.fleet.registry import Registry
+    from gateway.fleet.replica import Replica
     from gateway.tenancy.tenants import Tenant
 
 log = logging.getLogger("cachelane.responses")

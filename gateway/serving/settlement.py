@@ -32,7 +32,7 @@ from gateway.telemetry.metrics import Metrics
 if TYPE_CHECKING:
     from gateway.accounting.capture import Capture
     from gateway.accounting.ledger import CostAccounting
-    from gateway.fleet.registry import Replica, Reservation
+    from gateway.fleet.replica import Replica, Reservation
     from gateway.serving.planner import Plan, Planner
     from gateway.tenancy.rate_limits import RateLimiter
 

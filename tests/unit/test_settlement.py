@@ -21,7 +21,8 @@ import pytest
 from fastapi import Request
 
 from gateway.config import parse_config
-from gateway.fleet.registry import Joining, Registry, Reservation
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Joining, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError
 from gateway.http.serve import _hold
