@@ -122,7 +122,8 @@ class RateLimitsConfig(Strict):
         default=DEFAULT_FAILED_AUTH_PER_MIN,
         description="Failed authentications (401) a client address, or a key, may make a "
         "minute; past it, its requests without a valid key get 429 with Retry-After until the "
-        "minute allows more. A valid key is never refused by this limit. Behind a load "
+        "minute allows more, at most 60 s after its last failure. A valid key is never refused "
+        "by this limit, nor are /health, /ready and /metrics. Behind a load "
         "balancer set listen.forwarded_allow_ips to its addresses (the client's is then taken "
         "from X-Forwarded-For), or every client without a key shares its address. 0: no limit.",
     )
