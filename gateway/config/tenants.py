@@ -108,11 +108,12 @@ class RateLimitsConfig(Strict):
 
     classes: dict[TenantClass, RateLimit] = Field(
         default_factory=dict,
-        description="Limits of every tenant of a class (the class the request is served at), "
-        "each {requests_per_min, tokens_per_min}, e.g. {standard: {requests_per_min: 600, "
-        "tokens_per_min: 1000000}}; unset: no limit of that kind. Each tenant has its own "
-        "budget. Tokens: the prompt's estimate at admission, corrected by the engine's "
-        "usage.total_tokens (prompt and completion) when the answer reports it.",
+        description="Limits of every tenant of a class (its own class, whatever class a "
+        "request asks for), each {requests_per_min, tokens_per_min}, e.g. {standard: "
+        "{requests_per_min: 600, tokens_per_min: 1000000}}; unset: no limit of that kind. Each "
+        "tenant has its own budget. Tokens: the prompt's estimate at admission, corrected by "
+        "the engine's usage.total_tokens (prompt and completion) when the answer reports it, "
+        "else by the token events a stream sent.",
     )
     tenants: dict[str, RateLimit] = Field(
         default_factory=dict,

@@ -258,7 +258,9 @@ class TtftMetrics(Observer):
 
 
 class RateLimitUsage(Observer):
-    """Tokens per minute: the estimate charged at admission corrected by the engine's usage."""
+    """Tokens per minute: the estimate charged at admission corrected by the engine's usage; a
+    stream that ended without its usage (a client that left early, a replica that broke off) is
+    charged the output it sent, as its token events count it."""
 
     def __init__(self, limits: RateLimiter) -> None:
         self._limits = limits
@@ -267,7 +269,8 @@ class RateLimitUsage(Observer):
         if settled.answered:
             plan, usage = settled.plan, settled.usage
             raw = usage.raw if usage is not None else None
-            self._limits.on_usage(plan.tenant, plan.prompt_tokens, raw)
+            sent = settled.reader.token_events if settled.streamed else 0
+            self._limits.on_usage(plan.tenant, plan.prompt_tokens, raw, sent_tokens=sent)
 
 
 class UsageMetrics(Observer):

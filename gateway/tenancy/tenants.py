@@ -27,9 +27,18 @@ _RANK = {TenantClass.CRITICAL: 0, TenantClass.STANDARD: 1, TenantClass.BATCH: 2}
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
+    """`tenant_class`: the class a request is served at (its own, or a lower one it asked
+    for); `account_class`: its own, when it asked for a lower one (limits and accounting)."""
+
     name: str
     tenant_class: TenantClass
     share_group: str | None = None
+    account_class: TenantClass | None = None
+
+    @property
+    def own_class(self) -> TenantClass:
+        """The tenant's own class, whatever class the request asked for."""
+        return self.account_class or self.tenant_class
 
     @property
     def cache_scope(self) -> str:
@@ -40,7 +49,7 @@ class Tenant:
         """The tenant served as `requested`, or None if that is a higher class than its own."""
         if _RANK[requested] < _RANK[self.tenant_class]:
             return None
-        return Tenant(self.name, requested, self.share_group)
+        return Tenant(self.name, requested, self.share_group, self.own_class)
 
 
 ANONYMOUS = Tenant("anonymous", TenantClass.STANDARD, share_group="anonymous")
