@@ -113,16 +113,19 @@ class HealthChecker:
             await self._registry.mark_failed(replica, f"health check: {err!r}")
             return
         await self._registry.mark_ok(replica, frozenset(cards), cards)
-        due = self._registry.probe_due(replica) or replica.suspect is not None
+        suspect = replica.healthy and replica.suspect is not None
+        due = suspect or self._registry.probe_due(replica)
         if due and replica.name not in self._probing:
             self._probing.add(replica.name)
             if self._probes is None:
-                await self._probe(replica)
+                await self._probe(replica, suspect=suspect)
             else:
-                self._probes.create_task(self._probe(replica), name=f"probe {replica.name}")
+                generation = self._probe(replica, suspect=suspect)
+                self._probes.create_task(generation, name=f"probe {replica.name}")
 
-    async def _probe(self, replica: Replica) -> None:
-        """One probe generation, due within a one-token whole answer's deadline."""
+    async def _probe(self, replica: Replica, *, suspect: bool) -> None:
+        """One probe generation, due within a one-token whole answer's deadline: of a suspect
+        (its outcome decides whether it is ejected) or of a replica whose back-off is over."""
         deadline_s = first_byte_deadline_s(
             replica.pool, stream=False, endpoint="completions", body={"max_tokens": 1}, card=None
         )
@@ -139,7 +142,7 @@ class HealthChecker:
         if self._on_probe is not None:
             self._on_probe(replica, error is None)
         try:
-            if replica.healthy:  # a suspect (Registry.errored)
+            if suspect:  # (Registry.errored): never a re-admission, if it was ejected since
                 await self._registry.confirmed(replica, error)
             else:
                 await self._registry.probed(replica, error)

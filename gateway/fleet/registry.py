@@ -209,9 +209,10 @@ class Registry:
         replica.last_error = error
         was_suspect = replica.suspect is not None
         error = f"{replica.errors.count + 1} errors in a row, last: {error}"
-        if replica.errors.add(tenant, reason, error, self._eject_after_errors):
+        limit = self._eject_after_errors if replica.healthy else 0  # out: its probe decides
+        if replica.errors.add(tenant, reason, error, limit):
             await self._eject_by_outcome(replica, error, reason)
-        elif replica.suspect is not None and not was_suspect and replica.healthy:
+        elif replica.suspect is not None and not was_suspect:
             log.warning(
                 "replica %s is a suspect, probed before it is ejected: %s", replica.name, error
             )
@@ -233,6 +234,7 @@ class Registry:
     async def _eject_by_outcome(self, replica: Replica, error: str, reason: str) -> None:
         if not replica.healthy or replica.retired:
             return
+        replica.errors.suspect = None  # out: the back-off's probe decides now
         stayed_s = time.monotonic() - replica.admitted_s
         previous = replica.last_ejection
         replica.ejection = self.backoff.eject(previous, reason, error, stayed_s=stayed_s)

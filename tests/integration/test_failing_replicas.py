@@ -187,7 +187,7 @@ async def test_a_failing_replica_costs_the_client_nothing_and_is_ejected_within_
         # took it out (requests sent meanwhile went to it too, and were retried as well)
         sent = [b for b in m.faulty.bodies if b.get("prompt") != PROBE_PROMPT]
         assert len(sent) >= 2
-        assert len(sent) + 1 == m.faulty.requests  # and one probe
+        assert len(sent) + 1 == m.faulty.requests  # and the one probe that ejected it
         reason = EJECTED_FOR[mode]
         ejections = "cachelane_replica_ejections_total"
         assert m.metric(ejections, replica=m.faulty_name, reason=reason) == 1
