@@ -7,13 +7,16 @@ keep-alive, an answer that is not HTTP), that answers 5xx, or that does not begi
 time (gateway/serving/deadline.py: the pool's first_byte_timeout_s for a streamed answer, plus the
 output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is
 cancelled there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so,
-the last 5xx answer passes through as it came, else 502 or 504. A 4xx answer passes through at once
-(the request, not the replica, is at fault); once a streamed answer has begun, a failure ends it
-with an error event. Passive health (Registry.answered, Registry.errored, Registry.unreachable):
-such failures in a row, or one refused connection, eject a replica until its back-off is over
-and a probe generation passes (gateway/fleet/outliers.py), like Envoy's outlier detection; each
-failure names the tenant whose request it was, and one tenant's alone only make the replica a
-suspect that a probe generation judges.
+the last 5xx answer is answered, else 502 or 504. A 4xx answer is answered at once (the request,
+not the replica, is at fault). A replica's error answer is never passed on as it came: it
+becomes the gateway's own error (gateway/http/errors.py replica_answer_error: a 401 or 403 is
+the gateway's credentials refused, 502; a 429 is 503; the engine's message kept for a
+refusal). Once a streamed answer has begun, a failure ends it with an error event. Passive
+health (Registry.answered, Registry.errored, Registry.unreachable): such failures in a row, or
+one refused connection, eject a replica until its back-off is over and a probe generation
+passes (gateway/fleet/outliers.py), like Envoy's outlier detection; each failure names the
+tenant whose request it was, and one tenant's alone only make the replica a suspect that a
+probe generation judges.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
@@ -41,7 +44,7 @@ from fastapi.responses import Response
 from gateway.fleet.registry import Registry
 from gateway.fleet.replica import Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
-from gateway.http.errors import ApiError, no_replica, upstream_error
+from gateway.http.errors import ApiError, no_replica, replica_answer_error, upstream_error
 from gateway.serving.deadline import first_byte_deadline_s, output_limit_tokens
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
@@ -331,9 +334,18 @@ class Proxy:
         replica = reservation.replica
         self._metrics.retries.labels(replica.name).inc()
         log.warning("replica %s answered %d, trying the next one", replica.name, resp.status)
-        headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
-        answer = Response(content, status_code=resp.status, headers=headers)
+        answer = self._error_answer(plan, reservation, resp.status, content)
         return TryNext(UpstreamError(f"answered {resp.status}"), answer)
+
+    def _error_answer(
+        self, plan: Plan, reservation: Reservation, status: int, content: bytes
+    ) -> Response:
+        """A replica's error answer as the gateway's own error (gateway/http/errors.py
+        replica_answer_error), with the decision's headers; counted when it is sent."""
+        replica = reservation.replica
+        error = replica_answer_error(replica.name, status, content)
+        error.headers = error.headers | decision_headers(plan, replica, reservation.started_s)
+        return _CountedError(error, self._metrics)
 
     def _stream(
         self,
@@ -384,6 +396,8 @@ class Proxy:
         self._settlement.settle(
             whole_answer(plan, reservation, resp.status, ttft_s, content, head_s)
         )
+        if resp.status >= 400:
+            return self._error_answer(plan, reservation, resp.status, content)
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         return Response(content, status_code=resp.status, headers=headers)
 
@@ -454,6 +468,21 @@ class Proxy:
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
             await answer.finish()
+
+
+class _CountedError(Response):
+    """An ApiError's answer, counted in cachelane_errors_total{code} when it is sent (an answer
+    kept for a retry that then succeeds is never counted)."""
+
+    def __init__(self, error: ApiError, metrics: Metrics) -> None:
+        rendered = error.response()
+        super().__init__(rendered.body, status_code=error.status, headers=dict(rendered.headers))
+        self._error = error
+        self._metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._metrics.errors.labels(self._error.code).inc()
+        await super().__call__(scope, receive, send)
 
 
 async def _close_abandoned(response: Response) -> None:

@@ -14,7 +14,8 @@ the replica that created it.
   An id the gateway does not know is never sent on (fail closed: an engine's store has no
   tenants, and the id may be another tenant's there).
 - GET, DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel (vLLM's routes; the
-  engines have no input_items route) are relayed to that replica as they are.
+  engines have no input_items route) are relayed to that replica as they are; an error answer
+  becomes the gateway's own (gateway/http/errors.py replica_answer_error).
 
 Errors: an id not remembered (never seen, expired, lost with Redis's data), or remembered for
 another tenant, is 404 `response_not_found` in every route, continuations included
@@ -38,7 +39,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway.http.errors import ApiError, retry_later
+from gateway.http.errors import ApiError, replica_answer_error, retry_later
 from gateway.index.keyvalue import MemoryKeyValue, RedisKeyValue
 from gateway.telemetry import logs
 
@@ -267,7 +268,8 @@ class ResponseOwners:
             headers["content-type"] = answer.headers["content-type"]
         if request.method == "DELETE" and answer.status_code < 400:
             await self.forget(response_id)
-        if headers.get("content-type", "").startswith("text/event-stream"):
+        refused = answer.status_code >= 400
+        if headers.get("content-type", "").startswith("text/event-stream") and not refused:
             return StreamingResponse(  # GET ?stream=true: a background response's events
                 answer.aiter_raw(),
                 status_code=answer.status_code,
@@ -278,4 +280,12 @@ class ResponseOwners:
             content = await answer.aread()
         finally:
             await answer.aclose()
+        if answer.status_code == 404:  # the engine forgot it (a restart): as the gateway says
+            raise ApiError(
+                404, f"No response found with id {response_id!r}.", code="response_not_found"
+            )
+        if refused:  # the gateway's own error, never the replica's body
+            error = replica_answer_error(name, answer.status_code, content)
+            error.headers["x-cachelane-replica"] = name
+            raise error
         return Response(content, status_code=answer.status_code, headers=headers)

@@ -367,14 +367,15 @@ async def test_a_whole_response_releases_its_reservation() -> None:
     s.assert_all_released()
 
 
-async def test_an_upstream_error_status_passes_through_and_releases() -> None:
+async def test_an_upstream_error_status_is_the_gateways_own_error_and_releases() -> None:
     s = await setup()
     error = {"error": {"message": "bad", "type": "invalid_request_error", "code": "x"}}
     for name in s.registry.replicas:
         s.fleet.behaviour[name] = lambda _: json_answer(400, error)
     _, response = await s.forward(raw_chat(stream=True))
     assert response.status_code == 400
-    assert json.loads(bytes(response.body)) == error
+    mapped = {"message": "bad", "type": "invalid_request_error", "param": None}
+    assert json.loads(bytes(response.body)) == {"error": mapped | {"code": "invalid_request"}}
     assert len(s.fleet.sent) == 1  # an answer, even an error, is not retried
     s.assert_all_released()
 
