@@ -33,12 +33,12 @@ class TenantConfig(Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    @field_validator("name")
+    @field_validator("name", "share_group")
     @classmethod
-    def _safe_name(cls, name: str) -> str:
-        problem = name_problem(name)
+    def _safe_name(cls, name: str | None) -> str | None:
+        problem = None if name is None else name_problem(name)
         if problem is not None:
-            raise ValueError(f"tenant name {name!a} {problem} (gateway/tenancy/tenants.py)")
+            raise ValueError(f"{name!a} {problem} (gateway/tenancy/tenants.py)")
         return name
 
     @model_validator(mode="after")
