@@ -126,8 +126,13 @@ class HealthChecker:
     async def _probe(self, replica: Replica, *, suspect: bool) -> None:
         """One probe generation, due within a one-token whole answer's deadline: of a suspect
         (its outcome decides whether it is ejected) or of a replica whose back-off is over."""
-        deadline_s = first_byte_deadline_s(
-            replica.pool, stream=False, endpoint="completions", body={"max_tokens": 1}, card=None
+        deadline_s = first_byte_deadline_s(  # its one-word prompt: an estimate of nothing
+            replica.pool,
+            stream=False,
+            endpoint="completions",
+            body={"max_tokens": 1},
+            card=None,
+            estimate_s=0.0,
         )
         try:
             await probe_generation(self._client, replica, deadline_s or self._timeout_s)

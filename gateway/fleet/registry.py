@@ -244,6 +244,7 @@ class Registry:
         if not replica.healthy:
             return
         replica.healthy = False
+        replica.first_bytes_lost()
         replica.ejection_reason = reason
         ejection = replica.ejection
         if ejection is not None and ejection.reason == reason:

@@ -9,9 +9,11 @@ it, even while the task is being cancelled.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -68,6 +70,27 @@ class Replica:
     steps: StepWatch = field(default_factory=StepWatch)  # its engine steps, seen on streams
     # Requests awaiting their first byte, keyed by id() of the reservation.
     joining: dict[int, Joining] = field(default_factory=dict)
+    # the deadlines of the tries waiting for its first byte (`awaiting`)
+    first_byte_deadlines: set[asyncio.Timeout] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def awaiting(self, deadline: asyncio.Timeout) -> Iterator[None]:
+        """A try waits for its first byte from here under `deadline`, which `first_bytes_lost`
+        ends at once."""
+        self.first_byte_deadlines.add(deadline)
+        try:
+            yield
+        finally:
+            self.first_byte_deadlines.discard(deadline)
+
+    def first_bytes_lost(self) -> None:
+        """It went down: every try waiting for its first byte here times out now, and is tried
+        on the next replica (a replica marked down answers none of them)."""
+        now = asyncio.get_running_loop().time()
+        for deadline in list(self.first_byte_deadlines):
+            when = deadline.when()
+            if when is None or when > now:
+                deadline.reschedule(now)
 
     @property
     def consecutive_errors(self) -> int:

@@ -279,6 +279,7 @@ class Proxy:
             endpoint=plan.endpoint,
             body=plan.body,
             card=replica.model_cards.get(plan.model),
+            estimate_s=plan.decision.score(replica.name).estimate.ttft_s,
         )
         resp: UpstreamResponse | None = None
         chunks: AsyncIterator[bytes] | None = None
@@ -286,21 +287,24 @@ class Proxy:
         accepting: asyncio.Future[None] | None = None  # the acceptance, still running
         content = b""  # a whole answer's, or a 5xx answer's: read within the deadline
         try:
-            async with asyncio.timeout(timeout_s):
-                resp = await self._upstream.post(replica.url + path, body, headers)
-                head_s = time.perf_counter() - lease.reservation.started_s  # a whole answer's TTFT
-                if resp.status < 400 and plan.stream:  # accepted while the replica prefills
-                    chunks = resp.chunks()
-                    first, accepting = await self._settlement.accepted_while_reading(
-                        plan, replica, chunks
-                    )
-                else:  # nothing is sent on before the whole answer is in: a retry stays safe
-                    if resp.status < 400:  # only a replica that took it holds its prompt
-                        await self._settlement.accepted(plan, replica)
-                    content = await resp.read()
-                why = garbled(resp, first if chunks is not None else content)
-                if why is not None:
-                    raise UpstreamDisconnected(why)
+            # ends at once when the replica is marked down meanwhile (Registry._eject)
+            async with asyncio.timeout(timeout_s) as deadline:
+                with replica.awaiting(deadline):
+                    resp = await self._upstream.post(replica.url + path, body, headers)
+                    # a whole answer's TTFT
+                    head_s = time.perf_counter() - lease.reservation.started_s
+                    if resp.status < 400 and plan.stream:  # accepted while the replica prefills
+                        chunks = resp.chunks()
+                        first, accepting = await self._settlement.accepted_while_reading(
+                            plan, replica, chunks
+                        )
+                    else:  # nothing is sent on before the whole answer is in: a retry stays safe
+                        if resp.status < 400:  # only a replica that took it holds its prompt
+                            await self._settlement.accepted(plan, replica)
+                        content = await resp.read()
+                    why = garbled(resp, first if chunks is not None else content)
+                    if why is not None:
+                        raise UpstreamDisconnected(why)
         except BaseException as err:
             lease.release()  # a try that will not be answered gives its slot back at once
             await finish_shielded(accepting)

@@ -82,11 +82,15 @@ async def failed_try(
     """What a failed try of `tenant`'s request raises: TryNext when the next replica may answer
     (this one is marked down or counted an error), an ApiError for an upstream failure no retry
     mends, else the error itself."""
+    if isinstance(err, TimeoutError) and not replica.healthy:  # marked down while it waited
+        metrics.retries.labels(replica.name).inc()
+        log.warning("replica %s went down before it answered, trying the next one", replica.name)
+        return TryNext(UpstreamTimeout(f"replica {replica.name} went down before it answered"))
     if isinstance(err, (TimeoutError, UpstreamTimeout)):  # the deadline, or the read timeout
         silent = (
             err
             if isinstance(err, UpstreamTimeout)
-            else UpstreamTimeout(f"no first byte in {timeout_s} s")
+            else UpstreamTimeout(f"no first byte in {timeout_s or 0:.3g} s")
         )
         # 504 if no other replica answers
         await registry.errored(replica, repr(silent), reason="timeout", tenant=tenant)

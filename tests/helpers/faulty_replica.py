@@ -11,6 +11,7 @@ completions look like can take it out of routing. Its `mode` says how it answers
   engine in front of it);
 - "drop": begins its answer (a streamed one with its first event, a whole one with part of
   its body) and closes the connection (a process killed mid-answer);
+- "paused": every request hangs, its model list too (a paused process: its health check fails);
 - "unauthorized": 401 with vLLM's body for a wrong `--api-key` (`{"error": "Unauthorized"}`);
 - "refuse": 400 with vLLM's flat error form, its message long and with a line break in it;
 - "ok": answers as an engine does, whole or streamed (a replica that has recovered: `mode`
@@ -29,7 +30,9 @@ from typing import Any, Literal
 
 from starlette.types import Receive, Scope, Send
 
-Mode = Literal["error", "silent", "stalled", "garbage", "drop", "unauthorized", "refuse", "ok"]
+Mode = Literal[
+    "error", "silent", "stalled", "garbage", "drop", "paused", "unauthorized", "refuse", "ok"
+]
 REFUSAL = "This model's maximum context length is 8 tokens.\nforged: line " + "x" * 3000
 GARBAGE = b"\x00\xffnot an answer\r\n\x1b[2J"
 CHUNK = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "x"}}]}
@@ -60,6 +63,12 @@ class FaultyReplica:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not await is_http(scope, receive, send):
+            return
+        if self.mode == "paused":
+            self.requests += scope["path"] != "/v1/models"
+            await receive()  # the request's body
+            if (await receive())["type"] == "http.disconnect":  # until the caller goes away
+                self.cancelled += 1
             return
         if scope["method"] == "GET" and scope["path"] == "/v1/models":
             data = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
