@@ -3,7 +3,10 @@
 A streamed answer's first byte is its first token, due within a multiple of the request's own
 estimated TTFT on that replica plus a margin (ESTIMATE_MULTIPLE, ESTIMATE_MARGIN_S), never past
 the pool's hard cap, first_byte_timeout_s: a replica that stopped answering is left in seconds,
-before a client's own timeout, while a long prompt's long estimate keeps its room.
+before a client's own timeout, while a long prompt's long estimate keeps its room. Once it has
+begun, each chunk is due within idle_deadline_s of the previous one (a replica that stops
+mid-stream, or whose connection breaks in a way the HTTP client does not notice, ends the stream
+with an error event there).
 A whole answer's first byte comes after the generation (vLLM's OpenAI server awaits the handler's
 finished ChatCompletionResponse and sends it as one JSONResponse, status, headers and body
 together: vllm/entrypoints/openai/api_server.py, create_chat_completion), so its bound is
@@ -33,6 +36,11 @@ ESTIMATE_MULTIPLE = 4.0
 # Added to it for what no estimate sees (an engine step under way, a connection set up, a GC
 # pause): 5 s leaves a client with Envoy's default 15 s route timeout room for the retry
 ESTIMATE_MARGIN_S = 5.0
+# After its first token a stream's chunks come a step apart; a step that also carries other
+# requests' prefill chunks is longer: ten tokens' time at the slowest decode a healthy replica
+# keeps covers it (vLLM's default token budget of 8,192 prefills in ~0.3 s on an H200 at
+# routing/cost.py's PREFILL_TOKENS_PER_S, a tenth of those ten tokens' 1 s at the default rate)
+IDLE_TOKENS = 10
 
 
 def output_limit_tokens(body: Mapping[str, Any], card: Mapping[str, Any] | None) -> int | None:
@@ -43,6 +51,15 @@ def output_limit_tokens(body: Mapping[str, Any], card: Mapping[str, Any] | None)
             return value
     limit = None if card is None else card.get("max_model_len")
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def idle_deadline_s(pool: PoolConfig) -> float:
+    """Seconds a streamed answer may go without a chunk once it has begun: IDLE_TOKENS at the
+    slowest decode a healthy replica keeps, plus the margin, within the pool's cap."""
+    return min(
+        pool.first_byte_timeout_s,
+        IDLE_TOKENS / pool.min_decode_tokens_per_s + ESTIMATE_MARGIN_S,
+    )
 
 
 def first_token_deadline_s(pool: PoolConfig, estimate_s: float | None) -> float:

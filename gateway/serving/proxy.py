@@ -45,7 +45,11 @@ from gateway.fleet.registry import Registry
 from gateway.fleet.replica import Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError, no_replica, replica_answer_error, upstream_error
-from gateway.serving.deadline import first_byte_deadline_s, output_limit_tokens
+from gateway.serving.deadline import (
+    first_byte_deadline_s,
+    idle_deadline_s,
+    output_limit_tokens,
+)
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
 from gateway.serving.relay_response import OpenStream, RelayResponse, close_shielded
@@ -57,6 +61,7 @@ from gateway.serving.upstream import (
     UpstreamDisconnected,
     UpstreamError,
     UpstreamResponse,
+    UpstreamTimeout,
 )
 from gateway.serving.usage import StreamReader, ask_for_usage
 from gateway.telemetry import logs, tracing
@@ -448,7 +453,8 @@ class Proxy:
                 if first_byte_s is not None:  # handed on: the way back is measured
                     self._relay_time.observe(time.perf_counter() - first_byte_s)
                 await answer.first_sent()
-                async for chunk in chunks:
+                idle_s = idle_deadline_s(settled.replica.pool)
+                async for chunk in _within(chunks, idle_s):
                     now_s = time.perf_counter()
                     answer.read_tokens(chunk, now_s)  # the replica's engine steps
                     out = reader.relay(chunk, now_s)
@@ -463,9 +469,8 @@ class Proxy:
             api_error: ApiError = upstream_error(name, err)
             self._metrics.errors.labels(api_error.code).inc()
             self._metrics.streams_broken.labels(name).inc()
-            await self._registry.errored(
-                settled.replica, repr(err), reason="disconnect", tenant=tenant
-            )
+            reason = "timeout" if isinstance(err, UpstreamTimeout) else "disconnect"
+            await self._registry.errored(settled.replica, repr(err), reason=reason, tenant=tenant)
             answer.failed_status = api_error.status
             logs.note_stream_failed(api_error.status, api_error.code)
             log.warning("stream from %s broke: %r", name, err)
@@ -487,6 +492,21 @@ class _CountedError(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         self._metrics.errors.labels(self._error.code).inc()
         await super().__call__(scope, receive, send)
+
+
+async def _within(chunks: AsyncIterator[bytes], idle_s: float) -> AsyncIterator[bytes]:
+    """`chunks`, each read within `idle_s` (the time the consumer holds one does not count);
+    UpstreamTimeout when a read takes longer."""
+    it = aiter(chunks)
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                chunk = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise UpstreamTimeout(f"no chunk in {idle_s:.3g} s") from None
+        yield chunk
 
 
 async def _close_abandoned(response: Response) -> None:
