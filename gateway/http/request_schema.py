@@ -13,6 +13,9 @@ they are: the engines take extensions of their own (vLLM's `top_k`, `chat_templa
 The prompt itself (messages, prompt, input) is rendered by routing/prompt.py, which checks what
 is left (a non-empty prompt, token ids).
 
+A prompt has at most MAX_PROMPT_PARTS parts (messages or input items, and their content parts):
+more is 400 `too_many_parts`, counted before any part is checked.
+
 Numbers are held to the ranges OpenAI's API reference gives them (`temperature` 0 to 2, `top_p`
 0 to 1, the penalties -2 to 2, `top_logprobs` 0 to 20, ...), integers without a documented bound
 to what the engines take (a seed in 64 bits, an output limit at most MAX_OUTPUT_TOKENS), and
@@ -321,8 +324,47 @@ SCHEMAS: dict[str, dict[str, Check]] = {
 }
 
 
+# A request's prompt has at most this many parts (messages or input items, and their content
+# parts): far above any conversation an agent sends (each part is at least one template token,
+# and the longest contexts are ~128k tokens), while the check of the largest body it lets through
+# stays short (measured with `python -m loadtest.bench.faults`, docs/security.md)
+MAX_PROMPT_PARTS = 10_000
+PROMPT_FIELDS = {"chat": "messages", "responses": "input"}  # a completion's prompt is text or ids
+
+
+def _parts(value: Any) -> int:
+    """A prompt's parts: its messages or items, and the content parts of each."""
+    if not isinstance(value, list):
+        return 0
+    count = len(value)
+    for item in value:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, list):
+            count += len(content)
+    return count
+
+
+def parts_problem(endpoint: str, body: Mapping[str, Any]) -> SchemaError | None:
+    """The prompt field of `body` with more than MAX_PROMPT_PARTS parts, or None (pure)."""
+    field = PROMPT_FIELDS.get(endpoint)
+    if field is None:
+        return None
+    count = _parts(body.get(field))
+    if count <= MAX_PROMPT_PARTS:
+        return None
+    return SchemaError(
+        f"Invalid '{field}': {count} parts (messages, items and their content parts), more "
+        f"than the {MAX_PROMPT_PARTS} a request may have.",
+        field,
+        "too_many_parts",
+    )
+
+
 def schema_problem(endpoint: str, body: Mapping[str, Any]) -> SchemaError | None:
     """The first field of `body` that breaks `endpoint`'s schema, or None (pure)."""
+    parts = parts_problem(endpoint, body)
+    if parts is not None:
+        return parts
     for name, check in SCHEMAS.get(endpoint, {}).items():
         if name in body:
             try:
