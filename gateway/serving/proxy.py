@@ -2,11 +2,12 @@
 
 Retries: nothing has reached the client before the replica's first byte, so a try that fails
 before it is tried again on the next replica in the decision's ranking (each replica at most
-once, at most `retries` more): a replica that cannot be reached (refused, reset, stale
-keep-alive, an answer that is not HTTP), that answers 5xx, or that does not begin its answer in
-time (gateway/serving/deadline.py: the pool's first_byte_timeout_s for a streamed answer, plus the
-output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is
-cancelled there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so,
+once, at most `retries` more; a try whose replica was marked down while it waited costs none):
+a replica that cannot be reached (refused, reset, stale keep-alive, an answer that is not HTTP),
+that answers 5xx, or that does not begin its answer in time (gateway/serving/deadline.py: 4x the
+request's estimated TTFT + 5 s within the pool's first_byte_timeout_s for a streamed answer,
+plus the output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the
+request is cancelled there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so,
 the last 5xx answer is answered, else 502 or 504. A 4xx answer is answered at once (the request,
 not the replica, is at fault). A replica's error answer is never passed on as it came: it
 becomes the gateway's own error (gateway/http/errors.py replica_answer_error: a 401 or 403 is
@@ -265,6 +266,7 @@ class Proxy:
                 except TryNext as failed:
                     last_error = failed.error
                     last_answer = failed.answer or last_answer
+                    attempts -= failed.free
         if last_answer is not None:
             return last_answer
         if last_error is not None:

@@ -62,12 +62,16 @@ def garbled(resp: UpstreamResponse, start: bytes | None) -> str | None:
 
 class TryNext(Exception):
     """This try got no answer in a way the next replica may mend; `answer`: the 5xx answer it
-    got (passed through if no other replica answers)."""
+    got (answered if no other replica answers); `free`: it costs none of the request's retries
+    (its replica went down while it waited: nothing was asked of the fleet twice)."""
 
-    def __init__(self, error: UpstreamError, answer: Response | None = None) -> None:
+    def __init__(
+        self, error: UpstreamError, answer: Response | None = None, *, free: bool = False
+    ) -> None:
         super().__init__(repr(error))
         self.error = error
         self.answer = answer
+        self.free = free
 
 
 async def failed_try(
@@ -85,7 +89,8 @@ async def failed_try(
     if isinstance(err, TimeoutError) and not replica.healthy:  # marked down while it waited
         metrics.retries.labels(replica.name).inc()
         log.warning("replica %s went down before it answered, trying the next one", replica.name)
-        return TryNext(UpstreamTimeout(f"replica {replica.name} went down before it answered"))
+        went = UpstreamTimeout(f"replica {replica.name} went down before it answered")
+        return TryNext(went, free=True)
     if isinstance(err, (TimeoutError, UpstreamTimeout)):  # the deadline, or the read timeout
         silent = (
             err
