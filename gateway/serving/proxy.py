@@ -1,23 +1,22 @@
 """Send a planned request to its replica and relay the answer, streaming byte for byte.
 
-Retries: nothing has reached the client before the replica's first byte, so a try that fails
-before it is tried again on the next replica in the decision's ranking (each replica at most
-once, at most `retries` more; a try whose replica was marked down while it waited costs none):
-a replica that cannot be reached (refused, reset, stale keep-alive, an answer that is not HTTP),
-that answers 5xx, or that does not begin its answer in time (gateway/serving/deadline.py: 4x the
-request's estimated TTFT + 5 s within the pool's first_byte_timeout_s for a streamed answer,
-plus the output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the
-request is cancelled there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so,
-the last 5xx answer is answered, else 502 or 504. A 4xx answer is answered at once (the request,
-not the replica, is at fault). A replica's error answer is never passed on as it came: it
-becomes the gateway's own error (gateway/http/errors.py replica_answer_error: a 401 or 403 is
-the gateway's credentials refused, 502; a 429 is 503; the engine's message kept for a
-refusal). Once a streamed answer has begun, a failure ends it with an error event. Passive
-health (Registry.answered, Registry.errored, Registry.unreachable): such failures in a row, or
-one refused connection, eject a replica until its back-off is over and a probe generation
-passes (gateway/fleet/outliers.py), like Envoy's outlier detection; each failure names the
-tenant whose request it was, and one tenant's alone only make the replica a suspect that a
-probe generation judges.
+Retries: nothing has reached the client before the replica's first byte, so a try that fails before
+it is tried again on the next replica in the decision's ranking (each replica at most once, at most
+`retries` more; a try whose replica was marked down while it waited costs none): a replica that
+cannot be reached (refused, reset, stale keep-alive, an answer that is not HTTP), that answers 5xx,
+or that does not begin its answer in time (gateway/serving/deadline.py: 4x the request's estimated
+TTFT + 5 s within the pool's first_byte_timeout_s for a streamed answer, plus the output at
+min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is cancelled
+there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so, the last
+5xx answer is answered, else 502 or 504. A 4xx answer is answered at once (the request, not the
+replica, is at fault). A replica's error answer is never passed on as it came: it becomes the
+gateway's own error (gateway/http/errors.py replica_answer_error: a 401 or 403 is the gateway's
+credentials refused, 502; a 429 is 503; the engine's message kept for a refusal). Once a streamed
+answer has begun, a failure ends it with an error event. Passive health (Registry.answered,
+Registry.errored, Registry.unreachable): such failures in a row, or one refused connection, eject a
+replica until its back-off is over and a probe generation passes (gateway/fleet/outliers.py), like
+Envoy's outlier detection; each failure names the tenant whose request it was, and one tenant's
+alone only make the replica a suspect that a probe generation judges.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.

@@ -3,6 +3,7 @@ a 15 s timeout see them; then one body as large as the gateway accepts, as /heal
 
     python -m loadtest.bench.faults                 # 200 requests
     python -m loadtest.bench.faults --requests 60   # shorter
+    python -m loadtest.bench.faults --retries 3     # upstream.retries 3
 
 What runs (every process on loopback, started and stopped here): two healthy simulated replicas
 (`python -m loadtest.sim`), one more that is paused (SIGSTOP) once the gateway has seen it
@@ -65,7 +66,7 @@ OUT_PATH = Path("results/bench_faults.json")
 CLIENT_TIMEOUT_S = 15.0  # Envoy's default route timeout
 CONCURRENCY = 8
 HOSTILE_EACH = 10
-BODY_SENDS = 5
+BODY_SENDS = 20
 HEALTH_EVERY_S = 0.005
 HEALTH_P99_GOAL_MS = 50.0
 HUGE_PARTS = 200_000
@@ -94,8 +95,9 @@ def faulty(mode: str, log_dir: Path) -> Iterator[str]:
         proc.stop()
 
 
-def config(urls: Sequence[str]) -> dict[str, Any]:
-    return {
+def config(urls: Sequence[str], retries: int | None) -> dict[str, Any]:
+    upstream = {} if retries is None else {"upstream": {"retries": retries}}
+    return upstream | {
         # the largest bodies' prompts are refused after they are parsed and checked (400)
         "pools": [
             {
@@ -240,13 +242,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def run(requests: int, log_dir: Path) -> dict[str, Any]:
+def run(requests: int, retries: int | None, log_dir: Path) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         sims = stack.enter_context(sim_fleet(SIMS, log_dir / "healthy"))
         paused = stack.enter_context(sim_fleet(PAUSED, log_dir / "paused"))
         faults = {m: stack.enter_context(faulty(m, log_dir)) for m in FAULTS}
         urls = [*sims.urls, *paused.urls, *faults.values()]
-        gw = stack.enter_context(gateway_from_config(config(urls), log_dir, "faults"))
+        gw = stack.enter_context(gateway_from_config(config(urls, retries), log_dir, "faults"))
         names = [u.removeprefix("http://") for u in urls]
         until_healthy(gw.url, names)
         pid = paused.proc.pid
@@ -261,6 +263,7 @@ def run(requests: int, log_dir: Path) -> dict[str, Any]:
     role = dict(zip(names, ["healthy", "healthy", "paused", *FAULTS], strict=True))
     return {
         "requests": requests,
+        "retries": retries,
         "outcomes": dict(outcomes),
         "hostile": dict(rude),
         "wall_s": wall_s,
@@ -304,7 +307,11 @@ def checks(result: dict[str, Any]) -> list[str]:
 
 
 def table(result: dict[str, Any]) -> Table:
-    t = Table(title=f"faults: {result['requests']} requests in {result['wall_s']:.1f} s")
+    retries = result["retries"] if result["retries"] is not None else "default"
+    t = Table(
+        title=f"faults: {result['requests']} requests in {result['wall_s']:.1f} s, retries "
+        f"{retries}"
+    )
     t.add_column("what")
     t.add_column("count / figure", justify="right")
     for what, n in sorted(result["outcomes"].items()):
@@ -327,6 +334,13 @@ def table(result: dict[str, Any]) -> Table:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = harness.parser("faults", __doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help="upstream.retries (default: the gateway's own, 2): four failing replicas of six "
+        "can take three tries before any is ejected",
+    )
     parser.add_argument("--out", type=Path, default=OUT_PATH)
     args = parser.parse_args(argv)
     out = harness.console(140)
@@ -334,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {}
 
     def arms() -> None:
-        result.update(run(args.requests, logs))
+        result.update(run(args.requests, args.retries, logs))
 
     code = harness.run_arms(out, "faults", arms)
     if code:
