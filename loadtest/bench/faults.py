@@ -23,8 +23,9 @@ answered 200; no healthy replica ejected.
 
 Then the body arm: the largest body the gateway accepts (MAX_PROMPT_PARTS content parts filling
 max_body_bytes) is sent BODY_SENDS times in a row while /health is asked every HEALTH_EVERY_S;
-the table gives /health's p50, p99 and max meanwhile, and the same for a body of 200,000 parts
-(refused with 400 `too_many_parts`).
+the table gives /health's p50, p99 and max meanwhile, the same for a body of 200,000 parts
+(refused with 400 `too_many_parts`), and for /health alone for IDLE_S (what the machine gives it
+without any body: on a machine shared with other jobs, the floor of the other two).
 
 Results: a table, and results/bench_faults.json. Exit code 1 when a check fails.
 """
@@ -67,6 +68,7 @@ CLIENT_TIMEOUT_S = 15.0  # Envoy's default route timeout
 CONCURRENCY = 8
 HOSTILE_EACH = 10
 BODY_SENDS = 20
+IDLE_S = 5.0
 HEALTH_EVERY_S = 0.005
 HEALTH_P99_GOAL_MS = 50.0
 HUGE_PARTS = 200_000
@@ -211,8 +213,9 @@ def big_body(parts: int) -> bytes:
     return json.dumps(body | {"max_tokens": 1}).encode()
 
 
-async def health_while(url: str, body: bytes) -> tuple[list[float], list[int]]:
-    """/health latencies (ms) while `body` is sent BODY_SENDS times; the bodies' statuses."""
+async def health_while(url: str, body: bytes | None) -> tuple[list[float], list[int]]:
+    """/health latencies (ms) while `body` is sent BODY_SENDS times; the bodies' statuses.
+    None: no body, /health alone for IDLE_S (what the machine gives it)."""
     latencies: list[float] = []
     statuses: list[int] = []
     headers = {"authorization": f"Bearer {KEYS['alpha']}", "content-type": "application/json"}
@@ -228,7 +231,9 @@ async def health_while(url: str, body: bytes) -> tuple[list[float], list[int]]:
 
         prober = asyncio.create_task(probe())
         try:
-            for _ in range(BODY_SENDS):
+            if body is None:
+                await asyncio.sleep(IDLE_S)
+            for _ in range(0 if body is None else BODY_SENDS):
                 r = await h.post(f"{url}/v1/chat/completions", content=body, headers=headers)
                 statuses.append(r.status_code)
         finally:
@@ -257,6 +262,7 @@ def run(requests: int, retries: int | None, log_dir: Path) -> dict[str, Any]:
         stack.callback(os.kill, pid, signal.SIGCONT)  # so that it can be stopped
         outcomes, rude, wall_s = asyncio.run(traffic(gw.url, requests))
         ejected = ejections(gw.url)
+        idle = asyncio.run(health_while(gw.url, None))
         small = asyncio.run(health_while(gw.url, big_body(MAX_PROMPT_PARTS)))
         huge = asyncio.run(health_while(gw.url, big_body(HUGE_PARTS)))
     healthy = [u.removeprefix("http://") for u in sims.urls]
@@ -272,7 +278,7 @@ def run(requests: int, retries: int | None, log_dir: Path) -> dict[str, Any]:
         "body": {
             label: {
                 "parts": parts,
-                "bytes": len(big_body(parts)),
+                "bytes": len(big_body(parts)) if parts else 0,
                 "statuses": statuses,
                 "health_ms": {
                     "n": len(lat),
@@ -282,6 +288,7 @@ def run(requests: int, retries: int | None, log_dir: Path) -> dict[str, Any]:
                 },
             }
             for label, parts, (lat, statuses) in (
+                ("no body", 0, idle),
                 ("largest accepted", MAX_PROMPT_PARTS, small),
                 ("over the bound", HUGE_PARTS, huge),
             )
@@ -322,9 +329,9 @@ def table(result: dict[str, Any]) -> Table:
         t.add_row(f"ejections of {replica}", f"{n:g}")
     for label, b in result["body"].items():
         h = b["health_ms"]
-        size = f"{b['parts']:,} parts, {b['bytes'] / 2**20:.1f} MiB"
+        size = f" ({b['parts']:,} parts, {b['bytes'] / 2**20:.1f} MiB) x{BODY_SENDS}"
         t.add_row(
-            f"/health while {label} ({size}) x{BODY_SENDS}",
+            f"/health, {label}{size if b['parts'] else f' for {IDLE_S:g} s'}",
             f"p50 {h['p50']:.1f} / p99 {h['p99']:.1f} / max {h['max']:.1f} ms "
             f"(n {h['n']}, {sorted(set(b['statuses']))})",
         )
