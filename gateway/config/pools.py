@@ -208,7 +208,7 @@ class PoolConfig(Strict):
     first_byte_timeout_s: PositiveFloat = Field(
         default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
         description="Longest wait for the first byte of a streamed answer (its first token): "
-        "the hard cap of each request's own deadline, 4x its estimated TTFT + 5 s "
+        "the hard cap of each request's own deadline, 4x its estimated TTFT + 3 s "
         "(gateway/serving/deadline.py). Past it the request is cancelled on that replica and "
         "sent to the next one, and the replica counts a failure (health.eject_after_errors); a "
         "replica marked down lets go of the requests waiting on it at once. A whole "

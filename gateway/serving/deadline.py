@@ -33,9 +33,12 @@ MAX_OUTPUT_TOKENS = 10**7
 # replica that stopped: the p90 of the estimate's error is at most 25% in 19 of 21 runs of the
 # estimate benchmark at 10x load (docs/bench/estimate.md), so 4x is far outside it
 ESTIMATE_MULTIPLE = 4.0
-# Added to it for what no estimate sees (an engine step under way, a connection set up, a GC
-# pause): 5 s leaves a client with Envoy's default 15 s route timeout room for the retry
-ESTIMATE_MARGIN_S = 5.0
+# Added to it for what no estimate sees (an engine step under way, ~0.3 s at vLLM's default
+# token budget; a connection set up; a GC pause): 3 s, so that a request that meets three stuck
+# replicas in a row (the fault probe's hanging, paused and mid-stream-garbage ones,
+# loadtest/bench/faults.py) still gets its answer from a fourth within a client's 15 s (Envoy's
+# default route timeout); with 5 s one request of 200 there was lost that way
+ESTIMATE_MARGIN_S = 3.0
 # After its first token a stream's chunks come a step apart; a step that also carries other
 # requests' prefill chunks is longer: ten tokens' time at the slowest decode a healthy replica
 # keeps covers it (vLLM's default token budget of 8,192 prefills in ~0.3 s on an H200 at

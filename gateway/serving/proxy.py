@@ -5,7 +5,7 @@ it is tried again on the next replica in the decision's ranking (each replica at
 `retries` more; a try whose replica was marked down while it waited costs none): a replica that
 cannot be reached (refused, reset, stale keep-alive, an answer that is not HTTP), that answers 5xx,
 or that does not begin its answer in time (gateway/serving/deadline.py: 4x the request's estimated
-TTFT + 5 s within the pool's first_byte_timeout_s for a streamed answer, plus the output at
+TTFT + 3 s within the pool's first_byte_timeout_s for a streamed answer, plus the output at
 min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is cancelled
 there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so, the last
 5xx answer is answered, else 502 or 504. A 4xx answer is answered at once (the request, not the

@@ -17,7 +17,7 @@ from tests.helpers.raw_replica import EVENTS, mid_garbage
 from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL, gateway_config
 
-CLIENT_TIMEOUT_S = 30.0  # far past the idle deadline (6 s with the pool's defaults)
+CLIENT_TIMEOUT_S = 30.0  # far past the idle deadline (4 s with the pool's defaults)
 
 
 async def test_a_stream_broken_mid_way_ends_with_an_error_event_in_its_idle_deadline() -> None:
