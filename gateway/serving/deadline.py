@@ -19,10 +19,12 @@ its expiry is retried on the next replica the same way).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from gateway.config import PoolConfig
+from gateway.serving.upstream import UpstreamTimeout
 
 OUTPUT_LIMIT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 # Above any model's context (the longest are ~10M tokens, Llama 4 Scout's model card): a request
@@ -91,3 +93,18 @@ def first_byte_deadline_s(
     if limit is None or limit > MAX_OUTPUT_TOKENS:
         return None
     return first_s + limit / pool.min_decode_tokens_per_s
+
+
+async def chunks_within(chunks: AsyncIterator[bytes], idle_s: float) -> AsyncIterator[bytes]:
+    """`chunks`, each read within `idle_s` (the time the consumer holds one does not count);
+    UpstreamTimeout when a read takes longer."""
+    it = aiter(chunks)
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                chunk = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise UpstreamTimeout(f"no chunk in {idle_s:.3g} s") from None
+        yield chunk

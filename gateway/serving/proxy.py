@@ -46,6 +46,7 @@ from gateway.fleet.replica import Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError, no_replica, replica_answer_error, upstream_error
 from gateway.serving.deadline import (
+    chunks_within,
     first_byte_deadline_s,
     idle_deadline_s,
     output_limit_tokens,
@@ -455,7 +456,7 @@ class Proxy:
                     self._relay_time.observe(time.perf_counter() - first_byte_s)
                 await answer.first_sent()
                 idle_s = idle_deadline_s(settled.replica.pool)
-                async for chunk in _within(chunks, idle_s):
+                async for chunk in chunks_within(chunks, idle_s):
                     now_s = time.perf_counter()
                     answer.read_tokens(chunk, now_s)  # the replica's engine steps
                     out = reader.relay(chunk, now_s)
@@ -481,8 +482,7 @@ class Proxy:
 
 
 class _CountedError(Response):
-    """An ApiError's answer, counted in cachelane_errors_total{code} when it is sent (an answer
-    kept for a retry that then succeeds is never counted)."""
+    """An ApiError's answer, counted in cachelane_errors_total{code} once it is sent."""
 
     def __init__(self, error: ApiError, metrics: Metrics) -> None:
         rendered = error.response()
@@ -493,21 +493,6 @@ class _CountedError(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         self._metrics.errors.labels(self._error.code).inc()
         await super().__call__(scope, receive, send)
-
-
-async def _within(chunks: AsyncIterator[bytes], idle_s: float) -> AsyncIterator[bytes]:
-    """`chunks`, each read within `idle_s` (the time the consumer holds one does not count);
-    UpstreamTimeout when a read takes longer."""
-    it = aiter(chunks)
-    while True:
-        try:
-            async with asyncio.timeout(idle_s):
-                chunk = await anext(it)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise UpstreamTimeout(f"no chunk in {idle_s:.3g} s") from None
-        yield chunk
 
 
 async def _close_abandoned(response: Response) -> None:
