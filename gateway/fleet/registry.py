@@ -213,9 +213,7 @@ class Registry:
         if replica.errors.add(tenant, reason, error, limit):
             await self._eject_by_outcome(replica, error, reason)
         elif replica.suspect is not None and not was_suspect:
-            log.warning(
-                "replica %s is a suspect, probed before it is ejected: %s", replica.name, error
-            )
+            log.warning("replica %s is a suspect, its probe decides: %s", replica.name, error)
 
     async def confirmed(self, replica: Replica, error: str | None) -> None:
         """The outcome of a suspect replica's probe generation (`error`: None if it passed): a
