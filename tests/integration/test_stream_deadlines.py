@@ -1,27 +1,55 @@
 """Every byte has a deadline: a stream whose replica breaks its chunked framing mid-way (a bad
 chunk header, then the connection closed: aiohttp 3.14 then waits on it without end, its read
 timeout never firing) ends with an error event within the idle deadline
-(gateway/serving/deadline.py idle_deadline_s), and is counted. A gateway before a raw replica
-(tests/helpers/raw_replica.py), both on loopback, and the real openai client."""
+(gateway/serving/deadline.py idle_deadline_s), and is counted. The replica is its own process,
+`python -m loadtest.bench.faulty_replica --mode midgarbage`; the gateway runs under uvicorn on
+loopback."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
 from gateway.http.app import create_app
 from gateway.serving.deadline import idle_deadline_s
-from tests.helpers.raw_replica import EVENTS, mid_garbage
+from loadtest.bench.faulty_replica import EVENTS
+from loadtest.bench.processes import ManagedProcess, wait_ready
+from tests.helpers.ports import free_port
 from tests.helpers.servers import running_app
 from tests.integration.fleet import MODEL, gateway_config
 
 CLIENT_TIMEOUT_S = 30.0  # far past the idle deadline (4 s with the pool's defaults)
 
 
-async def test_a_stream_broken_mid_way_ends_with_an_error_event_in_its_idle_deadline() -> None:
-    async with mid_garbage(MODEL) as (url, replica):
+@contextmanager
+def mid_garbage(log_dir: Path) -> Iterator[str]:
+    """The replica process, ready; yields its base URL."""
+    port = free_port()
+    args = [sys.executable, "-m", "loadtest.bench.faulty_replica", "--mode", "midgarbage"]
+    proc = ManagedProcess(
+        "midgarbage replica",
+        [*args, "--port", str(port), "--model", MODEL],
+        log_dir / "midgarbage.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.start()
+        wait_ready(proc, [f"{url}/health"])
+        yield url
+    finally:
+        proc.stop()
+
+
+async def test_a_stream_broken_mid_way_ends_with_an_error_event_in_its_idle_deadline(
+    tmp_path: Path,
+) -> None:
+    with mid_garbage(tmp_path) as url:
         app = create_app(gateway_config([url], health={"eject_after_errors": 0}))
         async with running_app(app) as gateway_url:
             registry = app.state.gw.registry
@@ -47,4 +75,3 @@ async def test_a_stream_broken_mid_way_ends_with_an_error_event_in_its_idle_dead
             sample = app.state.gw.metrics.registry.get_sample_value
             name = url.removeprefix("http://")
             assert sample("cachelane_upstream_streams_broken_total", {"replica": name}) == 1
-            assert replica.requests == 1
