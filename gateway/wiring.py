@@ -199,7 +199,7 @@ def _parts(config: GatewayConfig, client: httpx.AsyncClient, upstream: Upstream)
         registry=r.registry,
         index=r.index,
         planner=planner,
-        proxy=Proxy(upstream, r.registry, metrics, settlement, retries=config.upstream.retries),
+        proxy=Proxy(upstream, r.registry, metrics, settlement, config.upstream),
         **_tenancy(config, metrics, redis),
         limits=limits,
         denied_fields=denied_fields(config.body_fields),

@@ -13,8 +13,9 @@ together: vllm/entrypoints/openai/api_server.py, create_chat_completion), so its
 that first token's plus the time its output takes at the slowest decode a healthy replica keeps
 (pools[].min_decode_tokens_per_s). Its output is bounded by the request's max_tokens (or
 max_completion_tokens, max_output_tokens), else by the model's context (max_model_len, as the
-engine listed it in /v1/models); with neither, only upstream.read_timeout_s bounds the wait (and
-its expiry is retried on the next replica the same way).
+engine listed it in /v1/models); with neither, the proxy bounds the wait by upstream.read_timeout_s
+itself (aiohttp's own read timeout does not fire on every broken answer), and its expiry is
+retried on the next replica the same way.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 
+from gateway.config import UpstreamConfig
 from gateway.fleet.registry import Registry
 from gateway.fleet.replica import Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
@@ -177,16 +178,14 @@ class Proxy:
         registry: Registry,
         metrics: Metrics,
         settlement: Settlement,
-        *,
-        retries: int,
+        config: UpstreamConfig,
     ) -> None:
         self._upstream = upstream
         self._registry = registry
         self._metrics = metrics
-        self._settlement = (
-            settlement  # what happens after an answer (gateway/serving/settlement.py)
-        )
-        self._retries = retries
+        self._settlement = settlement  # what happens after an answer (settlement.py)
+        self._retries = config.retries
+        self._read_timeout_s = config.read_timeout_s  # a whole answer's, with no output bound
         self._relay_time = RelayTime()
 
     async def forward(
@@ -278,15 +277,17 @@ class Proxy:
         replica = lease.reservation.replica
         body = upstream_body(plan, replica, raw_body)
         headers = replica.request_headers(upstream_request_headers(plan))
-        # a streamed answer's first byte is its first token; a whole answer's comes after its
-        # generation (vLLM sends its headers with the body), so its deadline counts the output
-        timeout_s = first_byte_deadline_s(
-            replica.pool,
-            stream=plan.stream,
-            endpoint=plan.endpoint,
-            body=plan.body,
-            card=replica.model_cards.get(plan.model),
-            estimate_s=plan.decision.score(replica.name).estimate.ttft_s,
+        # gateway/serving/deadline.py; a whole answer with no output bound: the read timeout
+        timeout_s = (
+            first_byte_deadline_s(
+                replica.pool,
+                stream=plan.stream,
+                endpoint=plan.endpoint,
+                body=plan.body,
+                card=replica.model_cards.get(plan.model),
+                estimate_s=plan.decision.score(replica.name).estimate.ttft_s,
+            )
+            or self._read_timeout_s
         )
         resp: UpstreamResponse | None = None
         chunks: AsyncIterator[bytes] | None = None
@@ -351,8 +352,7 @@ class Proxy:
     def _error_answer(
         self, plan: Plan, reservation: Reservation, status: int, content: bytes
     ) -> Response:
-        """A replica's error answer as the gateway's own error (gateway/http/errors.py
-        replica_answer_error), with the decision's headers; counted when it is sent."""
+        """A replica's error answer as the gateway's own (errors.py replica_answer_error)."""
         replica = reservation.replica
         error = replica_answer_error(replica.name, status, content)
         error.headers = error.headers | decision_headers(plan, replica, reservation.started_s)

@@ -75,3 +75,25 @@ async def test_a_stream_broken_mid_way_ends_with_an_error_event_in_its_idle_dead
             sample = app.state.gw.metrics.registry.get_sample_value
             name = url.removeprefix("http://")
             assert sample("cachelane_upstream_streams_broken_total", {"replica": name}) == 1
+
+
+async def test_a_whole_answer_with_no_output_bound_has_a_deadline_too(tmp_path: Path) -> None:
+    """No max_tokens and no max_model_len: the whole answer's deadline is the upstream read
+    timeout (here 2 s), enforced by the gateway itself, so the same broken framing cannot hold
+    it (aiohttp's own read timeout never fires on it)."""
+    with mid_garbage(tmp_path) as url:
+        config = gateway_config(
+            [url], health={"eject_after_errors": 0}, upstream={"read_timeout_s": 2.0}
+        )
+        app = create_app(config)
+        async with running_app(app) as gateway_url:
+            registry = app.state.gw.registry
+            for _ in range(100):  # its first health check, within ~5 s
+                if all(r.healthy for r in registry.replicas.values()):
+                    break
+                await asyncio.sleep(0.05)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as h:
+                r = await h.post(f"{gateway_url}/v1/chat/completions", json=body)
+            assert r.status_code == 504, r.text
+            assert r.json()["error"]["code"] == "upstream_timeout"

@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from gateway.accounting.calibration import CostLearner
-from gateway.config import GatewayConfig, parse_config
+from gateway.config import GatewayConfig, UpstreamConfig, parse_config
 from gateway.fleet.registry import Registry
 from gateway.fleet.replica import Replica
 from gateway.http.errors import ApiError
@@ -140,7 +140,9 @@ class Setup:
         self.learner = CostLearner("fit", self.registry.replicas.values(), self.metrics)
         self.fleet = FakeFleet()
         settlement = observers(self.planner, self.metrics, self.learner)
-        self.proxy = Proxy(self.fleet, self.registry, self.metrics, settlement, retries=retries)
+        self.proxy = Proxy(
+            self.fleet, self.registry, self.metrics, settlement, UpstreamConfig(retries=retries)
+        )
 
     async def admit_all(self) -> Setup:
         for replica in self.registry.replicas.values():
