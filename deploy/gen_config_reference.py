@@ -85,7 +85,8 @@ DESCRIPTIONS: dict[str, str] = {
     "tenants": "API keys and their tenants. Clients send `Authorization: Bearer <key>`. With "
     "auth.mode keys (the default) a request needs the key of a live tenant, even when there is "
     "none: then every request is refused.",
-    "tenants[].name": "Tenant name (metrics label, logs). Unique.",
+    "tenants[].name": "Tenant name (metrics label, logs). Unique; 1 to 64 lower-case ASCII "
+    "letters, digits, '-', '_', '.', the first a letter or digit.",
     "tenants[].api_key_sha256": "SHA-256 hex digest of the tenant's key (preferred in files: "
     "`python3 -c \"import hashlib; print(hashlib.sha256(b'KEY').hexdigest())\"`). Give this or "
     "api_key. The gateway cannot check the length of a key it only knows by digest: make it "
@@ -96,7 +97,7 @@ DESCRIPTIONS: dict[str, str] = {
     "pools, full cost model) or batch (shed first under overload). A request may ask for a lower "
     "class with the x-cachelane-class header, never a higher one.",
     "tenants[].share_group": "Tenants in the same group share prefix cache; otherwise each "
-    "tenant's cache is its own.",
+    "tenant's cache is its own. A name as tenants[].name.",
     "admin": "The admin API key (tenants can be added at run time through the admin API).",
     "admin.api_key_sha256": "SHA-256 hex digest of the admin key. Give this or api_key; neither: "
     "no admin API.",

@@ -23,8 +23,9 @@ from gateway.config import GatewayConfig, no_tenant_warning
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.health_checks import HealthChecker
 from gateway.fleet.membership import Fleet
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Registry
 from gateway.fleet.reload import Reloader, install_sighup
+from gateway.fleet.replica import Replica
 from gateway.fleet.scraper import Scraper
 from gateway.fleet.siblings import Siblings
 from gateway.http.body_fields import denied_fields
@@ -198,7 +199,7 @@ def _parts(config: GatewayConfig, client: httpx.AsyncClient, upstream: Upstream)
         registry=r.registry,
         index=r.index,
         planner=planner,
-        proxy=Proxy(upstream, r.registry, metrics, settlement, retries=config.upstream.retries),
+        proxy=Proxy(upstream, r.registry, metrics, settlement, config.upstream),
         **_tenancy(config, metrics, redis),
         limits=limits,
         denied_fields=denied_fields(config.body_fields),
@@ -393,8 +394,7 @@ def _scraper(config: GatewayConfig, client: httpx.AsyncClient, registry: Registr
 
 
 class _ReplicaChanged:
-    """The registry's health-change hook; it reads the index and the engines' feed, which are
-    built after the registry (set by `_routing`)."""
+    """The registry's health-change hook; the index and feeds it reads are set by `_routing`."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.fleet.registry import Replica
+from gateway.fleet.replica import Replica
 from gateway.telemetry.metrics import Metrics
 from routing.authority import doubt_of
 from routing.cost import CostTerms

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from gateway.config import CaptureConfig, GatewayConfig
-from gateway.fleet.registry import Registry, Reservation
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Reservation
 from gateway.serving.planner import Plan
 from gateway.telemetry.metrics import Metrics
 from routing.admission import DEFAULT_WINDOW_S

@@ -29,7 +29,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from gateway.config import GatewayConfig, PoolConfig
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica
 from gateway.http.errors import bad_request
 from gateway.serving.plan import Plan
 from gateway.telemetry.metrics import Metrics

@@ -202,10 +202,13 @@ class PoolConfig(Strict):
     max_prompt_tokens: PositiveInt | None = None
     first_byte_timeout_s: PositiveFloat = Field(
         default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
-        description="Longest wait for the first byte of a streamed answer (its first token). "
-        "Past it the request is cancelled on that replica and sent to the next one, and the "
-        "replica counts a failure (health.eject_after_errors). A whole (non-streamed) answer "
-        "gets this plus its max_tokens at min_decode_tokens_per_s.",
+        description="Longest wait for the first byte of a streamed answer (its first token): "
+        "the hard cap of each request's own deadline, 4x its estimated TTFT + 3 s "
+        "(gateway/serving/deadline.py). Past it the request is cancelled on that replica and "
+        "sent to the next one, and the replica counts a failure (health.eject_after_errors); a "
+        "replica marked down lets go of the requests waiting on it at once. A whole "
+        "(non-streamed) answer gets its first token's deadline plus its max_tokens at "
+        "min_decode_tokens_per_s.",
     )
     min_decode_tokens_per_s: PositiveFloat = Field(
         default=DEFAULT_MIN_DECODE_TOKENS_PER_S,

@@ -33,7 +33,6 @@ from gateway.config.tenants import AdminConfig, AuthConfig, RateLimitsConfig, Te
 from gateway.extras import PRECISE_MODULES, missing_message
 from gateway.http.body import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_NUMBER_CHARS, MAX_JSON_DEPTH_LIMIT
 from gateway.tenancy.keys import MIN_SECRET_CHARS, sha256_hex
-from gateway.tenancy.tenants import name_key
 
 
 class GatewayConfig(Strict):
@@ -87,16 +86,11 @@ def _check_names(config: GatewayConfig) -> None:
                 f"pools.{i}.remote_tier: {pool.remote_tier!r} is not one of "
                 f"remote_tiers {sorted(tiers)}"
             )
-    tenant_names = [t.name for t in config.tenants]
-    folded: dict[str, int] = {}
-    for i, name in enumerate(tenant_names):
-        first = folded.setdefault(name_key(name), i)
+    seen: dict[str, int] = {}
+    for i, tenant in enumerate(config.tenants):
+        first = seen.setdefault(tenant.name, i)
         if first != i:
-            raise ValueError(
-                f"tenants.{i}.name: {name!a} is the same name as tenants.{first}.name "
-                f"{tenant_names[first]!a} (names are compared case- and width-folded, "
-                "gateway/tenancy/tenants.py)"
-            )
+            raise ValueError(f"tenants.{i}.name: {tenant.name!r} is tenants.{first}.name too")
 
 
 def _check_replicas(config: GatewayConfig) -> None:

@@ -53,8 +53,10 @@ class HealthConfig(Strict):
         default=DEFAULT_EJECT_AFTER_ERRORS,
         description="Passive health: consecutive failures of a replica's own traffic (5xx "
         "answers, first-byte timeouts, broken connections, answers that are not JSON or an "
-        "event stream) before it is ejected (Envoy's outlier detection, consecutive_5xx). A "
-        "refused connection ejects at once. 0: off.",
+        "event stream) before it is ejected (Envoy's outlier detection, consecutive_5xx), when "
+        "they are requests of two tenants or more; one tenant's alone make it a suspect that "
+        "a probe generation of the gateway's own ejects only if it fails. A refused "
+        "connection ejects at once. 0: off.",
     )
     ejection_s: NonNegativeFloat = Field(
         default=DEFAULT_EJECTION_S,

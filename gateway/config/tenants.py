@@ -33,12 +33,12 @@ class TenantConfig(Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    @field_validator("name")
+    @field_validator("name", "share_group")
     @classmethod
-    def _safe_name(cls, name: str) -> str:
-        problem = name_problem(name)
+    def _safe_name(cls, name: str | None) -> str | None:
+        problem = None if name is None else name_problem(name)
         if problem is not None:
-            raise ValueError(f"tenant name {name!a} {problem} (gateway/tenancy/tenants.py)")
+            raise ValueError(f"{name!a} {problem} (gateway/tenancy/tenants.py)")
         return name
 
     @model_validator(mode="after")
@@ -108,11 +108,12 @@ class RateLimitsConfig(Strict):
 
     classes: dict[TenantClass, RateLimit] = Field(
         default_factory=dict,
-        description="Limits of every tenant of a class (the class the request is served at), "
-        "each {requests_per_min, tokens_per_min}, e.g. {standard: {requests_per_min: 600, "
-        "tokens_per_min: 1000000}}; unset: no limit of that kind. Each tenant has its own "
-        "budget. Tokens: the prompt's estimate at admission, corrected by the engine's "
-        "usage.total_tokens (prompt and completion) when the answer reports it.",
+        description="Limits of every tenant of a class (its own class, whatever class a "
+        "request asks for), each {requests_per_min, tokens_per_min}, e.g. {standard: "
+        "{requests_per_min: 600, tokens_per_min: 1000000}}; unset: no limit of that kind. Each "
+        "tenant has its own budget. Tokens: the prompt's estimate at admission, corrected by "
+        "the engine's usage.total_tokens (prompt and completion) when the answer reports it, "
+        "else by the token events a stream sent.",
     )
     tenants: dict[str, RateLimit] = Field(
         default_factory=dict,
@@ -122,7 +123,8 @@ class RateLimitsConfig(Strict):
         default=DEFAULT_FAILED_AUTH_PER_MIN,
         description="Failed authentications (401) a client address, or a key, may make a "
         "minute; past it, its requests without a valid key get 429 with Retry-After until the "
-        "minute allows more. A valid key is never refused by this limit. Behind a load "
+        "minute allows more, at most 60 s after its last failure. A valid key is never refused "
+        "by this limit, nor are /health, /ready and /metrics. Behind a load "
         "balancer set listen.forwarded_allow_ips to its addresses (the client's is then taken "
         "from X-Forwarded-For), or every client without a key shares its address. 0: no limit.",
     )

@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica
 from routing.types import ENGINE_PRIORITY, TenantClass
 
 log = logging.getLogger("cachelane.registry")

@@ -1,5 +1,7 @@
 """Active health checks: every replica's /v1/models on an interval, and the probe generation that
-lets a replica ejected for how its requests went back in (gateway/fleet/outliers.py)."""
+lets a replica ejected for how its requests went back in (gateway/fleet/outliers.py), or that
+decides whether a suspect, which failed requests of one tenant only, is ejected
+(Registry.errored)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 import httpx
 
 from gateway.fleet import engine_priority
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica
 from gateway.serving.deadline import first_byte_deadline_s
 
 log = logging.getLogger("cachelane.registry")
@@ -123,12 +126,15 @@ class HealthChecker:
         if _asks_priority(replica):  # before it takes traffic (unanswered: as its pool says)
             await self._ask_priority(replica, cards)
         await self._registry.mark_ok(replica, frozenset(cards), cards)
-        if self._registry.probe_due(replica) and replica.name not in self._probing:
+        suspect = replica.healthy and replica.suspect is not None
+        due = suspect or self._registry.probe_due(replica)
+        if due and replica.name not in self._probing:
             self._probing.add(replica.name)
             if self._probes is None:
-                await self._probe(replica)
+                await self._probe(replica, suspect=suspect)
             else:
-                self._probes.create_task(self._probe(replica), name=f"probe {replica.name}")
+                generation = self._probe(replica, suspect=suspect)
+                self._probes.create_task(generation, name=f"probe {replica.name}")
 
     async def _ask_priority(self, replica: Replica, cards: dict[str, dict[str, Any]]) -> None:
         """Whether the replica's engine takes `priority` (gateway/fleet/engine_priority.py),
@@ -145,10 +151,16 @@ class HealthChecker:
             return
         engine_priority.record(replica, accepted, "probe")
 
-    async def _probe(self, replica: Replica) -> None:
-        """One probe generation, due within a one-token whole answer's deadline."""
-        deadline_s = first_byte_deadline_s(
-            replica.pool, stream=False, endpoint="completions", body={"max_tokens": 1}, card=None
+    async def _probe(self, replica: Replica, *, suspect: bool) -> None:
+        """One probe generation, due within a one-token whole answer's deadline: of a suspect
+        (its outcome decides whether it is ejected) or of a replica whose back-off is over."""
+        deadline_s = first_byte_deadline_s(  # its one-word prompt: an estimate of nothing
+            replica.pool,
+            stream=False,
+            endpoint="completions",
+            body={"max_tokens": 1},
+            card=None,
+            estimate_s=0.0,
         )
         try:
             await probe_generation(self._client, replica, deadline_s or self._timeout_s)
@@ -163,7 +175,10 @@ class HealthChecker:
         if self._on_probe is not None:
             self._on_probe(replica, error is None)
         try:
-            await self._registry.probed(replica, error)
+            if suspect:  # (Registry.errored): never a re-admission, if it was ejected since
+                await self._registry.confirmed(replica, error)
+            else:
+                await self._registry.probed(replica, error)
         except Exception:  # the health checks go on; the replica is probed again
             log.exception("could not record the probe of replica %s", replica.name)
 

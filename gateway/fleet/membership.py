@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from gateway.accounting.calibration import CostLearner
 from gateway.config import PoolConfig
 from gateway.fleet.health_checks import HealthChecker
-from gateway.fleet.registry import Registry, Replica, replica_name
+from gateway.fleet.registry import Registry, replica_name
+from gateway.fleet.replica import Replica
 from gateway.telemetry.metrics import Metrics
 from routing.index import Index
 from routing.learn import TERMS

@@ -1,9 +1,13 @@
 """Ejection by the outcome of real requests: how long a replica stays out, and the probe that
 lets it back in.
 
-A replica is ejected when its own traffic fails (health.eject_after_errors 5xx answers or
-first-byte timeouts in a row, or one refused connection), whatever its health check says: a
-replica can list its models and still fail every generation. It stays out for a back-off that
+A replica is ejected when its own traffic fails (health.eject_after_errors 5xx answers,
+first-byte timeouts or broken connections in a row, or one refused connection), whatever its
+health check says: a replica can list its models and still fail every generation. What a request
+asks can make a healthy replica fail it too (a prompt its engine chokes on, an output past any
+deadline), so a run of errors ejects only when it holds the requests of MIN_TENANTS_TO_EJECT
+tenants; one tenant's alone make the replica a suspect, and the health checker's probe generation
+(a request of the gateway's own) decides (ErrorRun). It stays out for a back-off that
 grows with each ejection in a row (health.ejection_s x health.ejection_factor ^ (n - 1), at most
 health.max_ejection_s), then is half open: the health checker sends it one real generation
 (max_tokens 1, gateway/fleet/health_checks.py `probe_generation`); only when that succeeds does
@@ -16,8 +20,41 @@ healthy).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+# Errors in a row eject a replica at once when this many tenants' requests failed on it: the
+# fewest that one tenant cannot make up alone
+MIN_TENANTS_TO_EJECT = 2
+
+
+@dataclass
+class ErrorRun:
+    """A replica's passive errors in a row, and whose requests they were; `suspect`: (reason,
+    error) once they were enough to eject it but all of one tenant's, until a probe decides."""
+
+    count: int = 0
+    tenants: set[str] = field(default_factory=set)
+    suspect: tuple[str, str] | None = None
+
+    def add(self, tenant: str, reason: str, error: str, limit: int) -> bool:
+        """Count an error of `tenant`'s request; True when the run ejects the replica now (at
+        `limit` errors, 0: never, of MIN_TENANTS_TO_EJECT tenants' requests), else at the limit
+        it makes the replica a suspect."""
+        self.count += 1
+        self.tenants.add(tenant)
+        if not limit or self.count < limit:
+            return False
+        if len(self.tenants) >= MIN_TENANTS_TO_EJECT:
+            return True
+        self.suspect = (reason, error)
+        return False
+
+    def forgive(self) -> None:
+        """An answer, a passed probe or a re-admission: the run is over."""
+        self.count = 0
+        self.tenants.clear()
+        self.suspect = None
 
 
 @dataclass

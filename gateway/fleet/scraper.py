@@ -16,7 +16,7 @@ from dataclasses import replace
 import httpx
 
 from gateway.fleet.engine_load import EngineLoad, parse_engine_load
-from gateway.fleet.registry import Replica
+from gateway.fleet.replica import Replica
 
 log = logging.getLogger("cachelane.scraper")
 

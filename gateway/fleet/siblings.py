@@ -55,12 +55,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.fleet.registry import Joining
+from gateway.fleet.replica import Joining
 from routing.index import Index, MemoryIndex
 from routing.types import BlockHits, Location
 
 if TYPE_CHECKING:
-    from gateway.fleet.registry import Registry, Reservation
+    from gateway.fleet.registry import Registry
+    from gateway.fleet.replica import Reservation
 
 log = logging.getLogger("cachelane.siblings")
 

@@ -113,6 +113,7 @@ def _add_request_middleware(
     def on_timeout(part: str) -> None:
         app.state.gw.metrics.read_timeouts.labels(part).inc()
 
+    app.state.auth_failures = AuthFailures(config.rate_limits.failed_auth_per_min)
     span = None
     if config.tracing.enabled:
         span = tracing.RequestSpan(tracing.tracer_from(config.tracing, span_exporter))
@@ -120,7 +121,7 @@ def _add_request_middleware(
         RequestLayer,
         body_timeout_s=config.listen.body_timeout_s,
         on_timeout=on_timeout,
-        failures=AuthFailures(config.rate_limits.failed_auth_per_min),
+        failures=app.state.auth_failures,
         on_refused=lambda: _count_auth_throttled(app),
         span=span,
     )

@@ -15,6 +15,7 @@ cachelane_errors_total metric tell apart.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -23,6 +24,18 @@ from gateway.serving.upstream import UpstreamError, UpstreamTimeout
 
 SERVER_ERROR = "server_error"  # OpenAI's type for a 5xx (its 500s and 503 "overloaded")
 UPSTREAM_RETRY_AFTER_S = 1  # a retry after a replica failed goes to a healthy one at once
+# An engine's message on a request it refused is kept to this many characters: vLLM's longest
+# (a context-length refusal naming both lengths) is ~300
+MAX_ENGINE_MESSAGE_CHARS = 1000
+# A replica's refusal of a request, by its status: the gateway's code for it
+REFUSAL_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    422: "invalid_request",
+}
 
 
 class ApiError(Exception):
@@ -101,4 +114,54 @@ def upstream_error(replica: str, err: UpstreamError) -> ApiError:
         f"replica {replica} failed: {type(err).__name__}",
         code="upstream_unavailable",
         retry_after_s=UPSTREAM_RETRY_AFTER_S,
+    )
+
+
+def _engine_message(content: bytes) -> tuple[str | None, str | None]:
+    """(message, param) of an engine's error body, if it is OpenAI's envelope or vLLM's flat
+    form (`{"object": "error", "message": ..., "param": ...}`); control characters escaped."""
+    try:
+        body = json.loads(content, parse_int=str, parse_float=str)
+    except ValueError:
+        return None, None
+    error = body.get("error") if isinstance(body, dict) else None
+    found = error if isinstance(error, dict) else body if isinstance(body, dict) else {}
+    message, param = found.get("message"), found.get("param")
+    if not isinstance(message, str) or not message:
+        return None, None
+    shown = json.dumps(message[:MAX_ENGINE_MESSAGE_CHARS], ensure_ascii=False)[1:-1]
+    return shown, param if isinstance(param, str) and len(param) <= 256 else None
+
+
+def replica_answer_error(replica: str, status: int, content: bytes) -> ApiError:
+    """The gateway's own error for a replica's error answer (`status` >= 400), never the
+    replica's body: a 401 or 403 means the replica refused the gateway's credentials (a fault
+    of the deployment, 502 `upstream_auth_failed`), a 429 that it is overloaded (503
+    `upstream_overloaded`, Retry-After), any other 4xx that it refused the request (its status,
+    the engine's message when it gave one in OpenAI's or vLLM's form), a 5xx that it failed (its
+    status, `upstream_error`, no engine text: it may carry the engine's internals)."""
+    if status in (401, 403):
+        return retry_later(
+            502,
+            f"replica {replica} refused the gateway's credentials",
+            code="upstream_auth_failed",
+            retry_after_s=UPSTREAM_RETRY_AFTER_S,
+        )
+    if status == 429:
+        return retry_later(
+            503,
+            f"replica {replica} is overloaded",
+            code="upstream_overloaded",
+            retry_after_s=UPSTREAM_RETRY_AFTER_S,
+        )
+    if status >= 500:
+        return ApiError(
+            status, f"replica {replica} failed ({status})", code="upstream_error", type=SERVER_ERROR
+        )
+    message, param = _engine_message(content)
+    return ApiError(
+        status,
+        message or f"replica {replica} refused the request ({status})",
+        code=REFUSAL_CODES.get(status, "upstream_refused"),
+        param=param,
     )

@@ -20,8 +20,9 @@ open after 60 s, under h11 and httptools alike. Two deadlines close that:
 Failed authentication: AuthFailures, applied by the request layer, counts 401 answers per client
 address and per credential presented (routing/ratelimit.py's GCRA, `rate_limits.failed_auth_per_min`
 a minute); once one has used its budget, its failures are answered 429 with Retry-After (a request
-without a key from a held address unread) until one more failure would fit. A valid key is never
-refused by it.
+without a key from a held address unread) until one more failure would fit, at most
+MAX_AUTH_HOLD_S after its last failure. A valid key is never refused by it, nor are /health,
+/ready and /metrics (UNHELD_PATHS).
 
 Monitoring endpoints: `exposure.metrics_auth` / `ready_auth` put /metrics and /ready behind the
 monitoring key (`exposure.api_key`) or the admin key (require_monitoring).
@@ -58,6 +59,13 @@ log = logging.getLogger("cachelane.exposure")
 
 POLICY_STATE_KEY = "cachelane_connections"  # the lifespan state entry the protocol reads
 MAX_TRACKED_ADDRESSES = 100_000
+# A party that keeps failing is held at most this long after its last failure: one minute, the
+# limit's own window (failed_auth_per_min), so it is served again within a minute of stopping
+MAX_AUTH_HOLD_S = 60.0
+FORGET_PER_FAILURE = 2  # parties whose state ran out, dropped per failure: the map shrinks
+# Keyless endpoints: liveness and readiness probes and scrapes, often from a load balancer that
+# shares its address with clients; no failed-auth hold applies to them
+UNHELD_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # Failed-auth state kept for at most this many client addresses and credential hashes (least
 # recently failed dropped): ~100 bytes each, ~10 MB at most, whatever a flood of source addresses
 # or of keys does.
@@ -163,7 +171,10 @@ def deadline_receive(
 class AuthFailures:
     """Failed authentications per client address and per credential presented (its SHA-256), as
     routing/ratelimit.py's GCRA state: each failure moves a party's state 60 / per_min seconds on;
-    the party is held while one more failure would not fit in the minute."""
+    the party is held while one more failure would not fit in the minute, and at most
+    MAX_AUTH_HOLD_S after its last failure however many it sent (the hold decays with time).
+    At most MAX_TRACKED_ADDRESSES parties are kept, the least recently failed dropped first, and
+    any whose hold is over as new failures come."""
 
     def __init__(self, per_min: int) -> None:
         self.per_min = per_min
@@ -179,10 +190,22 @@ class AuthFailures:
         return max(tat - time.time() - window_s, 0.0)
 
     def failed(self, party: str) -> None:
-        self._tat[party] = charge(self._tat.get(party, 0.0), time.time(), 1, self.per_min)
+        now = time.time()
+        window_s = 60.0 - 60.0 / self.per_min
+        tat = charge(self._tat.get(party, 0.0), now, 1, self.per_min)
+        self._tat[party] = min(tat, now + window_s + MAX_AUTH_HOLD_S)
         self._tat.move_to_end(party)
         while len(self._tat) > MAX_TRACKED_ADDRESSES:
             self._tat.popitem(last=False)
+        for _ in range(FORGET_PER_FAILURE):  # the oldest, if it needs no state any more
+            oldest = next(iter(self._tat))
+            if oldest == party or self._tat[oldest] > now:
+                break
+            del self._tat[oldest]
+
+    def __len__(self) -> int:
+        """The parties it keeps state for."""
+        return len(self._tat)
 
     def held_unread_s(self, address: str, token: bytes | None) -> float:
         """How long a request is refused unread: one without a credential from a held address."""

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.http.errors import ApiError
 from gateway.http.exposure import (
+    UNHELD_PATHS,
     AuthFailures,
     auth_refusal,
     bearer_token,
@@ -53,6 +54,8 @@ class RequestLayer:
       one address); an invalid one from a held address, or one itself held, gets the 429
       instead of its 401. The client address is the peer's, or the one a trusted proxy names in
       X-Forwarded-For: uvicorn rewrites it for peers in `listen.forwarded_allow_ips` only.
+      /health, /ready and /metrics are never held (a load balancer's probes share the address
+      of the clients behind it).
     - The body must arrive within `body_timeout_s` of the headers; receives after the body (a
       disconnect poll) pass through untouched.
     - Any other exception: its traceback logged once (here), and a 500 in the error envelope,
@@ -94,7 +97,7 @@ class RequestLayer:
             watch.close()
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, watch: AccessWatch) -> None:
-        limited = self._failures.per_min != 0
+        limited = self._failures.per_min != 0 and scope["path"] not in UNHELD_PATHS
         address, token = (client_address(scope), bearer_token(scope)) if limited else ("", None)
         if limited:
             held_s = self._failures.held_unread_s(address, token)

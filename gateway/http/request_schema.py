@@ -12,6 +12,16 @@ Shared by all three: the sampling fields (types as in OpenAI's API reference), `
 they are: the engines take extensions of their own (vLLM's `top_k`, `chat_template_kwargs`, ...).
 The prompt itself (messages, prompt, input) is rendered by routing/prompt.py, which checks what
 is left (a non-empty prompt, token ids).
+
+A prompt has at most MAX_PROMPT_PARTS parts (messages or input items, and their content parts):
+more is 400 `too_many_parts`, counted before any part is checked.
+
+Numbers are held to the ranges OpenAI's API reference gives them (`temperature` 0 to 2, `top_p`
+0 to 1, the penalties -2 to 2, `top_logprobs` 0 to 20, ...), integers without a documented bound
+to what the engines take (a seed in 64 bits, an output limit at most MAX_OUTPUT_TOKENS), and
+refused with OpenAI's wording ("Invalid 'temperature': decimal above maximum value. Expected a
+value <= 2, but got 3 instead.") before anything is sent: a replica never sees, or echoes back,
+a number no engine accepts.
 """
 
 from __future__ import annotations
@@ -20,14 +30,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.http.errors import bad_request
+from gateway.serving.deadline import MAX_OUTPUT_TOKENS
 
 Check = Callable[[Any, str], None]  # (value, its param) -> None, or raise SchemaError
 
 
 class SchemaError(ValueError):
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str = "invalid_request") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 def _kind(value: Any) -> str:
@@ -65,6 +77,46 @@ boolean = _of("a boolean", lambda v: isinstance(v, bool))
 integer = _of("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
 number = _of("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool))
 obj = _of("an object", lambda v: isinstance(v, dict))
+
+
+MAX_SHOWN_DIGITS = 20  # a refused number is shown so far: 10**400 is no line of a message
+
+
+def _shown(value: int | float) -> str:
+    text = repr(value) if isinstance(value, float) else str(value)
+    return text if len(text) <= MAX_SHOWN_DIGITS else f"{text[:MAX_SHOWN_DIGITS]}..."
+
+
+def within(low: float, high: float, *, integral: bool = False) -> Check:
+    """A number (an integer if `integral`) from `low` to `high`, both included; NaN is none."""
+    kind = "integer" if integral else "decimal"
+    of_type = integer if integral else number
+
+    def check_range(value: Any, param: str) -> None:
+        of_type(value, param)
+        if low <= value <= high:
+            return
+        below = not value >= low  # NaN is out of range, on the low side
+        side, bound = ("below minimum", f">= {low}") if below else ("above maximum", f"<= {high}")
+        raise SchemaError(
+            f"Invalid '{param}': {kind} {side} value. Expected a value {bound}, but got "
+            f"{_shown(value)} instead.",
+            param,
+            f"{kind}_{'below_min' if below else 'above_max'}_value",
+        )
+
+    return check_range
+
+
+def values_of(check: Check) -> Check:
+    """An object whose every value passes `check` (logit_bias: token id -> bias)."""
+
+    def check_values(value: Any, param: str) -> None:
+        obj(value, param)
+        for key, item in value.items():
+            check(item, f"{param}.{key}")
+
+    return check_values
 
 
 def optional(check: Check) -> Check:
@@ -207,22 +259,34 @@ def _responses_item(value: Any, param: str) -> None:
 
 
 STOP = optional(one_of("a string or an array of strings", string, array(string)))
+# The ranges of OpenAI's API reference (platform.openai.com/docs/api-reference/chat/create,
+# completions/create, responses/create), per field
+TEMPERATURE = optional(within(0, 2))
+TOP_P = optional(within(0, 1))
+PENALTY = optional(within(-2, 2))
+CHOICES = optional(within(1, 128, integral=True))  # n
+TOP_LOGPROBS = optional(within(0, 20, integral=True))
+COMPLETION_LOGPROBS = optional(within(0, 5, integral=True))  # completions' logprobs
+BEST_OF = optional(within(0, 20, integral=True))
+LOGIT_BIAS = optional(values_of(within(-100, 100)))
+SEED = optional(within(-(2**63), 2**63 - 1, integral=True))  # the engines keep it in 64 bits
+OUTPUT_TOKENS = optional(within(1, MAX_OUTPUT_TOKENS, integral=True))
 COMMON: dict[str, Check] = {
     "model": string,
     "stream": optional(boolean),
     "stream_options": optional(fields({}, {"include_usage": optional(boolean)})),
-    "temperature": optional(number),
-    "top_p": optional(number),
-    "presence_penalty": optional(number),
-    "frequency_penalty": optional(number),
-    "n": optional(integer),
-    "seed": optional(integer),
-    "max_tokens": optional(integer),
+    "temperature": TEMPERATURE,
+    "top_p": TOP_P,
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "n": CHOICES,
+    "seed": SEED,
+    "max_tokens": OUTPUT_TOKENS,
     "user": optional(string),
     "metadata": optional(obj),
     "tool_choice": optional(one_of("a string or an object", string, obj)),
     "parallel_tool_calls": optional(boolean),
-    "top_logprobs": optional(integer),
+    "top_logprobs": TOP_LOGPROBS,
 }
 SCHEMAS: dict[str, dict[str, Check]] = {
     "chat": {
@@ -230,18 +294,18 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "messages": array(MESSAGE, non_empty=True),
         "tools": optional(array(CHAT_TOOL)),
         "stop": STOP,
-        "max_completion_tokens": optional(integer),
+        "max_completion_tokens": OUTPUT_TOKENS,
         "logprobs": optional(boolean),
-        "logit_bias": optional(obj),
+        "logit_bias": LOGIT_BIAS,
         "response_format": optional(obj),
     },
     "completions": {
         **COMMON,
         "stop": STOP,
-        "logprobs": optional(integer),
-        "logit_bias": optional(obj),
+        "logprobs": COMPLETION_LOGPROBS,
+        "logit_bias": LOGIT_BIAS,
         "echo": optional(boolean),
-        "best_of": optional(integer),
+        "best_of": BEST_OF,
         "suffix": optional(string),
     },
     "responses": {
@@ -249,7 +313,7 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "input": one_of("a string or an array of input items", string, array(_responses_item)),
         "instructions": optional(string),
         "tools": optional(array(RESPONSES_TOOL)),
-        "max_output_tokens": optional(integer),
+        "max_output_tokens": OUTPUT_TOKENS,
         "previous_response_id": optional(string),
         "store": optional(boolean),
         "include": optional(array(string)),
@@ -260,8 +324,47 @@ SCHEMAS: dict[str, dict[str, Check]] = {
 }
 
 
+# A request's prompt has at most this many parts (messages or input items, and their content
+# parts): far above any conversation an agent sends (each part is at least one template token,
+# and the longest contexts are ~128k tokens), while the check of the largest body it lets through
+# stays short (measured with `python -m loadtest.bench.faults`, docs/security.md)
+MAX_PROMPT_PARTS = 10_000
+PROMPT_FIELDS = {"chat": "messages", "responses": "input"}  # a completion's prompt is text or ids
+
+
+def _parts(value: Any) -> int:
+    """A prompt's parts: its messages or items, and the content parts of each."""
+    if not isinstance(value, list):
+        return 0
+    count = len(value)
+    for item in value:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, list):
+            count += len(content)
+    return count
+
+
+def parts_problem(endpoint: str, body: Mapping[str, Any]) -> SchemaError | None:
+    """The prompt field of `body` with more than MAX_PROMPT_PARTS parts, or None (pure)."""
+    field = PROMPT_FIELDS.get(endpoint)
+    if field is None:
+        return None
+    count = _parts(body.get(field))
+    if count <= MAX_PROMPT_PARTS:
+        return None
+    return SchemaError(
+        f"Invalid '{field}': {count} parts (messages, items and their content parts), more "
+        f"than the {MAX_PROMPT_PARTS} a request may have.",
+        field,
+        "too_many_parts",
+    )
+
+
 def schema_problem(endpoint: str, body: Mapping[str, Any]) -> SchemaError | None:
     """The first field of `body` that breaks `endpoint`'s schema, or None (pure)."""
+    parts = parts_problem(endpoint, body)
+    if parts is not None:
+        return parts
     for name, check in SCHEMAS.get(endpoint, {}).items():
         if name in body:
             try:
@@ -275,4 +378,4 @@ def check_request(endpoint: str, body: Mapping[str, Any]) -> None:
     """Raise the 400 for the first field of `body` that breaks `endpoint`'s schema."""
     problem = schema_problem(endpoint, body)
     if problem is not None:
-        raise bad_request(str(problem), param=problem.param)
+        raise bad_request(str(problem), code=problem.code, param=problem.param)

@@ -10,13 +10,14 @@ import logging
 import time
 from typing import Any
 
+import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from gateway.config import GatewayConfig
 from gateway.fleet import replica_auth
-from gateway.http.body import BodyError, parse_body_async
+from gateway.http.body import OFFLOAD_BYTES, BodyError, parse_body_async
 from gateway.http.body_fields import check_fields
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError, bad_request
@@ -53,6 +54,16 @@ async def embeddings(request: Request) -> Response:
 @api_router.post("/v1/responses")
 async def responses(request: Request) -> Response:
     return await serve(request, "responses")
+
+
+async def checked(endpoint: str, body: dict[str, Any], size_bytes: int) -> None:
+    """One schema for chat, completions and responses (gateway/http/request_schema.py); a body
+    as large as those parsed off the event loop is checked there too (up to MAX_PROMPT_PARTS
+    parts, each checked in Python: ~0.1 s for the largest)."""
+    if size_bytes <= OFFLOAD_BYTES:
+        check_request(endpoint, body)
+        return
+    await anyio.to_thread.run_sync(check_request, endpoint, body)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -104,7 +115,7 @@ async def serve(request: Request, endpoint: str) -> Response:
         budgets.append(await gw.limits.admit_request(tenant))
         body = await read_json(request, gw.config.max_body_bytes)
         check_fields(body, gw.denied_fields[tenant.tenant_class])
-        check_request(endpoint, body)  # one schema for chat, completions, responses
+        await checked(endpoint, body, len(request.state.raw_body))
         model = body.get("model")
         if endpoint == "responses":  # previous_response_id: only its replica holds it
             await gw.responses.pin(body, tenant)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.fleet.registry import Replica
+from gateway.fleet.replica import Replica
 from gateway.http.exposure import require_monitoring
 from gateway.serving.handling import authenticate
 from gateway.state import Gateway

@@ -14,7 +14,7 @@ replica, a client gone, a cancelled task) releases it exactly once.
 
 from __future__ import annotations
 
-from gateway.fleet.registry import Replica, Reservation
+from gateway.fleet.replica import Replica, Reservation
 
 
 class Lease:

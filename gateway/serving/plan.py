@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.fleet.registry import Replica
+from gateway.fleet.replica import Replica
 from gateway.tenancy.tenants import Tenant
 from routing.admission import AdmissionVerdict
 from routing.decide import Decision

@@ -27,7 +27,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import GatewayConfig
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica
 from gateway.http.errors import ApiError, bad_request, no_replica, retry_later
 from gateway.index.reuse import ReuseCounter
 from gateway.serving import slo

@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 
 from gateway.config import PrewarmConfig
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica
 from gateway.serving.plan import Plan
 from gateway.serving.planner import prompt_of
 from gateway.serving.proxy import NAMESPACE_HEADER, REMOTE_WRITE_HEADER

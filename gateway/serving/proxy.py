@@ -1,29 +1,25 @@
 """Send a planned request to its replica and relay the answer, streaming byte for byte.
 
 Retries: nothing has reached the client before the replica's first byte, so a try that fails
-before it is tried again on the next replica in the decision's ranking (each replica at most
-once, at most `retries` more): a replica that cannot be reached (refused, reset, stale
-keep-alive, an answer that is not HTTP), that answers 5xx, or that does not begin its answer in
-time (gateway/serving/deadline.py: the pool's first_byte_timeout_s for a streamed answer, plus the
-output at min_decode_tokens_per_s for a whole one, else upstream.read_timeout_s; the request is
-cancelled there), or whose answer is garbled (gateway/serving/retry.py). When every try failed so,
-the last 5xx answer passes through as it came, else 502 or 504. A 4xx answer passes through at once
-(the request, not the replica, is at fault), except an engine's refusal of the class's `priority`,
-sent again without it (gateway/serving/refused_priority.py); once a streamed answer has begun, a
-failure ends it with an error event. Passive health (Registry.answered, Registry.errored,
-Registry.unreachable): such failures in a row, or one refused connection, eject a replica until
-its back-off is over and a probe generation passes (gateway/fleet/outliers.py), like Envoy's
-outlier detection.
+before it is tried on the next replica of the decision's ranking (each at most once, at most
+`retries` more; a try whose replica was marked down meanwhile costs none): a replica that cannot be
+reached, that answers 5xx, that does not begin its answer in time (gateway/serving/deadline.py) or
+whose answer is garbled (gateway/serving/retry.py). Then the last 5xx is answered, else 502 or 504.
+A 4xx is answered at once (the request is at fault), except an engine's refusal of the class's
+`priority`, sent again without it (gateway/serving/refused_priority.py); a replica's error becomes
+the gateway's own (gateway/http/errors.py replica_answer_error). Once a streamed answer has begun, a
+failure ends it with an error event. Passive health (Registry.answered, .errored, .unreachable):
+failures in a row, or one refused connection, eject a replica until its back-off is over and a
+probe generation passes (gateway/fleet/outliers.py), as Envoy's outlier detection; one tenant's
+failures alone only make it a suspect that a probe judges.
 
 A client that leaves before its answer began (polled through `client_gone`) has its upstream
 request cancelled: the connection is closed, which makes vLLM abort the request.
 
 Every try holds its reservation in a Lease (gateway/serving/lease.py) for its lifetime: success,
-client disconnect (the relay task is cancelled), a retry and upstream failure all give the slot
-back exactly once; a streamed answer's response takes the lease over until its last byte.
-What happens after the answer (usage, costs, capture, learning, the index) is not done here:
-the settlement's observers see it (gateway/serving/settlement.py), once per answer, streamed or
-whole.
+client disconnect, a retry and upstream failure all give the slot back exactly once; a streamed
+answer's response takes the lease over until its last byte. After-answer work is the
+settlement's observers' (gateway/serving/settlement.py), once per answer.
 """
 
 from __future__ import annotations
@@ -39,10 +35,17 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 
-from gateway.fleet.registry import Registry, Replica, Reservation
+from gateway.config import UpstreamConfig
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
-from gateway.http.errors import ApiError, no_replica, upstream_error
-from gateway.serving.deadline import first_byte_deadline_s, output_limit_tokens
+from gateway.http.errors import ApiError, no_replica, replica_answer_error, upstream_error
+from gateway.serving.deadline import (
+    chunks_within,
+    first_byte_deadline_s,
+    idle_deadline_s,
+    output_limit_tokens,
+)
 from gateway.serving.lease import Lease
 from gateway.serving.planner import Plan
 from gateway.serving.refused_priority import without_refused_priority
@@ -55,6 +58,7 @@ from gateway.serving.upstream import (
     UpstreamDisconnected,
     UpstreamError,
     UpstreamResponse,
+    UpstreamTimeout,
 )
 from gateway.serving.usage import StreamReader, ask_for_usage
 from gateway.telemetry import logs, tracing
@@ -169,16 +173,14 @@ class Proxy:
         registry: Registry,
         metrics: Metrics,
         settlement: Settlement,
-        *,
-        retries: int,
+        config: UpstreamConfig,
     ) -> None:
         self._upstream = upstream
         self._registry = registry
         self._metrics = metrics
-        self._settlement = (
-            settlement  # what happens after an answer (gateway/serving/settlement.py)
-        )
-        self._retries = retries
+        self._settlement = settlement  # what happens after an answer (settlement.py)
+        self._retries = config.retries
+        self._read_timeout_s = config.read_timeout_s  # a whole answer's, with no output bound
         self._relay_time = RelayTime()
 
     async def forward(
@@ -258,6 +260,7 @@ class Proxy:
                 except TryNext as failed:
                     last_error = failed.error
                     last_answer = failed.answer or last_answer
+                    attempts -= failed.free
         if last_answer is not None:
             return last_answer
         if last_error is not None:
@@ -269,14 +272,17 @@ class Proxy:
         replica = lease.reservation.replica
         body = upstream_body(plan, replica, raw_body)
         headers = replica.request_headers(upstream_request_headers(plan))
-        # a streamed answer's first byte is its first token; a whole answer's comes after its
-        # generation (vLLM sends its headers with the body), so its deadline counts the output
-        timeout_s = first_byte_deadline_s(
-            replica.pool,
-            stream=plan.stream,
-            endpoint=plan.endpoint,
-            body=plan.body,
-            card=replica.model_cards.get(plan.model),
+        # gateway/serving/deadline.py; a whole answer with no output bound: the read timeout
+        timeout_s = (
+            first_byte_deadline_s(
+                replica.pool,
+                stream=plan.stream,
+                endpoint=plan.endpoint,
+                body=plan.body,
+                card=replica.model_cards.get(plan.model),
+                estimate_s=plan.decision.score(replica.name).estimate.ttft_s,
+            )
+            or self._read_timeout_s
         )
         resp: UpstreamResponse | None = None
         chunks: AsyncIterator[bytes] | None = None
@@ -284,37 +290,42 @@ class Proxy:
         accepting: asyncio.Future[None] | None = None  # the acceptance, still running
         content = b""  # a whole answer's, or a 5xx answer's: read within the deadline
         try:
-            async with asyncio.timeout(timeout_s):
-                resp = await self._upstream.post(replica.url + path, body, headers)
-                if resp.status == 400 and plan.engine_priority(replica) is not None:
-                    again = partial(upstream_body, plan, replica, raw_body)  # without it then
-                    resp = await without_refused_priority(
-                        self._upstream, resp, replica, path, again, headers
-                    )
-                head_s = time.perf_counter() - lease.reservation.started_s  # a whole answer's TTFT
-                if resp.status < 400 and plan.stream:  # accepted while the replica prefills
-                    chunks = resp.chunks()
-                    first, accepting = await self._settlement.accepted_while_reading(
-                        plan, replica, chunks
-                    )
-                else:  # nothing is sent on before the whole answer is in: a retry stays safe
-                    if resp.status < 400:  # only a replica that took it holds its prompt
-                        await self._settlement.accepted(plan, replica)
-                    content = await resp.read()
-                why = garbled(resp, first if chunks is not None else content)
-                if why is not None:
-                    raise UpstreamDisconnected(why)
+            # ends at once when the replica is marked down meanwhile (Registry._eject)
+            async with asyncio.timeout(timeout_s) as deadline:
+                with replica.awaiting(deadline):
+                    resp = await self._upstream.post(replica.url + path, body, headers)
+                    if resp.status == 400 and plan.engine_priority(replica) is not None:
+                        again = partial(upstream_body, plan, replica, raw_body)  # without it
+                        resp = await without_refused_priority(
+                            self._upstream, resp, replica, path, again, headers
+                        )
+                    # a whole answer's TTFT
+                    head_s = time.perf_counter() - lease.reservation.started_s
+                    if resp.status < 400 and plan.stream:  # accepted while the replica prefills
+                        chunks = resp.chunks()
+                        first, accepting = await self._settlement.accepted_while_reading(
+                            plan, replica, chunks
+                        )
+                    else:  # nothing is sent on before the whole answer is in: a retry stays safe
+                        if resp.status < 400:  # only a replica that took it holds its prompt
+                            await self._settlement.accepted(plan, replica)
+                        content = await resp.read()
+                    why = garbled(resp, first if chunks is not None else content)
+                    if why is not None:
+                        raise UpstreamDisconnected(why)
         except BaseException as err:
             lease.release()  # a try that will not be answered gives its slot back at once
             await finish_shielded(accepting)
             await close_shielded(resp)  # the engine aborts a request whose connection closed
-            failure = await failed_try(self._registry, self._metrics, replica, err, timeout_s)
+            failure = await failed_try(
+                self._registry, self._metrics, replica, err, timeout_s, tenant=plan.tenant.name
+            )
             if failure is err:
                 raise
             raise failure from err
         try:
             if chunks is None:  # a stream that began is judged when it ends (_relay)
-                await self._registry.answered(replica, resp.status)
+                await self._registry.answered(replica, resp.status, tenant=plan.tenant.name)
         except BaseException:  # cancelled here (a client gone): the lease's `with` releases
             await close_shielded(resp)
             raise
@@ -335,9 +346,17 @@ class Proxy:
         replica = reservation.replica
         self._metrics.retries.labels(replica.name).inc()
         log.warning("replica %s answered %d, trying the next one", replica.name, resp.status)
-        headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
-        answer = Response(content, status_code=resp.status, headers=headers)
+        answer = self._error_answer(plan, reservation, resp.status, content)
         return TryNext(UpstreamError(f"answered {resp.status}"), answer)
+
+    def _error_answer(
+        self, plan: Plan, reservation: Reservation, status: int, content: bytes
+    ) -> Response:
+        """A replica's error answer as the gateway's own (errors.py replica_answer_error)."""
+        replica = reservation.replica
+        error = replica_answer_error(replica.name, status, content)
+        error.headers = error.headers | decision_headers(plan, replica, reservation.started_s)
+        return _CountedError(error, self._metrics)
 
     def _stream(
         self,
@@ -388,6 +407,8 @@ class Proxy:
         self._settlement.settle(
             whole_answer(plan, reservation, resp.status, ttft_s, content, head_s)
         )
+        if resp.status >= 400:
+            return self._error_answer(plan, reservation, resp.status, content)
         headers = _upstream_headers(resp) | decision_headers(plan, replica, reservation.started_s)
         return Response(content, status_code=resp.status, headers=headers)
 
@@ -424,6 +445,7 @@ class Proxy:
         line says the error's status and code, not the 200 sent at the start."""
         settled = answer.settled
         reader = settled.reader
+        tenant = settled.plan.tenant.name
         try:
             if first is not None:
                 out = reader.relay(first, time.perf_counter())
@@ -433,7 +455,8 @@ class Proxy:
                 if first_byte_s is not None:  # handed on: the way back is measured
                     self._relay_time.observe(time.perf_counter() - first_byte_s)
                 await answer.first_sent()
-                async for chunk in chunks:
+                idle_s = idle_deadline_s(settled.replica.pool)
+                async for chunk in chunks_within(chunks, idle_s):
                     now_s = time.perf_counter()
                     answer.read_tokens(chunk, now_s)  # the replica's engine steps
                     out = reader.relay(chunk, now_s)
@@ -442,19 +465,34 @@ class Proxy:
                 rest = reader.rest()
                 if rest:
                     yield rest
-            await self._registry.answered(settled.replica, settled.status)
+            await self._registry.answered(settled.replica, settled.status, tenant=tenant)
         except UpstreamError as err:
             name = settled.replica.name
             api_error: ApiError = upstream_error(name, err)
             self._metrics.errors.labels(api_error.code).inc()
             self._metrics.streams_broken.labels(name).inc()
-            await self._registry.errored(settled.replica, repr(err), reason="disconnect")
-            answer.failed_status = api_error.status
+            reason = "timeout" if isinstance(err, UpstreamTimeout) else "disconnect"
+            await self._registry.errored(settled.replica, repr(err), reason=reason, tenant=tenant)
+            answer.broke(api_error.status)
             logs.note_stream_failed(api_error.status, api_error.code)
             log.warning("stream from %s broke: %r", name, err)
             yield f"data: {json.dumps(api_error.envelope())}\n\n".encode()
         finally:
             await answer.finish()
+
+
+class _CountedError(Response):
+    """An ApiError's answer, counted in cachelane_errors_total{code} once it is sent."""
+
+    def __init__(self, error: ApiError, metrics: Metrics) -> None:
+        rendered = error.response()
+        super().__init__(rendered.body, status_code=error.status, headers=dict(rendered.headers))
+        self._error = error
+        self._metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._metrics.errors.labels(self._error.code).inc()
+        await super().__call__(scope, receive, send)
 
 
 async def _close_abandoned(response: Response) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping
 
 from gateway.fleet import engine_priority
-from gateway.fleet.registry import Replica
+from gateway.fleet.replica import Replica
 from gateway.serving.upstream import Upstream, UpstreamResponse
 
 

@@ -128,6 +128,11 @@ class OpenStream:
         if last_token(chunk):
             self.stop_decoding()
 
+    def broke(self, status: int) -> None:
+        """It broke mid-way and ended with an error of `status`: its first byte teaches nothing."""
+        self.failed_status = status
+        self.settled.broke = True
+
     def stop_decoding(self) -> None:
         """Its last token came (or it ended): its replica has one stream fewer decoding."""
         if self.decoding:

@@ -181,6 +181,9 @@ class PromptHasher:
             return self._precise_prompt(endpoint, body, model, cache_salt, client_salt)
         text = prompt_of(endpoint, body)
         namespace = namespace_of(model, tenant, client_salt)
+        limit = self._registry.max_prompt_tokens(model)
+        if limit is not None and approx_tokens(text) > limit:  # refused: not worth hashing
+            return HashedPrompt(namespace, [], approx_tokens(text))
         hashes = self._text.block_hashes(
             text, block_size_tokens=self._block_size, namespace=namespace
         )

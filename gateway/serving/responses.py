@@ -11,11 +11,14 @@ the replica that created it.
   the background; the local copy is written at once and answers while Redis is away).
 - Continuing: a request with a remembered `previous_response_id` is pinned to its replica:
   the planner routes it on that replica alone (`pinned`, called on the planner's candidates).
-  An id the gateway never saw goes where routing sends it (the replica answers for it).
+  An id the gateway does not know is never sent on (fail closed: an engine's store has no
+  tenants, and the id may be another tenant's there).
 - GET, DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel (vLLM's routes; the
-  engines have no input_items route) are relayed to that replica as they are.
+  engines have no input_items route) are relayed to that replica as they are; an error answer
+  becomes the gateway's own (gateway/http/errors.py replica_answer_error).
 
-Errors: an id not remembered, or remembered for another tenant, is 404 `response_not_found`
+Errors: an id not remembered (never seen, expired, lost with Redis's data), or remembered for
+another tenant, is 404 `response_not_found` in every route, continuations included
 (another tenant's responses are not there for it); a replica that left the fleet is 410
 `response_replica_gone` (what it stored is gone with it); one that is down is 503
 `response_replica_unavailable` with Retry-After (it may come back with its store).
@@ -36,12 +39,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway.http.errors import ApiError, retry_later
+from gateway.http.errors import ApiError, replica_answer_error, retry_later
 from gateway.index.keyvalue import MemoryKeyValue, RedisKeyValue
 from gateway.telemetry import logs
 
 if TYPE_CHECKING:
-    from gateway.fleet.registry import Registry, Replica
+    from gateway.fleet.registry import Registry
+    from gateway.fleet.replica import Replica
     from gateway.tenancy.tenants import Tenant
 
 log = logging.getLogger("cachelane.responses")
@@ -157,12 +161,17 @@ class ResponseOwners:
         """Pin the request being handled (this task) to the replica that stored the response
         it continues; raise when that replica cannot answer."""
         previous = body.get("previous_response_id")
-        if not isinstance(previous, str) or not _ID.match(previous):
+        if previous is None:
             return
-        entry = await self._entry(previous)
-        if entry is None:  # not one this gateway saw (expired, or before a restart)
-            return
-        if entry.get("tenant") != tenant.name:  # another tenant's: as if it did not exist
+        entry = (
+            await self._entry(previous)
+            if isinstance(previous, str) and _ID.match(previous)
+            else None
+        )
+        # an id the gateway does not know (expired, lost, stored before a restart or through a
+        # gateway whose record is gone) may be another tenant's on some replica: as another
+        # tenant's, it is not there for this one
+        if entry is None or entry.get("tenant") != tenant.name:
             raise ApiError(
                 404,
                 f"No response found with id {previous!r}.",
@@ -259,7 +268,8 @@ class ResponseOwners:
             headers["content-type"] = answer.headers["content-type"]
         if request.method == "DELETE" and answer.status_code < 400:
             await self.forget(response_id)
-        if headers.get("content-type", "").startswith("text/event-stream"):
+        refused = answer.status_code >= 400
+        if headers.get("content-type", "").startswith("text/event-stream") and not refused:
             return StreamingResponse(  # GET ?stream=true: a background response's events
                 answer.aiter_raw(),
                 status_code=answer.status_code,
@@ -270,4 +280,12 @@ class ResponseOwners:
             content = await answer.aread()
         finally:
             await answer.aclose()
+        if answer.status_code == 404:  # the engine forgot it (a restart): as the gateway says
+            raise ApiError(
+                404, f"No response found with id {response_id!r}.", code="response_not_found"
+            )
+        if refused:  # the gateway's own error, never the replica's body
+            error = replica_answer_error(name, answer.status_code, content)
+            error.headers["x-cachelane-replica"] = name
+            raise error
         return Response(content, status_code=answer.status_code, headers=headers)

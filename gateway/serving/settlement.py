@@ -32,7 +32,7 @@ from gateway.telemetry.metrics import Metrics
 if TYPE_CHECKING:
     from gateway.accounting.capture import Capture
     from gateway.accounting.ledger import CostAccounting
-    from gateway.fleet.registry import Replica, Reservation
+    from gateway.fleet.replica import Replica, Reservation
     from gateway.serving.planner import Plan, Planner
     from gateway.tenancy.rate_limits import RateLimiter
 
@@ -64,6 +64,7 @@ class Settled:
     head_s: float | None = None
     whole_usage: Usage | None = None
     reader: StreamReader = field(default_factory=StreamReader)
+    broke: bool = False  # a stream that began and broke mid-way (its replica failed it)
 
     @property
     def replica(self) -> Replica:
@@ -258,7 +259,9 @@ class TtftMetrics(Observer):
 
 
 class RateLimitUsage(Observer):
-    """Tokens per minute: the estimate charged at admission corrected by the engine's usage."""
+    """Tokens per minute: the estimate charged at admission corrected by the engine's usage; a
+    stream that ended without its usage (a client that left early, a replica that broke off) is
+    charged the output it sent, as its token events count it."""
 
     def __init__(self, limits: RateLimiter) -> None:
         self._limits = limits
@@ -267,7 +270,8 @@ class RateLimitUsage(Observer):
         if settled.answered:
             plan, usage = settled.plan, settled.usage
             raw = usage.raw if usage is not None else None
-            self._limits.on_usage(plan.tenant, plan.prompt_tokens, raw)
+            sent = settled.reader.token_events if settled.streamed else 0
+            self._limits.on_usage(plan.tenant, plan.prompt_tokens, raw, sent_tokens=sent)
 
 
 class UsageMetrics(Observer):
@@ -345,7 +349,8 @@ class Learning(Observer):
         self._learner = learner
 
     def on_settled(self, settled: Settled) -> None:
-        if settled.answered and settled.ttft_s is not None:
+        # a stream its replica broke: a failing replica's fast first byte must not make it look fast
+        if settled.answered and settled.ttft_s is not None and not settled.broke:
             plan, replica = settled.plan, settled.replica
             observation = Observation(
                 replica,

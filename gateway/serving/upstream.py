@@ -12,6 +12,11 @@ What the proxy relies on, and where it comes from:
 - TCP_NODELAY on every connection (aiohttp's BaseProtocol.connection_made sets it);
 - keep-alive: one connection pool, keyed by host and port, at most `max_connections` per
   replica (aiohttp's TCPConnector limit_per_host; a lookup by key, not a scan);
+- no wait without end: aiohttp 3.14's read timeout never fires on a chunked body whose next
+  chunk header is not hexadecimal and whose connection then closes (seen with a fake replica,
+  loadtest/bench/faulty_replica.py); the proxy bounds every read itself
+  (gateway/serving/deadline.py: the first byte's deadline, then idle_deadline_s between
+  chunks), so no client waits on it;
 - failures as four exceptions, mapped from aiohttp's in one place (`_mapped`):
   UpstreamConnectError (no connection could be made), UpstreamDisconnected (the connection
   broke or the answer was not HTTP), UpstreamTimeout (nothing read for `read_timeout_s`), all

@@ -82,8 +82,10 @@ class StreamReader:
     `relay(chunk, now_s)` returns the bytes to send on: the chunk itself, unchanged and at once,
     unless `strip_usage`: then the bytes of whole events, without the usage-only chunk, and an
     event's bytes are held until the event is complete (an event stream's reader dispatches
-    nothing before then either). It keeps the usage and when the last event that carried
-    tokens arrived (`last_token_s`: the end of a time per output token)."""
+    nothing before then either). It keeps the usage, when the last event that carried
+    tokens arrived (`last_token_s`: the end of a time per output token) and how many did
+    (`token_events`: engines send one per step, a token or more, so a lower bound of the output
+    a stream that ended without its usage has sent)."""
 
     def __init__(self, *, strip_usage: bool = False) -> None:
         self._parser = SseParser()
@@ -92,6 +94,7 @@ class StreamReader:
         self._held_from = 0  # the stream offset of _held's first byte
         self.usage: Usage | None = None
         self.last_token_s: float | None = None
+        self.token_events = 0
 
     def relay(self, chunk: bytes, now_s: float) -> bytes:
         events = self._parser.feed(chunk)
@@ -121,16 +124,20 @@ class StreamReader:
         if data == DONE:
             return False
         if b"_tokens" not in data:
-            self.last_token_s = now_s
+            self._token(now_s)
             return False
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
-            self.last_token_s = now_s
+            self._token(now_s)
             return False
         usage = usage_from(obj, data)
         if usage is None:
-            self.last_token_s = now_s
+            self._token(now_s)
             return False
         self.usage = usage
         return isinstance(obj, dict) and obj.get("choices") == []
+
+    def _token(self, now_s: float) -> None:
+        self.last_token_s = now_s
+        self.token_events += 1

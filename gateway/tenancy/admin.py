@@ -15,8 +15,8 @@
 
 Guarded by its own key (config `admin`); without one configured the admin API answers 404.
 A new key has at least MIN_API_KEY_CHARS characters and belongs to no other tenant (409). A name
-follows gateway/tenancy/tenants.py's rule (400 `invalid_request`, param `name`) and is not another
-live tenant's once case- and width-folded (400 `tenant_name_taken`).
+and a share group follow gateway/tenancy/tenants.py's rule, as in config files (400
+`invalid_request`, param `name` or `share_group`).
 With the Redis index, changes are stored in Redis and every gateway sees them within ~1 s; while
 Redis cannot be written, changes answer 503 with Retry-After and nothing changes.
 """
@@ -35,7 +35,7 @@ from gateway.http.body import BodyError, parse_body
 from gateway.http.errors import ApiError, bad_request, retry_later
 from gateway.tenancy.admin_auth import require_admin
 from gateway.tenancy.keys import MIN_API_KEY_CHARS
-from gateway.tenancy.store import KeyInUse, NameTaken, StoreUnavailable
+from gateway.tenancy.store import KeyInUse, StoreUnavailable
 from gateway.tenancy.tenants import Tenant
 from routing.types import TenantClass
 
@@ -127,13 +127,6 @@ async def _put(gw: Any, config: TenantConfig) -> Tenant:
     except KeyInUse:
         raise ApiError(
             409, "this API key belongs to another tenant; give a new one", code="key_in_use"
-        ) from None
-    except NameTaken as err:
-        raise bad_request(
-            f"invalid tenant: the name is the same as tenant {str(err)!a}'s once case- and "
-            "width-folded (gateway/tenancy/tenants.py); choose another",
-            code="tenant_name_taken",
-            param="name",
         ) from None
     except StoreUnavailable as err:
         raise _store_down(err) from None

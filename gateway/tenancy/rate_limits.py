@@ -1,7 +1,8 @@
 """Per-tenant rate limits: requests and tokens per minute (config `rate_limits`).
 
 Each tenant has one budget per kind (requests, tokens), with the limits of its tenant entry, else
-of the class the request is served at. The arithmetic is routing/ratelimit.py's GCRA. With the
+of its own class: a request that asks for a lower class (x-cachelane-class) lowers its priority,
+never its accounting. The arithmetic is routing/ratelimit.py's GCRA. With the
 Redis index the state of a budget is one Redis key, updated by a Lua script (the same arithmetic,
 run atomically where the state lives, on Redis's clock), so every gateway spends from one budget.
 Without Redis, or while Redis fails, each gateway keeps its own state: a request is never refused
@@ -9,8 +10,9 @@ or failed because Redis is down (during an outage every gateway enforces the who
 itself, so together they may pass up to N times it).
 
 Tokens: a request is charged its prompt's estimate (the planner's prompt_tokens) at admission and
-corrected when its answer's `usage.total_tokens` is known (prompt and completion); an answer
-without usage (a stream without include_usage) keeps the estimate.
+corrected when its answer ends: by its `usage.total_tokens` (prompt and completion), else, for a
+stream that ended without usage (the client left, the replica broke off), by the estimate plus
+the token events it sent (one per engine step: a lower bound of its output).
 
 Refusals are 429 `rate_limit_exceeded` in OpenAI's envelope (type `requests` or `tokens`) with
 Retry-After, counted in cachelane_rate_limited_total{tenant,limit}.
@@ -143,7 +145,7 @@ class RateLimiter:
         """The tenant's limit a minute of `kind` (requests_per_min or tokens_per_min)."""
         for entry in (
             self._config.tenants.get(tenant.name),
-            self._config.classes.get(tenant.tenant_class),
+            self._config.classes.get(tenant.own_class),
         ):
             value = None if entry is None else getattr(entry, kind)
             if value is not None:
@@ -160,11 +162,15 @@ class RateLimiter:
         limit), or raise 429 carrying the budget's headers."""
         return await self._admit(tenant, "tokens_per_min", tokens)
 
-    def on_usage(self, tenant: Tenant, estimated: int, usage: bytes | None) -> None:
-        """The answer's usage is known: charge what it used beyond the admitted estimate (or
-        give back what it did not use)."""
+    def on_usage(
+        self, tenant: Tenant, estimated: int, usage: bytes | None, *, sent_tokens: int = 0
+    ) -> None:
+        """The answer has ended: charge what it used beyond the admitted estimate (or give back
+        what it did not use), by its usage, else by the `sent_tokens` of output it sent."""
         per_min = self.limit(tenant, "tokens_per_min")
         total = total_tokens_in(usage)
+        if total is None and sent_tokens:
+            total = estimated + sent_tokens
         if per_min is None or total is None:
             return
         delta = total - min(estimated, per_min)  # admit charged at most the whole budget

@@ -107,8 +107,10 @@ def _fields(name: str, d: dict[str, Any]) -> Record:
             raise RecordError("malformed", "a tombstone with a digest")
     elif not isinstance(digest, str) or len(digest) != 64:
         raise RecordError("malformed", "digest is not 64 hex characters")
-    if share_group is not None and not isinstance(share_group, str):
-        raise RecordError("malformed", "share_group is not a string")
+    if share_group is not None and (
+        not isinstance(share_group, str) or name_problem(share_group) is not None
+    ):
+        raise RecordError("malformed", "share_group is not a valid name")
     try:
         tenant_class = TenantClass(str(d.get("class")))
     except ValueError:

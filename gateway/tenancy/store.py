@@ -34,7 +34,7 @@ from gateway.config import TenantConfig
 from gateway.http.errors import ApiError
 from gateway.tenancy.keys import Keyring
 from gateway.tenancy.records import Record, RecordError, dump, load, tombstone
-from gateway.tenancy.tenants import ANONYMOUS, Tenant, name_key
+from gateway.tenancy.tenants import ANONYMOUS, Tenant
 from routing.types import TenantClass
 
 log = logging.getLogger("cachelane.tenants")
@@ -48,11 +48,6 @@ _REJECTED_REMEMBERED = 1024  # bad records logged once each; the memory of them 
 
 class KeyInUse(Exception):
     """PUT of a key another tenant (or the admin) already has."""
-
-
-class NameTaken(Exception):
-    """PUT of a new name equal to a live tenant's after case- and width-folding (the live one's
-    name is the message)."""
 
 
 class TenantStoreRefused(RuntimeError):
@@ -133,14 +128,7 @@ class TenantStore:
         return sorted((_tenant(r) for r in self._by_digest.values()), key=lambda t: t.name)
 
     async def put(self, config: TenantConfig) -> Tenant:
-        """Create or replace a tenant. Raises KeyInUse, NameTaken, or StoreUnavailable."""
-        folded = name_key(config.name)
-        lookalike = next(
-            (r.name for r in self._live() if r.name != config.name and name_key(r.name) == folded),
-            None,
-        )
-        if lookalike is not None:
-            raise NameTaken(lookalike)
+        """Create or replace a tenant. Raises KeyInUse or StoreUnavailable."""
         record = record_of(config, self._keyring, self._next_at(config.name))
         owner = self._by_digest.get(record.digest or "")
         if record.digest in self._reserved or (owner is not None and owner.name != config.name):

@@ -11,6 +11,9 @@ completions look like can take it out of routing. Its `mode` says how it answers
   engine in front of it);
 - "drop": begins its answer (a streamed one with its first event, a whole one with part of
   its body) and closes the connection (a process killed mid-answer);
+- "paused": every request hangs, its model list too (a paused process: its health check fails);
+- "unauthorized": 401 with vLLM's body for a wrong `--api-key` (`{"error": "Unauthorized"}`);
+- "refuse": 400 with vLLM's flat error form, its message long and with a line break in it;
 - "ok": answers as an engine does, whole or streamed (a replica that has recovered: `mode`
   may be changed while it runs).
 
@@ -27,7 +30,10 @@ from typing import Any, Literal
 
 from starlette.types import Receive, Scope, Send
 
-Mode = Literal["error", "silent", "stalled", "garbage", "drop", "ok"]
+Mode = Literal[
+    "error", "silent", "stalled", "garbage", "drop", "paused", "unauthorized", "refuse", "ok"
+]
+REFUSAL = "This model's maximum context length is 8 tokens.\nforged: line " + "x" * 3000
 GARBAGE = b"\x00\xffnot an answer\r\n\x1b[2J"
 CHUNK = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "x"}}]}
 EVENT = b"data: " + json.dumps(CHUNK).encode() + b"\n\n"
@@ -58,6 +64,12 @@ class FaultyReplica:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not await is_http(scope, receive, send):
             return
+        if self.mode == "paused":
+            self.requests += scope["path"] != "/v1/models"
+            await receive()  # the request's body
+            if (await receive())["type"] == "http.disconnect":  # until the caller goes away
+                self.cancelled += 1
+            return
         if scope["method"] == "GET" and scope["path"] == "/v1/models":
             data = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
             await _json(send, 200, data)
@@ -74,6 +86,13 @@ class FaultyReplica:
         if self.mode == "error":
             error = {"message": "engine failure", "type": "server_error", "code": None}
             await _json(send, 500, {"error": error})
+            return
+        if self.mode == "unauthorized":
+            await _json(send, 401, {"error": "Unauthorized"})
+            return
+        if self.mode == "refuse":
+            refusal = {"object": "error", "message": REFUSAL, "type": "BadRequestError"}
+            await _json(send, 400, refusal | {"param": "messages", "code": 400})
             return
         if self.mode in ("garbage", "drop", "ok"):
             await _answer(send, self.mode, stream, scope["path"])

@@ -79,12 +79,16 @@ def default_pool(replicas: list[str], costs: PoolCosts, **extra: Any) -> dict[st
 
 
 def gateway_config(
-    replica_urls: list[str], costs: PoolCosts = FAST_COSTS, **overrides: Any
+    replica_urls: list[str],
+    costs: PoolCosts = FAST_COSTS,
+    *,
+    pool: dict[str, Any] | None = None,
+    **overrides: Any,
 ) -> GatewayConfig:
-    data: dict[str, Any] = {
-        **QUICK_CHECKS,
-        "pools": [default_pool(replica_urls, costs, max_prompt_tokens=50_000)],
-    }
+    """The config of a gateway before `replica_urls` in one pool ("default", `pool`'s keys added
+    to it), the test's quick checks and its `overrides`."""
+    extra = {"max_prompt_tokens": 50_000, **(pool or {})}
+    data: dict[str, Any] = {**QUICK_CHECKS, "pools": [default_pool(replica_urls, costs, **extra)]}
     data.update(overrides)
     return parse_config(with_auth(data))
 

@@ -27,7 +27,7 @@ from openai import AsyncOpenAI
 from gateway.cli.main import main
 from gateway.config import ConfigError
 from gateway.http.app import create_app
-from gateway.http.exposure import HTTP_PROTOCOL
+from gateway.http.exposure import HTTP_PROTOCOL, MAX_AUTH_HOLD_S
 from loadtest.sim.config import SimReplicaSpec
 from loadtest.sim.server import create_sim_app
 from tests.helpers.servers import running_app
@@ -387,3 +387,34 @@ async def test_head_on_health_and_ready_answers_the_status_without_a_body() -> N
         resp = await h.head("/ready")
         assert (resp.status_code, resp.content) == (503, b"")
         assert (await h.head("/health")).status_code == 200
+
+
+async def test_keyless_endpoints_stay_open_and_the_hold_is_capped() -> None:
+    """A load balancer's health checks share the address of the clients behind it: bad keys from
+    that address never hold /health, /ready or /metrics, and however many it sends, the hold on
+    the rest ends within a minute of the last."""
+    async with gateway(rate_limits={"failed_auth_per_min": 3}) as (url, _app):
+        async with httpx.AsyncClient(base_url=url) as h:
+            statuses = await models_statuses(h, [BAD] * 40)
+            assert statuses[:3] == [401] * 3 and set(statuses[3:]) == {429}
+            for path in ("/health", "/ready", "/metrics"):
+                assert (await h.get(path)).status_code == 200, path
+                assert (await h.get(path, headers=BAD)).status_code == 200, path
+            assert (await h.get("/v1/models")).status_code == 429  # the rest stays held
+            for _ in range(300):  # at 20 s a failure, uncapped this would hold for 6,800 s
+                held = await h.get("/v1/models", headers=BAD)
+            assert held.status_code == 429
+            assert int(held.headers["retry-after"]) <= MAX_AUTH_HOLD_S
+
+
+async def test_failed_auth_state_is_dropped_once_its_hold_is_over() -> None:
+    """Per-address state is bounded: a party is forgotten once its hold is over (here 10 ms a
+    failure at 6,000 a minute), so 300 addresses that failed once leave a handful behind."""
+    async with gateway(
+        rate_limits={"failed_auth_per_min": 6000}, listen={"forwarded_allow_ips": ["127.0.0.1"]}
+    ) as (url, app):
+        async with httpx.AsyncClient(base_url=url) as h:
+            for i in range(300):
+                hop = {**BAD, "x-forwarded-for": f"203.0.{i // 250}.{i % 250 + 1}"}
+                assert (await h.get("/v1/models", headers=hop)).status_code == 401
+        assert len(app.state.auth_failures) < 50  # 301 parties without forgetting

@@ -214,12 +214,12 @@ async def test_bad_bodies_are_400_envelopes_counted_and_harm_no_other_request() 
 
 
 TENANTS = [
-    {"name": "Zürich", "api_key": "key-zurich-0123456789abcdef012345", "class": "standard"},
+    {"name": "zurich.ch", "api_key": "key-zurich-0123456789abcdef012345", "class": "standard"},
     {
         "name": "grp-member",
         "api_key": "key-member-0123456789abcdef012345",
         "class": "standard",
-        "share_group": "équipe 東京",
+        "share_group": "team_tokyo.1",
     },
     {"name": "ascii", "api_key": "key-ascii-0123456789abcdef0123456", "class": "standard"},
 ]
@@ -228,7 +228,9 @@ TENANTS = [
 @pytest.mark.parametrize(
     "key", ["key-zurich-0123456789abcdef012345", "key-member-0123456789abcdef012345"]
 )
-async def test_non_ascii_tenant_and_share_group_are_served(key: str) -> None:
+async def test_punctuated_tenant_and_share_group_names_are_served(key: str) -> None:
+    """Names use the whole of their rule (gateway/tenancy/tenants.py: `-`, `_`, `.`); the
+    prompt is not ASCII."""
     async with fleet(2, tenants=TENANTS) as f:
         async with httpx.AsyncClient(
             base_url=f.gateway_url, timeout=30, headers={"authorization": f"Bearer {key}"}
@@ -347,3 +349,31 @@ async def test_precise_mode_refuses_bad_token_ids_and_part_types(
             errors = errors_by_code((await h.get("/metrics")).text)
     assert not failures, "\n".join(failures)
     assert "internal_error" not in errors
+
+
+@pytest.mark.parametrize("field", ["messages", "content", "input"])
+async def test_a_prompt_of_more_parts_than_the_bound_is_a_clear_400(field: str) -> None:
+    """MAX_PROMPT_PARTS parts pass; one more is 400 `too_many_parts` naming the field, before
+    any part is checked (the bound keeps the largest accepted body cheap to check)."""
+    from gateway.http.request_schema import MAX_PROMPT_PARTS
+
+    def body(parts: int) -> tuple[str, dict[str, Any]]:
+        if field == "messages":
+            turns = [{"role": "user", "content": "x"}] * parts
+            return CHAT, {"model": MODEL, "messages": turns, "max_tokens": 1}
+        if field == "content":  # one message, its content parts: the message counts one
+            content = [{"type": "text", "text": "x"}] * (parts - 1)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
+            return CHAT, {"model": MODEL, "messages": messages, "max_tokens": 1}
+        items = [{"role": "user", "content": "x"}] * parts
+        return "/v1/responses", {"model": MODEL, "input": items, "max_output_tokens": 1}
+
+    async with fleet(1) as f, httpx.AsyncClient(base_url=f.gateway_url, timeout=60) as h:
+        path, at_bound = body(MAX_PROMPT_PARTS)
+        assert (await h.post(path, json=at_bound)).status_code == 200
+        path, over = body(MAX_PROMPT_PARTS + 1)
+        r = await h.post(path, json=over)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "too_many_parts"
+        assert error["param"] == ("input" if field == "input" else "messages")

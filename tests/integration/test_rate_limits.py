@@ -3,6 +3,7 @@ under uvicorn, the official openai client, and real redis-servers for the shared
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -36,10 +37,12 @@ TENANTS = [
 
 
 @asynccontextmanager
-async def gateways(n: int, rate_limits: dict[str, Any], **extra: Any) -> AsyncIterator[list[Any]]:
+async def gateways(
+    n: int, rate_limits: dict[str, Any], *, itl_s: float = 0.0005, **extra: Any
+) -> AsyncIterator[list[Any]]:
     """`n` gateways (yielded as (url, app) pairs) in front of one simulated replica."""
     async with AsyncExitStack() as stack:
-        spec = SimReplicaSpec(name="sim-0", port=0, costs=FAST_COSTS, itl_s=0.0005)
+        spec = SimReplicaSpec(name="sim-0", port=0, costs=FAST_COSTS, itl_s=itl_s)
         replica = await stack.enter_async_context(running_app(create_sim_app(spec)))
         out = []
         extra.setdefault("tenants", TENANTS)
@@ -113,6 +116,52 @@ async def test_tokens_per_minute_count_the_answers_usage() -> None:
         assert err.body["type"] == "tokens"  # type: ignore[index]
         assert 1 <= int(err.response.headers["retry-after"]) <= 60
         assert rate_limited(app, "app", "tokens") == 1
+
+
+async def test_a_lower_class_keeps_the_tenants_own_limits() -> None:
+    """A standard tenant that asks to be served as batch (which has no limit here) is held to
+    standard's: a lower class lowers its priority, never its accounting."""
+    limits = {"classes": {"standard": {"requests_per_min": 3}}}
+    batch = {"x-cachelane-class": "batch"}
+    async with gateways(1, limits) as [(url, app)]:
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS["app"], max_retries=0) as c:
+            chat = c.chat.completions.with_raw_response.create
+            messages: Any = [{"role": "user", "content": "hello"}]
+            for _ in range(3):
+                ok = await chat(model=MODEL, messages=messages, max_tokens=1, extra_headers=batch)
+                assert ok.headers["x-cachelane-tenant-class"] == "batch"
+            with pytest.raises(openai.RateLimitError):
+                await chat(model=MODEL, messages=messages, max_tokens=1, extra_headers=batch)
+        assert rate_limited(app, "app", "requests") == 1
+
+
+async def test_a_stream_closed_early_is_charged_the_output_it_sent() -> None:
+    """A client that closes its stream before the usage event is still charged its output:
+    the token events the gateway relayed (here 50 of 400 or more, a token each from the
+    simulator). 600 tokens a minute refill 10 a second: without the charge the next request
+    would see ~590 left."""
+    limits = {"tenants": {"app": {"tokens_per_min": 600}}}
+    async with gateways(1, limits, itl_s=0.005) as [(url, app)]:
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS["app"], max_retries=0) as c:
+            messages: Any = [{"role": "user", "content": "hello"}]
+            stream = await c.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=400, stream=True
+            )
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 50:
+                    break
+            await stream.close()
+        replicas = app.state.gw.registry.replicas.values()
+        for _ in range(100):  # the gateway lets go of the stream (and settles it), within ~5 s
+            if all(r.in_flight == 0 for r in replicas):
+                break
+            await asyncio.sleep(0.05)
+        remaining = int((await ask(url, "app")).headers["x-ratelimit-remaining-tokens"])
+        # two prompts (~5 tokens each) and at least 49 token events leave <= 541, and ~2 s of
+        # refill at most since (10 a second)
+        assert remaining <= 560, remaining
 
 
 async def test_two_gateways_share_one_budget_through_redis(own_redis: RedisServer) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from openai import AsyncOpenAI
 from openai.types.responses import Response
@@ -174,3 +175,44 @@ async def test_a_replica_that_left_the_fleet_is_a_410(tmp_path: Path) -> None:
         path.write_text(yaml.safe_dump(config_data([u for u in urls if name_of(u) != owner])))
         assert (await reload(url)).status_code == 200
         await both_refused(c, made.parse().id, openai.APIStatusError, 410, "response_replica_gone")
+
+
+async def test_an_id_the_gateway_does_not_know_is_404_for_everyone(own_redis: RedisServer) -> None:
+    """Fail closed: after Redis loses the id map, the gateway that never saw the response knows
+    nothing of it, and a continuation of it is 404 for its own tenant and for another one alike,
+    never sent to a replica whose store may hold it (an engine's store has no tenants)."""
+    tenants = [
+        {"name": "alice", "class": "standard", "api_key": "alice-" + "a" * 32},
+        {"name": "bob", "class": "standard", "api_key": "bob-" + "b" * 32},
+    ]
+    # one replica: it holds the response, so an id sent on would be continued there
+    async with two_gateways(own_redis.url, replicas=1, tenants=tenants) as (_, urls, _apps):
+        async with (
+            client(urls[0], tenants[0]["api_key"]) as alice,
+            client(urls[1], tenants[0]["api_key"]) as alice_elsewhere,
+            client(urls[1], tenants[1]["api_key"]) as bob_elsewhere,
+        ):
+            mine = await alice.responses.create(model=MODEL, input="secret", max_output_tokens=2)
+            await asyncio.sleep(0.2)  # the first gateway's write to Redis, in the background
+            r = aioredis.from_url(own_redis.url)
+            try:
+                await r.flushall()
+            finally:
+                await r.aclose()
+            for c in (alice_elsewhere, bob_elsewhere):
+                with pytest.raises(openai.NotFoundError) as err:
+                    await c.responses.create(
+                        model=MODEL,
+                        input="go on",
+                        previous_response_id=mine.id,
+                        max_output_tokens=1,
+                    )
+                assert err.value.code == "response_not_found"
+                assert err.value.param == "previous_response_id"
+                with pytest.raises(openai.NotFoundError):
+                    await c.responses.retrieve(mine.id)
+            # the gateway that stored it still knows it, for its tenant
+            more = await alice.responses.create(
+                model=MODEL, input="go on", previous_response_id=mine.id, max_output_tokens=2
+            )
+            assert more.id != mine.id

@@ -384,19 +384,44 @@ async def test_the_admin_api_refuses_unsafe_tenant_names(name: str) -> None:
         assert "\x00" not in (await h.get(f"{f.gateway_url}/metrics")).text
 
 
-@pytest.mark.parametrize("name", ["WEB", "Web", "%EF%BD%97%EF%BD%85%EF%BD%82"], ids=str)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "WEB",
+        "Web",
+        "%EF%BD%97%EF%BD%85%EF%BD%82",  # full-width
+        "%D0%B0cme",  # Cyrillic a
+        "web%CD%8F",  # + U+034F
+        "web%EF%B8%8F",  # + U+FE0F
+        "web%E1%A0%8B",  # + U+180B
+        "web%E3%85%A4",  # + U+3164
+        "%E1%85%9Fweb",  # U+115F first
+        "w%CC%B6eb",  # a combining overlay
+        "%E3%85%A4",  # invisible alone
+    ],
+    ids=str,
+)
 async def test_the_admin_api_refuses_a_lookalike_of_a_live_tenant(name: str) -> None:
     async with web_fleet_with_admin() as (f, h):
         url = f"{f.gateway_url}/admin/tenants/{name}"
         r = await h.put(url, json={"api_key": LOOK_KEY}, headers=ADMIN)
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["code"] == "tenant_name_taken"
         assert r.json()["error"]["param"] == "name"
-        # the live tenant itself may still be replaced, and once it is gone the name is free
-        body = {"api_key": WEB_KEY, "class": "batch"}
-        again = await h.put(f"{f.gateway_url}/admin/tenants/web", json=body, headers=ADMIN)
-        assert again.status_code == 200, again.text
-        gone = await h.delete(f"{f.gateway_url}/admin/tenants/web", headers=ADMIN)
-        assert gone.status_code == 204
+        listed = (await h.get(f"{f.gateway_url}/admin/tenants", headers=ADMIN)).json()["data"]
+        assert [t["name"] for t in listed] == ["web"]
+
+
+@pytest.mark.parametrize("group", ["a\nb", "a\x00b", "g" * 5000, "T\u0435am"], ids=str)
+async def test_the_admin_api_refuses_an_unsafe_share_group(group: str) -> None:
+    """One rule for names and share groups, in the admin API as in config files."""
+    async with web_fleet_with_admin() as (f, h):
+        url = f"{f.gateway_url}/admin/tenants/late"
+        body = {"api_key": LOOK_KEY, "share_group": group}
+        r = await h.put(url, json=body, headers=ADMIN)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "share_group"
+        ok = await h.put(url, json=body | {"share_group": "team-a"}, headers=ADMIN)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["share_group"] == "team-a"
         r = await h.put(url, json={"api_key": LOOK_KEY}, headers=ADMIN)
         assert r.status_code == 200, r.text

@@ -15,7 +15,8 @@ from gateway.accounting.calibration import (
     sample_of,
 )
 from gateway.config import parse_config
-from gateway.fleet.registry import Registry, Replica
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica
 from gateway.telemetry.metrics import Metrics
 from routing.cost import CostTerms, Load, Overlap, PoolCosts, estimate
 from routing.decide import Score, rescored

@@ -4,7 +4,8 @@ import time
 import pytest
 
 from gateway.config import parse_config
-from gateway.fleet.registry import Joining, Registry, Replica
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Joining, Replica
 from gateway.fleet.scraper import EngineLoad, parse_engine_load
 from routing.cost import Load
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import gateway.fleet.registry
+import gateway.fleet.replica
 import gateway.serving.planner
 from gateway.accounting.capture import header
 from gateway.config import GatewayConfig, parse_config
@@ -325,6 +326,7 @@ class StillClock:
 @pytest.fixture
 def still_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gateway.fleet.registry, "time", StillClock)
+    monkeypatch.setattr(gateway.fleet.replica, "time", StillClock)
     monkeypatch.setattr(gateway.serving.planner, "time", StillClock)
 
 

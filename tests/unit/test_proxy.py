@@ -17,8 +17,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from gateway.accounting.calibration import CostLearner
-from gateway.config import GatewayConfig, parse_config
-from gateway.fleet.registry import Registry, Replica
+from gateway.config import GatewayConfig, UpstreamConfig, parse_config
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Replica
 from gateway.http.errors import ApiError
 from gateway.index.reuse import ReuseCounter
 from gateway.serving.planner import Plan, Planner
@@ -139,7 +140,9 @@ class Setup:
         self.learner = CostLearner("fit", self.registry.replicas.values(), self.metrics)
         self.fleet = FakeFleet()
         settlement = observers(self.planner, self.metrics, self.learner)
-        self.proxy = Proxy(self.fleet, self.registry, self.metrics, settlement, retries=retries)
+        self.proxy = Proxy(
+            self.fleet, self.registry, self.metrics, settlement, UpstreamConfig(retries=retries)
+        )
 
     async def admit_all(self) -> Setup:
         for replica in self.registry.replicas.values():
@@ -366,14 +369,15 @@ async def test_a_whole_response_releases_its_reservation() -> None:
     s.assert_all_released()
 
 
-async def test_an_upstream_error_status_passes_through_and_releases() -> None:
+async def test_an_upstream_error_status_is_the_gateways_own_error_and_releases() -> None:
     s = await setup()
     error = {"error": {"message": "bad", "type": "invalid_request_error", "code": "x"}}
     for name in s.registry.replicas:
         s.fleet.behaviour[name] = lambda _: json_answer(400, error)
     _, response = await s.forward(raw_chat(stream=True))
     assert response.status_code == 400
-    assert json.loads(bytes(response.body)) == error
+    mapped = {"message": "bad", "type": "invalid_request_error", "param": None}
+    assert json.loads(bytes(response.body)) == {"error": mapped | {"code": "invalid_request"}}
     assert len(s.fleet.sent) == 1  # an answer, even an error, is not retried
     s.assert_all_released()
 
@@ -692,7 +696,7 @@ async def test_every_replica_silent_is_504_and_releases() -> None:
     s.assert_all_released()
 
 
-async def test_consecutive_5xx_eject_and_a_success_resets_the_count() -> None:
+async def test_consecutive_5xx_of_two_tenants_eject_and_a_success_resets_the_count() -> None:
     cfg = parse_config(
         {
             "engine_metrics": {"enabled": False},
@@ -704,11 +708,13 @@ async def test_consecutive_5xx_eject_and_a_success_resets_the_count() -> None:
     for name in s.registry.replicas:
         s.fleet.behaviour[name] = lambda _: json_answer(500, {"error": {}})
     target = s.replica(URLS[0].removeprefix("http://"))
-    await s.registry.answered(target, 500)
-    await s.registry.answered(target, 200)  # an answer resets the count
-    await s.registry.answered(target, 503)
+    await s.registry.answered(target, 500, tenant="a")
+    await s.registry.answered(target, 200, tenant="b")  # an answer resets the count
+    await s.registry.answered(target, 503, tenant="a")
     assert target.healthy
-    await s.registry.answered(target, 502)
+    await s.registry.answered(target, 502, tenant="a")  # one tenant's: a suspect, still in
+    assert target.healthy and target.suspect is not None
+    await s.registry.answered(target, 502, tenant="b")
     assert not target.healthy
     assert target.ejection_reason == "5xx"
     await s.registry.mark_ok(target, frozenset())  # within health.ejection_s: stays out
@@ -792,3 +798,26 @@ async def test_a_whole_answers_ttft_is_its_response_head_labelled_whole() -> Non
     assert metric(s, "cachelane_ttft_seconds_count", **labels, mode="whole") == 1
     assert metric(s, "cachelane_ttft_seconds_sum", **labels, mode="whole") > 0
     assert metric(s, "cachelane_ttft_seconds_count", **labels, mode="stream") == 0
+
+
+@pytest.mark.parametrize("probe_error", [None, "answered 500"], ids=["probe passes", "probe fails"])
+async def test_one_tenants_errors_make_a_suspect_that_its_probe_clears_or_ejects(
+    probe_error: str | None,
+) -> None:
+    cfg = parse_config(
+        {
+            "engine_metrics": {"enabled": False},
+            "health": {"eject_after_errors": 2},
+            "pools": [{"name": "p", "replicas": URLS, "models": [MODEL]}],
+        }
+    )
+    s = await Setup(cfg).admit_all()
+    target = s.replica(URLS[0].removeprefix("http://"))
+    for _ in range(10):
+        await s.registry.errored(target, "no first byte", reason="timeout", tenant="a")
+    assert target.healthy
+    assert target.suspect == ("timeout", "10 errors in a row, last: no first byte")
+    await s.registry.confirmed(target, probe_error)
+    assert target.healthy is (probe_error is None)
+    assert target.suspect is None
+    assert target.consecutive_errors == (0 if probe_error is None else 10)

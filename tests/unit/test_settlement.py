@@ -20,8 +20,9 @@ import httpx
 import pytest
 from fastapi import Request
 
-from gateway.config import parse_config
-from gateway.fleet.registry import Joining, Registry, Reservation
+from gateway.config import UpstreamConfig, parse_config
+from gateway.fleet.registry import Registry
+from gateway.fleet.replica import Joining, Reservation
 from gateway.http.disconnect import ClientGone, while_client_waits
 from gateway.http.errors import ApiError
 from gateway.http.serve import _hold
@@ -99,7 +100,7 @@ def recorded(s: Setup) -> Recorder:
     """Settle `s.proxy`'s answers through the usual observers and a recorder."""
     recorder = Recorder()
     chain = [*observers(s.planner, s.metrics, s.learner).observers, recorder]
-    s.proxy = Proxy(s.fleet, s.registry, s.metrics, Settlement(chain), retries=2)
+    s.proxy = Proxy(s.fleet, s.registry, s.metrics, Settlement(chain), UpstreamConfig(retries=2))
     return recorder
 
 
@@ -511,7 +512,7 @@ async def test_the_prompt_sent_is_recorded_before_the_first_bytes_observers_run(
     s = await setup()
     steps = Steps()
     chain = [*observers(s.planner, s.metrics, s.learner).observers, steps]
-    s.proxy = Proxy(s.fleet, s.registry, s.metrics, Settlement(chain), retries=2)
+    s.proxy = Proxy(s.fleet, s.registry, s.metrics, Settlement(chain), UpstreamConfig(retries=2))
     _, response = await s.forward(raw_chat(stream=True, **ASKS_USAGE))
     assert b"".join(SSE) == await read_all(response)
     assert steps.steps == ["accepted", "first byte"]
@@ -538,7 +539,7 @@ async def gated_setup() -> tuple[Setup, Gated]:
     s = await setup()
     gated = Gated()
     chain = [*observers(s.planner, s.metrics, s.learner).observers, gated]
-    s.proxy = Proxy(s.fleet, s.registry, s.metrics, Settlement(chain), retries=2)
+    s.proxy = Proxy(s.fleet, s.registry, s.metrics, Settlement(chain), UpstreamConfig(retries=2))
     return s, gated
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.tenancy.tenants import MAX_TENANT_NAME_CHARS, name_key, name_problem
+from gateway.tenancy.tenants import MAX_TENANT_NAME_CHARS, name_problem
 
 KEY = "k" * 32
 
 
 @pytest.mark.parametrize(
     "name",
-    ["acme", "web", "team-a_b.c", "A1", "0day", "café", "Ünïcödé", "日本語", "x" * 64],
-    ids=["plain", "short", "punctuation", "upper", "digit-first", "nfc", "accents", "cjk", "64"],
+    ["acme", "web", "team-a_b.c", "0day", "x" * 64],
+    ids=["plain", "short", "punctuation", "digit-first", "64"],
 )
 def test_valid_names(name: str) -> None:
     assert name_problem(name) is None
@@ -29,37 +29,32 @@ def test_valid_names(name: str) -> None:
         ("ac\tme", "'\\t'"),
         ("acme\u202e", "'\\u202e'"),  # right-to-left override
         ("ac\u200bme", "'\\u200b'"),  # zero-width space
-        ("ac\u200dme", "'\\u200d'"),  # zero-width joiner
         ("ac me", "' '"),
         ('ac"me', "'\"'"),
-        ("ac=me", "'='"),
         ("a/b", "'/'"),
         (".hidden", "start with a letter or a digit"),
         ("-flag", "start with a letter or a digit"),
-        ("cafe\u0301", "NFC"),
+        ("Acme", "'A'"),
+        ("caf\u00e9", "'\\xe9'"),
+        ("\u0430cme", "'\\u0430'"),  # Cyrillic a
+        ("acme\u034f", "'\\u034f'"),  # combining grapheme joiner
+        ("acme\ufe0f", "'\\ufe0f'"),  # variation selector
+        ("acme\u180b", "'\\u180b'"),  # Mongolian free variation selector
+        ("acme\u3164", "'\\u3164'"),  # Hangul filler
+        ("\u115facme", "'\\u115f'"),  # Hangul choseong filler
+        ("a\u0336cme", "'\\u0336'"),  # combining long stroke overlay
+        ("\u3164", "'\\u3164'"),  # invisible alone
+        ("\uff41cme", "'\\uff41'"),  # full-width a
     ],
     ids=[
-        "empty", "65", "nul", "newline", "tab", "rlo", "zwsp", "zwj", "space", "quote",
-        "equals", "slash", "dot-first", "dash-first", "nfd",
+        "empty", "65", "nul", "newline", "tab", "rlo", "zwsp", "space", "quote", "slash",
+        "dot-first", "dash-first", "upper", "accent", "cyrillic", "cgj", "vs16", "fvs1",
+        "hangul-filler", "choseong-filler", "overlay", "invisible", "fullwidth",
     ],
 )  # fmt: skip
 def test_invalid_names(name: str, problem: str) -> None:
     found = name_problem(name)
     assert found is not None and problem in found, found
-
-
-@pytest.mark.parametrize(
-    ("a", "b"),
-    [
-        ("acme", "ACME"),
-        ("acme", "Acme"),
-        ("acme", "\uff41\uff43\uff4d\uff45"),
-        ("straße", "STRASSE"),
-    ],
-    ids=["upper", "title", "fullwidth", "sharp-s"],
-)
-def test_folded_names_collide(a: str, b: str) -> None:
-    assert name_key(a) == name_key(b)
 
 
 def config_with(*names: str) -> dict[str, object]:
@@ -77,8 +72,17 @@ def test_a_config_with_a_bad_tenant_name_names_the_key() -> None:
     assert "\u202e" not in str(err.value)  # the message itself is safe to print
 
 
-def test_a_config_with_two_names_equal_when_folded_is_refused() -> None:
+def test_a_config_with_one_name_twice_is_refused() -> None:
     with pytest.raises(ConfigError) as err:
-        parse_config(config_with("acme", "web", "ACME"))
+        parse_config(config_with("acme", "web", "acme"))
     assert "tenants.2.name" in str(err.value)
     assert "tenants.0.name" in str(err.value)
+
+
+@pytest.mark.parametrize("group", ["a\nb", "a\x00b", "g" * 5000, "Team"], ids=str)
+def test_a_config_with_a_bad_share_group_names_the_key(group: str) -> None:
+    data = config_with("web")
+    data["tenants"][0]["share_group"] = group  # type: ignore[index]
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert "tenants.0.share_group" in str(err.value)
