@@ -63,7 +63,7 @@ class EstimateError:
         self.samples += 1
 
     def band(self) -> float:
-        """The share of the best cost within which estimates are taken as equal."""
+        """The typical miss as a share of the estimate: exp(mean |ln(observed/estimated)|) - 1."""
         return math.expm1(self.log_error)
 
 

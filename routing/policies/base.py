@@ -62,9 +62,9 @@ class Candidate:
     remote_tier: str | None = None  # remote tier this replica's pool reads, if any
     terms: CostTerms | None = None  # learned costs (routing/learn.py); None: the seed of `costs`
     pool: PoolRules = field(default_factory=PoolRules)
-    # how far apart its estimate must be from the best to count (routing/authority.py: the
-    # share of the best cost its recent misses span); None: the model's word is final (the
-    # what-if replay, which replays the model itself)
+    # its estimates' typical recent miss, a share of the estimate (routing/authority.py: the
+    # decision leans on a robust cost as far as it is wide); None: the model's word is final
+    # (the what-if replay, which replays the model itself)
     estimate_band: float | None = None
 
 
