@@ -78,7 +78,7 @@ LEND_COOLDOWN_S = 5.0
 CLOSE_COST = 0.25
 # Two preferences of critical cost placement hold while the preferred replica's cost is within 25%
 # (at least NEAR_TIE_S) of the best one's: the estimate's own accuracy goal is a p90 error of 25%
-# (issue 25, "Done means"), so a closer estimate is not reliably faster.
+# (docs/bench/estimate.md), so a closer estimate is not reliably faster.
 # 1. Where the context survives: a replica with no tier below HBM (hbm_only) keeps a critical
 #    session's context only in its own HBM, found nowhere else once evicted, so its follow-ups are
 #    bound to that one replica's queue; a replica with a CPU tier keeps it longer and writes it to

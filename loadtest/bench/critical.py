@@ -33,7 +33,7 @@ Before the arms it prints the trace's floor on the engine: each request's own pr
 perfect cache and no queue, in the steps it takes alone (critical_traces.ideal_floor), which no
 router beats. Per arm and class (critical_results.py): TTFT p50/p90/p99, excess over the floor
 p50/p90/p99, the floor, SLO attainment, hit rate, shed with Retry-After, failed; per run, the
-ratios issue 25's "Done means" states. Writes results/bench_critical.json and
+goal ratios (critical_results.GOALS). Writes results/bench_critical.json and
 results/bench_critical.png. Compare arms within one run: the machine's cores are shared by the
 client, the router and the fleet.
 """

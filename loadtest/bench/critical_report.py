@@ -114,7 +114,7 @@ def _noise_cell(_goal: str, value: float | None) -> str:
 
 def ratios_table(runs: Sequence[Run]) -> Table:
     table = Table(
-        title="issue 25's goals, per run (within one run: the same fleet, trace and moment)",
+        title="the goals, per run (within one run: the same fleet, trace and moment)",
         box=box.SIMPLE_HEAD,
         caption="best peer: the lower of sglang-router's and vllm-router's figure (the higher hit "
         "rate); goals: " + "; ".join(f"{k} {op} {v:g}" for k, (op, v) in GOALS.items()),

@@ -5,7 +5,7 @@ request's TTFT minus its own floor (critical_traces.ideal_floor: its uncached pr
 every block any earlier request of the trace reused for free, and no queue); the floor; SLO
 attainment against the class's objective (SLO_MS), counted here from the observed TTFT; hit rate;
 shed (429/503, and how many with Retry-After); failed. And, across the arms of one run, the
-ratios issue 25's "Done means" states (`goal_ratios`).
+goal ratios (`goal_ratios`, GOALS).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "critical_ttft_p99_vs_no_tenants": ("<=", 1.0),
     "all_ttft_p99_vs_no_tenants": ("<=", 1.05),
 }
-# issue 25, "Done means": both tenant arms against the best other router (the lowest of the
+# The goals: both tenant arms against the best other router (the lowest of the
 # peers' figure, the highest hit rate); the pinned-pool arm against no tenants.
 
 

@@ -108,8 +108,9 @@ QUICK_DURATION_S = 4.0
 FIRST_N = 50  # "while calibrating": the first 50 requests of an arm; the rest are "after"
 GOAL_MIN_TTFT_S = 0.050
 GOAL_P90 = 0.25
-# issue 25: on the step engine, with no constants given, p90 |est - obs| / obs <= 25% over the
-# requests after the first 50 whose observed TTFT is >= 50 ms (below it the fixed term dominates).
+# The estimate's goal: on the step engine, with no constants given, p90 |est - obs| / obs <= 25%
+# over the requests after the first 50 whose observed TTFT is >= 50 ms (below it the fixed term
+# dominates).
 ROLLING_WINDOW = 25  # requests per point of the plot's rolling p90
 
 WEIGHTS: dict[str, float] = {"chat": 0.5, "rag": 0.5}

@@ -311,7 +311,7 @@ async def test_a_500_replica_and_a_hanging_one_cost_none_of_200_requests() -> No
                 e.count if (e := m.replica(n).ejection) is not None else 0 for n in m.faulty_names
             ],
         }
-        print(f"issue 29 probe: {numbers}")
+        print(f"failing replicas probe: {numbers}")
         assert failures == []
         for name in m.faulty_names:
             assert not m.replica(name).healthy

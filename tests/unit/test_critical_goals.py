@@ -1,5 +1,5 @@
 """critical_results: excess over each request's own floor, SLO attainment, and the goal ratios
-of issue 25 against the best peer router and against no tenants."""
+against the best peer router and against no tenants."""
 
 from __future__ import annotations
 
